@@ -1,0 +1,1 @@
+"""Measurement harness: timers, FLOP formulas, tidy results with provenance, and benchmark CLIs."""

@@ -1,0 +1,1 @@
+"""Distributed training: process groups, collectives benchmark, DDP variants, sharded optimizer, FSDP."""
