@@ -9,11 +9,11 @@ STAMP := $(VENV)/.installed-stamp
 
 env: $(STAMP)
 
-$(STAMP): pyproject.toml constraints/cpu.txt
+$(STAMP): pyproject.toml .ci/constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints/cpu.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[dev]'
+	$(PY) -m pip install -q -c .ci/constraints-cpu.txt torch==2.13.0
+	$(PY) -m pip install -q -c .ci/constraints-cpu.txt -e '.[dev]'
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
