@@ -1,0 +1,17 @@
+"""Report helpers used by every problem notebook and by `make pdf`.
+
+* `nb`: `setup(quick) -> results_dir` (scratch dirs in quick mode, style, display options),
+  `should_measure(measure, gpus=, quick=)`, `have_results(df, what)`, `md(text)`.
+* `save_figure(fig, "<problem>__<what>")`: PNG + PDF into `figures/` (scratch dir in quick mode).
+* `show_table(df, caption=None, provenance_from=None)`: markdown in Lab, page-safe booktabs LaTeX in
+  the PDF, with a provenance footer.
+* `impl_color(name)`: the fixed colour of an implementation name (`style.IMPL_COLORS`).
+* `assemble` (not imported here): merges writeup.md and executed notebooks and typesets writeup.pdf.
+"""
+
+from cs336_systems.report import nb
+from cs336_systems.report.figures import save_figure
+from cs336_systems.report.style import apply_style, impl_color, impl_palette
+from cs336_systems.report.tables import show_table, table
+
+__all__ = ["apply_style", "impl_color", "impl_palette", "nb", "save_figure", "show_table", "table"]

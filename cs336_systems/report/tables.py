@@ -1,0 +1,245 @@
+"""Tables from data frames: markdown in JupyterLab/HTML, a page-safe booktabs table in the PDF.
+
+`show_table(df, caption=..., provenance_from=tidy_df)` displays one object carrying three
+representations (IPython picks per front end): `text/markdown` (Lab, HTML export), `text/latex`
+(nbconvert's LaTeX/PDF export prefers it) and `text/plain`. Under the table goes a provenance footer
+(device, torch/triton versions, git sha, measurement dates) from `results.provenance` of the tidy
+rows the table was made from, so every reported number names the run that produced it.
+
+Why the LaTeX is built here and not by `DataFrame.to_latex`: the PDF must never overflow the page.
+* Width: the tabular sits in an `adjustbox` with `max width=\\linewidth`, which shrinks a table only
+  when it is wider than the text block (narrow tables keep their natural size).
+* Height: tables longer than `ROWS_PER_BLOCK` rows are split into blocks that each fit on a page,
+  with the header repeated and "(continued)" in the caption.
+* Text: every cell and header is LaTeX-escaped (`_` in implementation names, `%`, `&`, ...); floats
+  are formatted to a few significant digits (`digits`), NaN shows as an en dash.
+The LaTeX needs graphicx, adjustbox, booktabs and caption: all loaded by nbconvert's LaTeX template.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+
+import pandas as pd
+
+from cs336_systems.benchmarking.results import provenance
+
+ROWS_PER_BLOCK = 32
+PROVENANCE_COLUMNS = ("gpu_name", "torch_version", "git_sha", "timestamp")
+
+_LATEX_SPECIAL = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
+
+
+def latex_escape(text: object) -> str:
+    return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in str(text))
+
+
+def format_number(x: object, digits: int = 4) -> str:
+    """Readable number: integers as integers, floats to `digits` significant digits, NaN as '-'."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "\u2013"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, numbers.Integral):
+        return f"{int(x):,}" if abs(int(x)) >= 100_000 else str(int(x))
+    if isinstance(x, numbers.Real):
+        v = float(x)
+        if math.isnan(v):
+            return "\u2013"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        if v == int(v) and abs(v) < 1e15:
+            return format_number(int(v), digits)
+        if abs(v) >= 10 ** (digits - 1):  # no exponent for large values: keep all integer digits
+            return f"{v:,.0f}" if abs(v) >= 100_000 else f"{v:.0f}"
+        return f"{v:.{digits}g}"
+    return str(x)
+
+
+def _flatten(df: pd.DataFrame) -> pd.DataFrame:
+    """Index levels become columns; MultiIndex column labels are joined with spaces."""
+    if not isinstance(df.index, pd.RangeIndex) or any(n is not None for n in df.index.names):
+        df = df.reset_index()
+    if isinstance(df.columns, pd.MultiIndex):
+        df = df.copy()
+        df.columns = [" ".join(str(p) for p in col if str(p) != "") for col in df.columns]
+    else:
+        df = df.copy()
+        df.columns = [str(c) for c in df.columns]
+    return df
+
+
+def _format_cells(
+    df: pd.DataFrame, digits: int, formats: Mapping[str, str | Callable[[object], str]] | None
+) -> tuple[pd.DataFrame, list[bool]]:
+    """All cells as strings, plus which columns are numeric (right-aligned)."""
+    formats = dict(formats or {})
+    out = {}
+    numeric = []
+    for col in df.columns:
+        series = df[col]
+        fmt = formats.get(col)
+        if fmt is None:
+            cells = [format_number(v, digits) for v in series]
+        elif callable(fmt):
+            cells = ["\u2013" if _isnan(v) else fmt(v) for v in series]
+        else:
+            cells = ["\u2013" if _isnan(v) else fmt.format(v) for v in series]
+        out[col] = cells
+        numeric.append(pd.api.types.is_numeric_dtype(series) and not pd.api.types.is_bool_dtype(series))
+    return pd.DataFrame(out, columns=list(df.columns)), numeric
+
+
+def _isnan(v: object) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _latex_block(cells: pd.DataFrame, numeric: list[bool], caption: str | None) -> str:
+    spec = "".join("r" if n else "l" for n in numeric)
+    lines = [r"\begin{center}"]
+    if caption:
+        lines.append(r"\captionof{table}{" + latex_escape(caption) + "}")
+    lines += [
+        r"\begin{adjustbox}{max width=\linewidth}",
+        r"\begin{tabular}{" + spec + "}",
+        r"\toprule",
+        " & ".join(r"\textbf{" + latex_escape(c) + "}" for c in cells.columns) + r" \\",
+        r"\midrule",
+    ]
+    lines += [" & ".join(latex_escape(v) for v in row) + r" \\" for row in cells.itertuples(index=False)]
+    lines += [r"\bottomrule", r"\end{tabular}", r"\end{adjustbox}", r"\end{center}"]
+    return "\n".join(lines)
+
+
+def _latex(cells: pd.DataFrame, numeric: list[bool], caption: str | None, footer: str | None) -> str:
+    blocks = []
+    n = len(cells)
+    starts = list(range(0, n, ROWS_PER_BLOCK)) or [0]
+    for i, start in enumerate(starts):
+        cap = caption if i == 0 or caption is None else f"{caption} (continued)"
+        if caption is None and i > 0:
+            cap = "(continued)"
+        blocks.append(_latex_block(cells.iloc[start : start + ROWS_PER_BLOCK], numeric, cap))
+    body = "\n".join(blocks)
+    if footer:
+        body += (
+            "\n" + r"{\centering\footnotesize\itshape " + latex_escape(footer) + r"\par}" + "\n" + r"\medskip"
+        )
+    return body
+
+
+def _markdown(cells: pd.DataFrame, numeric: list[bool], caption: str | None, footer: str | None) -> str:
+    def cell(s: str) -> str:
+        return s.replace("|", r"\|")
+
+    header = "| " + " | ".join(cell(c) for c in cells.columns) + " |"
+    align = "|" + "|".join("---:" if n else ":---" for n in numeric) + "|"
+    rows = ["| " + " | ".join(cell(v) for v in row) + " |" for row in cells.itertuples(index=False)]
+    parts = []
+    if caption:
+        parts.append(f"**{caption}**\n")
+    parts.append("\n".join([header, align, *rows]))
+    if footer:
+        parts.append(f"\n*{footer}*")
+    return "\n".join(parts)
+
+
+class Table:
+    """A rendered table; IPython displays markdown, LaTeX or plain text as the front end prefers."""
+
+    def __init__(self, markdown: str, latex: str, plain: str):
+        self.markdown, self.latex, self.plain = markdown, latex, plain
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return {"text/markdown": self.markdown, "text/latex": self.latex, "text/plain": self.plain}
+
+    def __repr__(self) -> str:
+        return self.plain
+
+
+def _footer(df: pd.DataFrame, provenance_from: pd.DataFrame | str | None, note: str | None) -> str | None:
+    if isinstance(provenance_from, str):
+        prov = provenance_from
+    elif isinstance(provenance_from, pd.DataFrame):
+        prov = provenance(provenance_from)
+    elif provenance_from is None:
+        prov = provenance(df) if all(c in df.columns for c in PROVENANCE_COLUMNS) else None
+    else:
+        raise ValueError(
+            f"provenance_from must be a DataFrame, a string or None, got {type(provenance_from).__name__}"
+        )
+    parts = [p for p in (note, f"Provenance: {prov}" if prov else None) if p]
+    return ". ".join(parts) if parts else None
+
+
+def table(
+    df: pd.DataFrame,
+    caption: str | None = None,
+    provenance_from: pd.DataFrame | str | None = None,
+    *,
+    digits: int = 4,
+    formats: Mapping[str, str | Callable[[object], str]] | None = None,
+    note: str | None = None,
+) -> Table:
+    """Build (not display) the table; see `show_table`."""
+    if not isinstance(df, pd.DataFrame):
+        raise ValueError(f"table needs a pandas DataFrame, got {type(df).__name__}")
+    if not isinstance(digits, int) or digits < 1:
+        raise ValueError(f"digits must be a positive int, got {digits!r}")
+    flat = _flatten(df)
+    if formats:
+        unknown = set(formats) - set(flat.columns)
+        if unknown:
+            raise ValueError(f"formats names columns not in the table: {sorted(unknown)}")
+    cells, numeric = _format_cells(flat, digits, formats)
+    footer = _footer(df, provenance_from, note)
+    plain = flat.to_string(index=False) + (f"\n{footer}" if footer else "")
+    return Table(_markdown(cells, numeric, caption, footer), _latex(cells, numeric, caption, footer), plain)
+
+
+def show_table(
+    df: pd.DataFrame,
+    caption: str | None = None,
+    provenance_from: pd.DataFrame | str | None = None,
+    *,
+    digits: int = 4,
+    formats: Mapping[str, str | Callable[[object], str]] | None = None,
+    note: str | None = None,
+) -> None:
+    """Display `df` as a table with an optional caption and a provenance footer.
+
+    provenance_from: the tidy result rows the table was derived from (their device, versions, git sha
+    and dates form the footer), a literal footer string, or None (use `df` itself when it still has
+    the provenance columns, else no footer). `digits`: significant digits of floats; `formats`:
+    per-column format strings (`"{:.2f}"`) or callables; `note`: text placed before the provenance
+    (e.g. the timing protocol).
+    """
+    t = table(df, caption, provenance_from, digits=digits, formats=formats, note=note)
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        print(t.plain)
+        return
+    if get_ipython() is None:
+        print(t.plain)
+    else:
+        display(t)
+
+
+def dataframe_latex(df: pd.DataFrame) -> str:
+    """IPython `text/latex` formatter for DataFrames displayed directly (registered by `nb.setup`)."""
+    return table(df).latex
