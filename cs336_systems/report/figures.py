@@ -18,8 +18,10 @@ from cs336_systems.report import nb
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_]*__[a-z0-9][a-z0-9_\-]*$")
 
 
-def save_figure(fig: Figure, name: str, *, directory: str | Path | None = None) -> dict[str, Path]:
-    """Save `fig` as `<dir>/<name>.png` and `<dir>/<name>.pdf`; return `{"png": path, "pdf": path}`.
+def save_figure(fig: Figure, name: str, *, directory: str | Path | None = None) -> None:
+    """Save `fig` as `<dir>/<name>.png` and `<dir>/<name>.pdf` (see `figure_paths`).
+
+    Returns None, so that a notebook cell ending in `save_figure(...)` displays only the figure.
 
     `name` is `<problem>__<what>` (lower case, digits, `_`; e.g. `benchmarking_script__fwd_bwd_time`).
     """
@@ -29,11 +31,15 @@ def save_figure(fig: Figure, name: str, *, directory: str | Path | None = None) 
         raise ValueError(
             f"figure name {name!r} must look like '<problem>__<what>' (lower-case letters, digits, '_')"
         )
-    out = Path(directory) if directory is not None else nb.figures_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"png": out / f"{name}.png", "pdf": out / f"{name}.pdf"}
+    paths = figure_paths(name, directory)
+    paths["png"].parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(paths["png"], dpi=200, bbox_inches="tight", metadata={"Software": None})
     fig.savefig(
         paths["pdf"], bbox_inches="tight", metadata={"CreationDate": None, "Producer": None, "Creator": None}
     )
-    return paths
+
+
+def figure_paths(name: str, directory: str | Path | None = None) -> dict[str, Path]:
+    """`{"png": path, "pdf": path}` where `save_figure(fig, name)` writes (now, in this process)."""
+    out = Path(directory) if directory is not None else nb.figures_dir()
+    return {"png": out / f"{name}.png", "pdf": out / f"{name}.pdf"}

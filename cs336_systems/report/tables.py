@@ -7,13 +7,16 @@ representations (IPython picks per front end): `text/markdown` (Lab, HTML export
 rows the table was made from, so every reported number names the run that produced it.
 
 Why the LaTeX is built here and not by `DataFrame.to_latex`: the PDF must never overflow the page.
-* Width: the tabular sits in an `adjustbox` with `max width=\\linewidth`, which shrinks a table only
-  when it is wider than the text block (narrow tables keep their natural size).
-* Height: tables longer than `ROWS_PER_BLOCK` rows are split into blocks that each fit on a page,
-  with the header repeated and "(continued)" in the caption.
+* Width: columns are split into blocks that fit the text width by an estimate of their printed width
+  (the leading label columns repeat in every block, later blocks are captioned "(continued)"), and
+  short tables additionally sit in an `adjustbox` with `max width=\\linewidth`, which shrinks a
+  table only when it is still wider than the text.
+* Height: up to `LONG_TABLE_ROWS` rows a table is one unbreakable `table[H]` (it stays where the
+  notebook put it); longer tables are `longtable`s that break across pages with the header repeated.
 * Text: every cell and header is LaTeX-escaped (`_` in implementation names, `%`, `&`, ...); floats
-  are formatted to a few significant digits (`digits`), NaN shows as an en dash.
-The LaTeX needs graphicx, adjustbox, booktabs and caption: all loaded by nbconvert's LaTeX template.
+  are formatted to `digits` significant digits (trailing zeros kept), NaN shows as an en dash.
+The LaTeX needs adjustbox, booktabs, longtable, float and caption: all loaded by nbconvert's LaTeX
+template (writeup.tex.j2 re-enables the table captions that the base template blanks).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import pandas as pd
 
 from cs336_systems.benchmarking.results import provenance
 
-ROWS_PER_BLOCK = 32
+LONG_TABLE_ROWS = 40  # more rows: a longtable that breaks across pages
+MAX_LINE_CHARS = 118  # estimated characters per line of a \small table at the text width
+MAX_DIRECT_ROWS = 60  # a DataFrame displayed directly shows at most this many rows in the PDF
 PROVENANCE_COLUMNS = ("gpu_name", "torch_version", "git_sha", "timestamp")
 
 _LATEX_SPECIAL = {
@@ -65,7 +70,8 @@ def format_number(x: object, digits: int = 4) -> str:
             return format_number(int(v), digits)
         if abs(v) >= 10 ** (digits - 1):  # no exponent for large values: keep all integer digits
             return f"{v:,.0f}" if abs(v) >= 100_000 else f"{v:.0f}"
-        return f"{v:.{digits}g}"
+        text = f"{v:#.{digits}g}"  # '#': keep trailing zeros, so a column shows the same precision
+        return text.rstrip(".") if "e" not in text else text
     return str(x)
 
 
@@ -107,33 +113,76 @@ def _isnan(v: object) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def _latex_block(cells: pd.DataFrame, numeric: list[bool], caption: str | None) -> str:
-    spec = "".join("r" if n else "l" for n in numeric)
-    lines = [r"\begin{center}"]
+def _width(cells: pd.DataFrame, col: str) -> int:
+    """Estimated printed width of a column in characters (bold header, cells, column separation)."""
+    longest = max((len(v) for v in cells[col]), default=0)
+    return max(int(len(col) * 1.15) + 1, longest) + 2
+
+
+def _column_blocks(cells: pd.DataFrame, numeric: list[bool]) -> list[list[str]]:
+    """Split the columns into blocks that fit the page width; leading label columns repeat in each."""
+    cols = list(cells.columns)
+    widths = {c: _width(cells, c) for c in cols}
+    if sum(widths.values()) <= MAX_LINE_CHARS:
+        return [cols]
+    keys = []
+    for c, is_num in zip(cols, numeric, strict=True):
+        if is_num or len(keys) == 2 or sum(widths[k] for k in keys) + widths[c] > MAX_LINE_CHARS // 2:
+            break
+        keys.append(c)
+    blocks, current = [], []
+    for c in cols[len(keys) :]:
+        if current and sum(widths[k] for k in keys + current) + widths[c] > MAX_LINE_CHARS:
+            blocks.append(keys + current)
+            current = []
+        current.append(c)
+    blocks.append(keys + current)
+    return blocks
+
+
+def _header(cols: list[str]) -> str:
+    return " & ".join(r"\textbf{" + latex_escape(c) + "}" for c in cols) + r" \\"
+
+
+def _rows(cells: pd.DataFrame) -> list[str]:
+    return [" & ".join(latex_escape(v) for v in row) + r" \\" for row in cells.itertuples(index=False)]
+
+
+def _short_table(cells: pd.DataFrame, spec: str, caption: str | None, numbered: bool) -> str:
+    """A non-floating ([H]) table scaled down to the text width if needed; never splits."""
+    lines = [r"\begin{table}[H]", r"\centering\small"]
     if caption:
-        lines.append(r"\captionof{table}{" + latex_escape(caption) + "}")
-    lines += [
-        r"\begin{adjustbox}{max width=\linewidth}",
-        r"\begin{tabular}{" + spec + "}",
-        r"\toprule",
-        " & ".join(r"\textbf{" + latex_escape(c) + "}" for c in cells.columns) + r" \\",
-        r"\midrule",
-    ]
-    lines += [" & ".join(latex_escape(v) for v in row) + r" \\" for row in cells.itertuples(index=False)]
-    lines += [r"\bottomrule", r"\end{tabular}", r"\end{adjustbox}", r"\end{center}"]
+        lines.append((r"\caption{" if numbered else r"\caption*{") + latex_escape(caption) + "}")
+    lines += [r"\begin{adjustbox}{max width=\linewidth}", r"\begin{tabular}{" + spec + "}", r"\toprule"]
+    lines += [_header(list(cells.columns)), r"\midrule", *_rows(cells), r"\bottomrule"]
+    lines += [r"\end{tabular}", r"\end{adjustbox}", r"\end{table}"]
+    return "\n".join(lines)
+
+
+def _long_table(cells: pd.DataFrame, spec: str, caption: str | None, numbered: bool) -> str:
+    """A longtable: breaks across pages with the header repeated (its width is kept in bounds by
+    `_column_blocks`, since a longtable cannot be scaled)."""
+    ncol = len(cells.columns)
+    lines = [r"{\small", r"\begin{longtable}{" + spec + "}"]
+    if caption:
+        lines.append((r"\caption{" if numbered else r"\caption*{") + latex_escape(caption) + r"}\\")
+    lines += [r"\toprule", _header(list(cells.columns)), r"\midrule", r"\endfirsthead"]
+    lines += [r"\multicolumn{" + str(ncol) + r"}{l}{\footnotesize\itshape (continued)}\\", r"\toprule"]
+    lines += [_header(list(cells.columns)), r"\midrule", r"\endhead", r"\bottomrule", r"\endlastfoot"]
+    lines += [*_rows(cells), r"\end{longtable}}"]
     return "\n".join(lines)
 
 
 def _latex(cells: pd.DataFrame, numeric: list[bool], caption: str | None, footer: str | None) -> str:
-    blocks = []
-    n = len(cells)
-    starts = list(range(0, n, ROWS_PER_BLOCK)) or [0]
-    for i, start in enumerate(starts):
-        cap = caption if i == 0 or caption is None else f"{caption} (continued)"
-        if caption is None and i > 0:
-            cap = "(continued)"
-        blocks.append(_latex_block(cells.iloc[start : start + ROWS_PER_BLOCK], numeric, cap))
-    body = "\n".join(blocks)
+    is_numeric = dict(zip(cells.columns, numeric, strict=True))
+    blocks = _column_blocks(cells, numeric)
+    parts = []
+    for i, cols in enumerate(blocks):
+        spec = "".join("r" if is_numeric[c] else "l" for c in cols)
+        cap = caption if i == 0 else (f"{caption} (continued)" if caption else None)
+        render = _long_table if len(cells) > LONG_TABLE_ROWS else _short_table
+        parts.append(render(cells[cols], spec, cap, numbered=i == 0))
+    body = "\n".join(parts)
     if footer:
         body += (
             "\n" + r"{\centering\footnotesize\itshape " + latex_escape(footer) + r"\par}" + "\n" + r"\medskip"
@@ -242,4 +291,6 @@ def show_table(
 
 def dataframe_latex(df: pd.DataFrame) -> str:
     """IPython `text/latex` formatter for DataFrames displayed directly (registered by `nb.setup`)."""
+    if len(df) > MAX_DIRECT_ROWS:
+        return table(df.head(MAX_DIRECT_ROWS), note=f"First {MAX_DIRECT_ROWS} of {len(df)} rows").latex
     return table(df).latex

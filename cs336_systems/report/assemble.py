@@ -1,0 +1,280 @@
+"""Assemble writeup.pdf: writeup.md + the executed problem notebooks -> one notebook -> LaTeX -> PDF.
+
+    python -m cs336_systems.report.assemble [--executed build/executed] [--writeup writeup.md]
+                                            [--notebook build/writeup.ipynb] [--pdf writeup.pdf]
+
+Order. The front matter of `writeup.md` comes first, then the executed notebooks in file-name order
+(`NN_<problem_id>.ipynb`, i.e. handout order). `writeup.md` may place prose between notebooks with
+markers on lines of their own:
+    <!-- notebooks up to NN -->   insert the not-yet-inserted notebooks whose prefix is <= NN here
+    <!-- notebooks -->            insert all remaining notebooks here
+Notebooks not placed by a marker follow the end of writeup.md. A YAML header (`---` ... `---`) at the
+top of writeup.md gives `title`, `author` and `date` (`date: auto` = date of the last git commit).
+
+Clean-up of the merged notebook:
+* cells tagged `parameters`, `injected-parameters` or `remove-cell` are dropped, and outputs of cells
+  tagged `remove-output`; code input is hidden in the PDF altogether (`exclude_input`);
+* stderr streams (warnings, progress bars, torch log lines) and widget outputs are dropped: the
+  notebook test gate (tests/test_notebooks.py) is where unexpected stderr fails, not the PDF;
+* an executed notebook that contains an error output is refused (a failed notebook must not be
+  typeset silently), unless `--allow-errors`;
+* papermill/execution metadata is removed and every cell gets a fresh unique id (nbformat >= 4.5).
+
+Typesetting: nbconvert's PDF exporter (xelatex) with latex/writeup.tex.j2 (DejaVu fonts, table of
+contents, headings numbered by the handout numbers they carry). `SOURCE_DATE_EPOCH` is set to the
+last commit's time so rebuilding unchanged inputs gives a stable PDF date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import nbformat
+
+from cs336_systems.benchmarking.results import REPO_ROOT
+
+TEMPLATE = Path(__file__).resolve().parent / "latex" / "writeup.tex.j2"
+DROP_CELL_TAGS = {"parameters", "injected-parameters", "remove-cell"}
+DROP_OUTPUT_MIMES = {"application/vnd.jupyter.widget-view+json"}
+_MARKER = re.compile(r"^\s*<!--\s*notebooks(?:\s+up\s+to\s+(\d+))?\s*-->\s*$", re.MULTILINE)
+_PREFIX = re.compile(r"^(\d+)_")
+DEFAULT_TITLE = "CS336 Assignment 2 (Systems): implementation and measurements"
+
+
+class AssembleError(RuntimeError):
+    pass
+
+
+def _notebook_prefix(path: Path) -> int | None:
+    m = _PREFIX.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def split_front_matter(text: str) -> tuple[dict, str]:
+    """YAML header (between leading `---` lines) and the body of a markdown file."""
+    if not text.startswith("---"):
+        return {}, text
+    lines = text.splitlines(keepends=True)
+    for i in range(1, len(lines)):
+        if lines[i].strip() in ("---", "..."):
+            import yaml
+
+            meta = yaml.safe_load("".join(lines[1:i])) or {}
+            if not isinstance(meta, dict):
+                raise AssembleError(
+                    "the YAML header of the writeup must be a mapping (title:, author:, date:)"
+                )
+            return meta, "".join(lines[i + 1 :])
+    raise AssembleError("the writeup's YAML header starts with '---' but is never closed")
+
+
+def _git_date() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "log", "-1", "--format=%cs"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or datetime.date.today().isoformat()
+
+
+def _git_epoch() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "log", "-1", "--format=%ct"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
+def _clean_cell(cell: nbformat.NotebookNode) -> nbformat.NotebookNode | None:
+    tags = set(cell.get("metadata", {}).get("tags", []))
+    if tags & DROP_CELL_TAGS:
+        return None
+    cell = copy.deepcopy(cell)
+    for key in ("papermill", "execution", "collapsed", "scrolled", "jupyter"):
+        cell.metadata.pop(key, None)
+    cell["id"] = uuid.uuid4().hex[:12]
+    if cell.cell_type == "code":
+        if "remove-output" in tags:
+            cell.outputs = []
+        else:
+            cell.outputs = [
+                o
+                for o in cell.outputs
+                if not (o.get("output_type") == "stream" and o.get("name") == "stderr")
+                and not (DROP_OUTPUT_MIMES & set(o.get("data", {})))
+            ]
+        cell.execution_count = None
+        for o in cell.outputs:
+            if "execution_count" in o:
+                o["execution_count"] = None
+    return cell
+
+
+def _errors(nb: nbformat.NotebookNode) -> list[str]:
+    msgs = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            if o.get("output_type") == "error":
+                msgs.append(f"{o.get('ename')}: {o.get('evalue')}")
+    return msgs
+
+
+def merge(
+    notebooks: Sequence[Path],
+    writeup: Path | None = None,
+    *,
+    allow_errors: bool = False,
+    title: str | None = None,
+) -> nbformat.NotebookNode:
+    """One notebook: writeup.md's markdown (split at markers) interleaved with the cleaned notebooks."""
+    notebooks = sorted((Path(p) for p in notebooks), key=lambda p: p.name)
+    meta: dict = {}
+    body = ""
+    if writeup is not None:
+        meta, body = split_front_matter(Path(writeup).read_text(encoding="utf-8"))
+
+    merged = nbformat.v4.new_notebook()
+    remaining = list(notebooks)
+
+    def add_markdown(text: str) -> None:
+        if text.strip():
+            merged.cells.append(nbformat.v4.new_markdown_cell(text.strip("\n")))
+
+    def add_notebooks(up_to: int | None) -> None:
+        nonlocal remaining
+        take = [p for p in remaining if up_to is None or (_notebook_prefix(p) or 0) <= up_to]
+        remaining = [p for p in remaining if p not in take]
+        for path in take:
+            nb = nbformat.read(path, as_version=4)
+            errs = _errors(nb)
+            if errs and not allow_errors:
+                raise AssembleError(f"{path} contains error outputs (did the notebook fail?): {errs[0]}")
+            for cell in nb.cells:
+                cleaned = _clean_cell(cell)
+                if cleaned is not None:
+                    merged.cells.append(cleaned)
+
+    pos = 0
+    for m in _MARKER.finditer(body):
+        add_markdown(body[pos : m.start()])
+        add_notebooks(int(m.group(1)) if m.group(1) else None)
+        pos = m.end()
+    add_markdown(body[pos:])
+    add_notebooks(None)
+
+    date = meta.get("date", "auto")
+    authors = meta.get("author", meta.get("authors", []))
+    if isinstance(authors, str):
+        authors = [authors]
+    merged.metadata.update(
+        {
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+            "language_info": {"name": "python"},
+            "title": title or meta.get("title", DEFAULT_TITLE),
+            "authors": [{"name": str(a)} for a in authors],
+            "date": _git_date() if date in (None, "auto") else str(date),
+        }
+    )
+    nbformat.validate(merged)
+    return merged
+
+
+def to_pdf(nb: nbformat.NotebookNode, pdf_path: Path, *, template: Path = TEMPLATE) -> Path:
+    """Typeset the merged notebook with xelatex through nbconvert; code input hidden."""
+    from nbconvert.exporters import PDFExporter
+    from nbconvert.exporters.pdf import LatexFailed
+
+    epoch = _git_epoch()
+    if epoch and "SOURCE_DATE_EPOCH" not in os.environ:
+        os.environ["SOURCE_DATE_EPOCH"] = epoch  # stable PDF creation date for unchanged inputs
+        os.environ.setdefault("FORCE_SOURCE_DATE", "1")
+    exporter = PDFExporter(template_file=str(template), exclude_input=True, exclude_input_prompt=True)
+    exporter.exclude_output_prompt = True
+    try:
+        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": pdf_path.stem}})
+    except LatexFailed as exc:
+        log = str(exc)
+        errors = [ln for ln in log.splitlines() if ln.startswith("!") or "Error" in ln]
+        raise AssembleError(
+            "xelatex failed; first errors:\n  " + "\n  ".join(errors[:10] or log.splitlines()[-20:])
+        ) from None
+    pdf_path.parent.mkdir(parents=True, exist_ok=True)
+    pdf_path.write_bytes(body)
+    return pdf_path
+
+
+def executed_notebooks(executed: Path, sources: Path) -> list[Path]:
+    """The executed copy of every notebook source, checked to be a successful non-quick run.
+
+    Executed notebooks of deleted sources are ignored; a missing, failed or quick-mode copy is an error
+    (quick runs hold tiny CPU numbers that must never reach the writeup).
+    """
+    names = [p.stem for p in sorted(Path(sources).glob("[0-9]*_*.py"))]
+    if not names:
+        raise AssembleError(f"no notebook sources (NN_<problem>.py) in {sources}")
+    problems, paths = [], []
+    for name in names:
+        path = Path(executed) / f"{name}.ipynb"
+        record = Path(executed) / f"{name}.run.json"
+        if not path.exists():
+            problems.append(f"{name}: not executed (run `make notebooks`)")
+            continue
+        if record.exists():
+            rec = json.loads(record.read_text())
+            params = rec.get("params", [])
+            if not rec.get("ok"):
+                problems.append(f"{name}: its last execution failed")
+            elif any(params[i : i + 3] == ["-p", "quick", "True"] for i in range(len(params))):
+                problems.append(f"{name}: executed in quick mode (tiny CPU sizes); re-run without QUICK")
+        paths.append(path)
+    if problems:
+        raise AssembleError("cannot assemble the writeup:\n  " + "\n  ".join(problems))
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--executed", type=Path, default=REPO_ROOT / "build" / "executed",
+                    help="folder of executed notebooks (NN_<problem>.ipynb)")  # fmt: skip
+    ap.add_argument("--sources", type=Path, default=REPO_ROOT / "notebooks",
+                    help="folder of the notebook sources (NN_<problem>.py): one executed copy each")  # fmt: skip
+    ap.add_argument("--writeup", type=Path, default=REPO_ROOT / "writeup.md")
+    ap.add_argument("--notebook", type=Path, default=REPO_ROOT / "build" / "writeup.ipynb",
+                    help="where to write the merged notebook")  # fmt: skip
+    ap.add_argument("--pdf", type=Path, default=REPO_ROOT / "writeup.pdf")
+    ap.add_argument("--no-pdf", action="store_true", help="only write the merged notebook")
+    ap.add_argument("--allow-errors", action="store_true", help="typeset notebooks that contain errors")
+    args = ap.parse_args(argv)
+
+    try:
+        notebooks = executed_notebooks(args.executed, args.sources)
+        merged = merge(
+            notebooks, args.writeup if args.writeup.exists() else None, allow_errors=args.allow_errors
+        )
+        args.notebook.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(merged, args.notebook)
+        print(f"merged {len(notebooks)} notebooks + {args.writeup.name} -> {args.notebook}")
+        if not args.no_pdf:
+            to_pdf(merged, args.pdf)
+            print(f"typeset -> {args.pdf}")
+    except AssembleError as exc:
+        print(f"assemble: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
