@@ -38,6 +38,7 @@ MODES = ("forward", "forward_backward", "train")
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PHASES = {"forward": ("forward",), "forward_backward": ("forward", "backward"),
           "train": ("forward", "backward", "optimizer")}  # fmt: skip
+X_AXES = ("context_length", "warmup", "batch_size", "steps", "checkpoint_group")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,7 @@ class EndToEndConfig:
     memory_snapshot: str | None = None
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     seed: int = 0
+    x_axis: str = "context_length"  # the field reported as the rows' x_name/x_value (e.g. "warmup")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -65,6 +67,8 @@ class EndToEndConfig:
         if self.warmup < 0 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("need warmup >= 0, steps >= 1, batch_size >= 1")
         get_config(self.size)  # validates the name
+        if self.x_axis not in X_AXES:
+            raise ValueError(f"x_axis must be one of {X_AXES}, got {self.x_axis!r}")
 
     @property
     def dtype_label(self) -> str:
@@ -127,7 +131,7 @@ def _config_record(cfg: EndToEndConfig) -> dict[str, Any]:
 def run_one(cfg: EndToEndConfig, problem: str = "benchmarking_script") -> list[dict[str, Any]]:
     """Measure one configuration; returns tidy rows (failure rows on OOM or error)."""
     common = dict(problem=problem, name=cfg.size, impl=cfg.impl_label, mode=cfg.mode, dtype=cfg.dtype_label,
-                  x_name="context_length", x_value=cfg.context_length, config=_config_record(cfg))  # fmt: skip
+                  x_name=cfg.x_axis, x_value=getattr(cfg, cfg.x_axis), config=_config_record(cfg))  # fmt: skip
     outcome: dict[str, str] = {}
     timer = PhaseTimer(device=cfg.device)
     peak_gib = None
@@ -157,7 +161,10 @@ def run_one(cfg: EndToEndConfig, problem: str = "benchmarking_script") -> list[d
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if outcome:
-        return [failure_row(metric=f"{p}_time", unit="ms", note=outcome["note"], **common) for p in PHASES[cfg.mode]]
+        return [
+            failure_row(metric=f"{p}_time", unit="ms", note=outcome["note"], **common)
+            for p in PHASES[cfg.mode]
+        ]
     ms = {k: [x * 1e3 for x in v] for k, v in timer.samples.items()}
     rows = [make_row(metric=f"{p}_time", unit="ms", samples=ms[p], **common) for p in PHASES[cfg.mode]]
     step_ms = [sum(parts) for parts in zip(*(ms[p] for p in PHASES[cfg.mode]))]
@@ -196,29 +203,50 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--size", nargs="+", default=["small"], help="model size preset(s) (MODEL_SIZES)")
     p.add_argument("--context-length", nargs="+", type=int, default=[512], help="sequence length(s)")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--mode", nargs="+", default=["forward_backward"], choices=MODES, help="what one step does")
+    p.add_argument(
+        "--mode", nargs="+", default=["forward_backward"], choices=MODES, help="what one step does"
+    )
     p.add_argument("--warmup", nargs="+", type=int, default=[5], help="untimed warm-up steps")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--autocast", nargs="+", default=["none"], choices=list(AUTOCAST_DTYPES), help="mixed precision")
-    p.add_argument("--compile", nargs="+", type=lambda s: s.lower() in ("1", "true", "yes"), default=[False],
-                   help="torch.compile the model (true/false; both to compare)")
+    p.add_argument(
+        "--autocast", nargs="+", default=["none"], choices=list(AUTOCAST_DTYPES), help="mixed precision"
+    )
+    p.add_argument(
+        "--compile",
+        nargs="+",
+        type=lambda s: s.lower() in ("1", "true", "yes"),
+        default=[False],
+        help="torch.compile the model (true/false; both to compare)",
+    )
     p.add_argument("--attention", nargs="+", default=["naive"], help="attention implementation(s)")
     p.add_argument("--checkpoint-group", type=int, default=None, help="blocks per activation checkpoint")
     p.add_argument("--nvtx", action="store_true", help="emit NVTX / record_function ranges")
-    p.add_argument("--memory-snapshot", default=None, help="write a CUDA memory snapshot pickle of the timed steps")
+    p.add_argument(
+        "--memory-snapshot", default=None, help="write a CUDA memory snapshot pickle of the timed steps"
+    )
     p.add_argument("--device", default=EndToEndConfig().device)
-    p.add_argument("--problem", default="benchmarking_script", help="results file name (figures/data/<problem>.csv)")
+    p.add_argument(
+        "--x-axis",
+        default="context_length",
+        choices=X_AXES,
+        help="config field reported as the rows' x_name/x_value (e.g. warmup for the warm-up ablation)",
+    )
+    p.add_argument(
+        "--problem", default="benchmarking_script", help="results file name (figures/data/<problem>.csv)"
+    )
     p.add_argument("--results-dir", default=None, help="override the results directory")
     p.add_argument("--no-save", action="store_true", help="print only; append no rows")
     args = p.parse_args(argv)
     configs = grid(size=args.size, context_length=args.context_length, batch_size=args.batch_size, mode=args.mode,
                    warmup=args.warmup, steps=args.steps, autocast=args.autocast, compile=args.compile,
                    attention=args.attention, checkpoint_group=args.checkpoint_group, nvtx=args.nvtx,
-                   memory_snapshot=args.memory_snapshot, device=args.device)  # fmt: skip
+                   memory_snapshot=args.memory_snapshot, device=args.device, x_axis=args.x_axis)  # fmt: skip
     print("resolved configs:", json.dumps([dataclasses.asdict(c) for c in configs][:3], default=str),
           f"... ({len(configs)} total)" if len(configs) > 3 else "")  # fmt: skip
     df = sweep(configs, args.problem, save=not args.no_save, results_dir=args.results_dir)
