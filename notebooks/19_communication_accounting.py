@@ -232,7 +232,11 @@ ax.plot(bs, [tpu.t_tp(b) * 1e6 for b in bs], label="$T_{TP}$")
 ax.plot(bs, [(tpu.t_fsdp() + tpu.t_tp(b)) * 1e6 for b in bs], ls="--", label="$T_{FSDP} + T_{TP}$")
 ax.axvline(b_sum, color="grey", lw=1, ls=":")
 ax.annotate(
-    f"B = {b_sum:,.0f}", (b_sum, tpu.t_math(b_sum) * 1e6), xytext=(8, -20), textcoords="offset points"
+    f"B = {b_sum:,.0f}",
+    (b_sum, tpu.t_math(b_sum) * 1e6),
+    xytext=(8, -20),
+    textcoords="offset points",
+    bbox={"fc": "white", "ec": "none"},
 )
 ax.set(xscale="log", yscale="log", xlabel="global batch B [tokens]", ylabel="time per block, forward [us]")
 ax.set_title("TPU v5p, X=16 (FSDP) x Y=4 (TP): compute vs communication")

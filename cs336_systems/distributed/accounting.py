@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from cs336_systems.benchmarking.flops import peak_flops
 from cs336_systems.model.config import ModelConfig
 
 # --------------------------------------------------------------------------------------------------
@@ -137,7 +138,7 @@ TPU_V5P = Accelerator(
 )
 H100_SXM = Accelerator(
     name="H100 SXM",
-    flops_per_s=989.4e12,
+    flops_per_s=peak_flops("H100 SXM", "bf16"),
     link_bytes_per_s=450e9,
     memory_bytes=80 * GB,
     source="NVIDIA H100 datasheet: 989.4 TFLOP/s dense bf16/fp16; NVLink 4 = 900 GB/s total, i.e. "
@@ -145,14 +146,14 @@ H100_SXM = Accelerator(
 )
 H200_SXM = Accelerator(
     name="H200 SXM",
-    flops_per_s=989.4e12,
+    flops_per_s=peak_flops("H200 SXM", "bf16"),
     link_bytes_per_s=450e9,
     memory_bytes=141 * GB,
     source="NVIDIA H200 datasheet: same compute and NVLink 4 as the H100 SXM; 141 GB HBM3e",
 )
 B200 = Accelerator(
     name="B200",
-    flops_per_s=2250e12,
+    flops_per_s=peak_flops("B200", "bf16"),
     link_bytes_per_s=900e9,
     memory_bytes=180 * GB,
     source="NVIDIA B200 (HGX) datasheet: 2.25 PFLOP/s dense bf16/fp16; NVLink 5 = 1.8 TB/s total, "
@@ -835,28 +836,34 @@ class MixedFsdpTpSetting:
 
     Layout In[B_X, D_Y] x W_in[D_X, F_Y] x W_out[F_Y, D_X] on an X (FSDP) by Y (TP) mesh, N = X Y.
     m_x, m_y: how many ICI mesh axes carry the FSDP and TP collectives (each axis adds a link's
-    bandwidth). Per layer and forward pass:
+    bandwidth). Per layer and forward pass, with bf16 weights and activations (2 bytes):
         T_math = 2 * 2 B D F / (N C)      (two matmuls of 2 B D F FLOPs, split over N chips)
-        T_FSDP = 2 * 2 D F / (Y W m_x)    (all-gather two bf16 (D, F/Y) weights along X)
-        T_TP   = 2 * 2 B D / (X W m_y)    (all-gather In and reduce-scatter Out, bf16 (B/X, D), along Y)
+        T_FSDP = 2 * 2 D F / (Y W m_x)    (all-gather two (D, F/Y) weights along X)
+        T_TP   = 2 * 2 B D / (X W m_y)    (all-gather In and reduce-scatter Out, (B/X, D), along Y)
+    `weight_bytes` / `act_bytes` replace the 2-byte element size of the FSDP / TP traffic (e.g. FP8
+    weight all-gathers) while the matmuls keep running at `flops_per_s`. x and y may be fractional
+    (to evaluate the continuous optimum).
     """
 
-    d_model: int
-    d_ff: int
-    x: int
-    y: int
+    d_model: float
+    d_ff: float
+    x: float
+    y: float
     m_x: float = 2.0
     m_y: float = 1.0
     flops_per_s: float = TPU_V5P.flops_per_s
     bandwidth: float = TPU_V5P.link_bytes_per_s
+    weight_bytes: float = 2.0
+    act_bytes: float = 2.0
 
     def __post_init__(self) -> None:
         _check_positive(d_model=self.d_model, d_ff=self.d_ff, m_x=self.m_x, m_y=self.m_y)
         _check_positive(flops_per_s=self.flops_per_s, bandwidth=self.bandwidth)
+        _check_positive(weight_bytes=self.weight_bytes, act_bytes=self.act_bytes)
         _check_devices(x=self.x, y=self.y)
 
     @property
-    def n(self) -> int:
+    def n(self) -> float:
         return self.x * self.y
 
     @property
@@ -869,27 +876,32 @@ class MixedFsdpTpSetting:
 
     def t_fsdp(self) -> float:
         """Independent of the batch (weights move, not activations)."""
-        return 4.0 * self.d_model * self.d_ff / (self.y * self.bandwidth * self.m_x)
+        return 2.0 * self.weight_bytes * self.d_model * self.d_ff / (self.y * self.bandwidth * self.m_x)
 
     def t_tp(self, batch: float) -> float:
-        return 4.0 * batch * self.d_model / (self.x * self.bandwidth * self.m_y)
+        return 2.0 * self.act_bytes * batch * self.d_model / (self.x * self.bandwidth * self.m_y)
+
+    def fsdp_fraction(self, batch: float) -> float:
+        """T_FSDP / T_math = alpha X / (m_x B) (bf16)."""
+        return self.t_fsdp() / self.t_math(batch)
 
     def tp_fraction(self) -> float:
-        """T_TP / T_math = alpha Y / (m_y F), independent of the batch."""
-        return self.alpha * self.y / (self.m_y * self.d_ff)
+        """T_TP / T_math = alpha Y / (m_y F) (bf16), independent of the batch."""
+        return (self.act_bytes / 2.0) * self.alpha * self.y / (self.m_y * self.d_ff)
 
     def min_batch(self, *, combine: str = "sum") -> float:
         """Smallest global batch B (tokens) that keeps the forward compute-bound.
 
-        combine="sum" (the Scaling Book's criterion, both collectives share the step):
+        combine="sum" (the Scaling Book's criterion: the step is comms-bound once the two collectives
+        together take longer than the math):
             T_FSDP + T_TP <= T_math  <=>  alpha X / (m_x B) + alpha Y / (m_y F) <= 1
                                      <=>  B >= alpha X / (m_x (1 - alpha Y / (m_y F))).
-        combine="max" (the two collectives fully overlap each other):
+        combine="max" (the two collectives also overlap each other):
             T_FSDP <= T_math <=> B >= alpha X / m_x, and T_TP <= T_math <=> F >= alpha Y / m_y.
         Returns inf when the TP term alone is communication-bound (no batch helps).
         """
         tp = self.tp_fraction()
-        b_fsdp = self.alpha * self.x / self.m_x
+        b_fsdp = (self.weight_bytes / 2.0) * self.alpha * self.x / self.m_x
         if combine == "sum":
             return math.inf if tp >= 1.0 else b_fsdp / (1.0 - tp)
         if combine == "max":
@@ -901,9 +913,12 @@ class MixedFsdpTpSetting:
         return self.min_batch(combine=combine) / self.n
 
     def is_compute_bound(self, batch: float, *, combine: str = "sum") -> bool:
-        comm = (
-            (self.t_fsdp() + self.t_tp(batch)) if combine == "sum" else max(self.t_fsdp(), self.t_tp(batch))
-        )
+        if combine == "sum":
+            comm = self.t_fsdp() + self.t_tp(batch)
+        elif combine == "max":
+            comm = max(self.t_fsdp(), self.t_tp(batch))
+        else:
+            raise ValueError(f"combine must be 'sum' or 'max', got {combine!r}")
         return comm <= self.t_math(batch) * (1 + 1e-12)
 
 
