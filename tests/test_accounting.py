@@ -396,3 +396,12 @@ def test_zero1_vs_ours_comm_volume(n):
     assert acc.zero1_comm_volume(psi, n, grad_bytes=2, param_bytes=2).total == pytest.approx(
         (n - 1) / n * 4 * psi
     )
+
+
+def test_tpu_fp8_weight_gathers_halve_the_fsdp_term():
+    bf16 = acc.MixedFsdpTpSetting(d_model=16384, d_ff=53248, x=16, y=4)
+    fp8 = acc.MixedFsdpTpSetting(d_model=16384, d_ff=53248, x=16, y=4, weight_bytes=1)
+    assert fp8.t_fsdp() == pytest.approx(bf16.t_fsdp() / 2)
+    assert fp8.min_batch(combine="max") == pytest.approx(bf16.min_batch(combine="max") / 2)
+    assert fp8.min_batch() == pytest.approx(bf16.min_batch() / 2)
+    assert fp8.is_compute_bound(fp8.min_batch()) and not fp8.is_compute_bound(0.99 * fp8.min_batch())
