@@ -41,7 +41,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from cs336_systems.benchmarking.results import _git_sha
+from cs336_systems.benchmarking.results import env_metadata
 from cs336_systems.distributed import accounting as acc
 from cs336_systems.report import nb, save_figure, show_table
 
@@ -53,7 +53,7 @@ def num(x, spec=",.0f"):
     return format(x, spec).replace(",", "{,}")
 
 
-SOURCE = f"computed analytically by cs336_systems.distributed.accounting at git {_git_sha()}"
+SOURCE = f"computed analytically by cs336_systems.distributed.accounting at git {env_metadata()['git_sha']}"
 XXL, TPU, H100 = acc.XXL, acc.TPU_V5P, acc.H100_SXM
 P = XXL.num_params
 state = acc.ffn_stack_memory(XXL, tokens=0)
