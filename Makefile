@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test test-gpu lint format env clean
+.PHONY: test test-gpu lint format env clean notebooks pdf texdeps lab wheelhouse gpu-notebooks
 
 env: $(STAMP)
 
@@ -33,6 +33,66 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix cs336_systems tests notebooks
 	$(VENV)/bin/ruff format cs336_systems tests notebooks
+
+## ---- Notebooks and the writeup (cs336_systems/report/) ----
+## make notebooks [NB=<name substring>] [QUICK=1] [PARAMS='-p name value -y "key: [1, 2]"'] [NB_TIMEOUT=s]
+##   jupytext .py -> .ipynb -> papermill -> build/executed/; runs past failures, lists them, exits 1 if any.
+## PYTHON_NB: the interpreter with the notebook stack (.venv on CPU machines; python3 on the GPU host).
+PYTHON_NB ?= $(PY)
+NB ?=
+QUICK ?=
+PARAMS ?=
+NB_TIMEOUT ?= 3600
+NB_DEPS := $(if $(filter $(PY),$(PYTHON_NB)),$(STAMP))
+TEX_PACKAGES := texlive-xetex texlive-fonts-recommended texlive-plain-generic pandoc fonts-dejavu-core
+
+notebooks: $(NB_DEPS)
+	$(PYTHON_NB) -m cs336_systems.report.run_notebooks --select '$(NB)' --timeout $(NB_TIMEOUT) \
+		$(if $(filter 1 true yes True,$(QUICK)),--quick) -- $(PARAMS)
+
+## writeup.pdf: re-execute the notebooks whose inputs changed (never in quick mode), merge them with
+## writeup.md and typeset with xelatex. Installs the Debian TeX packages first when they are missing.
+pdf: $(NB_DEPS) texdeps
+	$(PYTHON_NB) -m cs336_systems.report.run_notebooks --stale-only --timeout $(NB_TIMEOUT)
+	$(PYTHON_NB) -m cs336_systems.report.assemble --pdf writeup.pdf
+
+texdeps:
+	@if command -v xelatex >/dev/null && command -v pandoc >/dev/null \
+		&& command -v fc-list >/dev/null && fc-list | grep -q 'DejaVu Serif'; then exit 0; fi; \
+	SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	echo "installing TeX for the PDF: $(TEX_PACKAGES)"; \
+	$$SUDO apt-get update -q && \
+	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(TEX_PACKAGES)
+
+## JupyterLab on notebooks/: jupytext (notebooks/jupytext.toml) opens the .py files as notebooks and
+## pairs them with .ipynb copies (git-ignored).
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+
+## On a connected machine: the wheels of the notebook stack for the offline GPU host (Python 3.12).
+wheelhouse:
+	rm -rf .whl
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform any -d .whl papermill ipykernel nbformat nbclient jupytext nvtx
+	@du -sh .whl
+
+## On the offline GPU host (system python3 with torch/triton; .whl/ copied along):
+##   make gpu-notebooks [NB=...] [GPU_OUT=dir]   -> GPU_OUT/results.tar.gz with new figures and data.
+GPU_OUT ?= build/gpu-out
+gpu-notebooks:
+	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "no .whl/: run 'make wheelhouse' on a connected machine"; exit 2; }
+	mkdir -p $(GPU_OUT) build
+	touch build/.gpu-notebooks-start
+	python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
+	export PYTHONPATH=$$PWD/.site:$$PWD PATH=$$PWD/.site/bin:$$PATH; \
+	python3 -m ipykernel install --user --name python3 >/dev/null && \
+	$(MAKE) --no-print-directory notebooks PYTHON_NB=python3 NB='$(NB)' PARAMS='$(PARAMS)' \
+		NB_TIMEOUT=$(NB_TIMEOUT); status=$$?; \
+	find figures build/executed -type f -newer build/.gpu-notebooks-start > $(GPU_OUT)/new-files.txt; \
+	tar czf $(GPU_OUT)/results.tar.gz -T $(GPU_OUT)/new-files.txt; \
+	echo "$$(wc -l < $(GPU_OUT)/new-files.txt) new files -> $(GPU_OUT)/results.tar.gz"; \
+	exit $$status
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -47,9 +47,9 @@ class Outcome:
     skipped: bool = False
 
 
-def discover(select: str = "", notebook_dir: Path = NOTEBOOK_DIR) -> list[Path]:
+def discover(select: str = "", notebook_dir: Path | None = None) -> list[Path]:
     """Problem notebooks (`NN_<problem>.py`) in handout order, filtered by a name substring."""
-    paths = sorted(notebook_dir.glob("[0-9]*_*.py"))
+    paths = sorted(Path(notebook_dir or NOTEBOOK_DIR).glob("[0-9]*_*.py"))
     if select:
         paths = [p for p in paths if select in p.stem]
     return paths
@@ -96,6 +96,15 @@ def convert(source: Path) -> Path:
     return dest
 
 
+def _child_env() -> dict[str, str]:
+    """The kernel must import this checkout's package even where it is not pip-installed (GPU host)."""
+    env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO_ROOT) not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO_ROOT)])
+    return env
+
+
 def _error_in(notebook: Path) -> str:
     """`cell N: Exception: message` of the first error output of an executed notebook, if any."""
     try:
@@ -104,8 +113,8 @@ def _error_in(notebook: Path) -> str:
         return ""
     code_index = 0
     for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
+        if cell.cell_type != "code" or "injected-parameters" in cell.metadata.get("tags", []):
+            continue  # numbered as in the source notebook
         code_index += 1
         for o in cell.get("outputs", []):
             if o.get("output_type") == "error":
@@ -136,7 +145,7 @@ def execute(source: Path, params: list[str], timeout_s: float, python: str = sys
         fh.write("$ " + shlex.join(cmd) + "\n")
         fh.flush()
         proc = subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT
+            cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT, env=_child_env()
         )
         try:
             rc = proc.wait(timeout=timeout_s)

@@ -32,7 +32,13 @@ from cs336_systems.benchmarking.results import provenance
 LONG_TABLE_ROWS = 40  # more rows: a longtable that breaks across pages
 MAX_LINE_CHARS = 118  # estimated characters per line of a \small table at the text width
 MAX_DIRECT_ROWS = 60  # a DataFrame displayed directly shows at most this many rows in the PDF
-PROVENANCE_COLUMNS = ("gpu_name", "torch_version", "git_sha", "timestamp")
+PROVENANCE_COLUMNS = (
+    "gpu_name",
+    "torch_version",
+    "triton_version",
+    "git_sha",
+    "timestamp",
+)  # provenance() reads
 
 _LATEX_SPECIAL = {
     "\\": r"\textbackslash{}",

@@ -1,0 +1,82 @@
+"""Handout 1.1.5 (mixed_precision_accumulation): summing 0.01 a thousand times in fp32 and fp16.
+
+The four loops of the handout, run as written (one scalar tensor add per step, so every partial sum
+is rounded to the accumulator's dtype):
+
+1. fp32 accumulator, fp32 increments;
+2. fp16 accumulator, fp16 increments;
+3. fp32 accumulator, fp16 increments (type promotion casts each increment up inside `+=`);
+4. fp32 accumulator, fp16 increments cast to fp32 explicitly.
+
+The result is deterministic (IEEE round-to-nearest-even on every add), identical on CPU and GPU, and
+costs microseconds, so the notebook computes it live instead of persisting result rows.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+CASES = [
+    # (case, accumulator dtype, increment dtype, explicit cast of the increment to the accumulator dtype)
+    ("fp32 += fp32", torch.float32, torch.float32, False),
+    ("fp16 += fp16", torch.float16, torch.float16, False),
+    ("fp32 += fp16", torch.float32, torch.float16, False),
+    ("fp32 += fp16.to(fp32)", torch.float32, torch.float16, True),
+]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
+def accumulate(
+    acc_dtype: torch.dtype,
+    inc_dtype: torch.dtype,
+    *,
+    cast: bool = False,
+    steps: int = 1000,
+    increment: float = 0.01,
+    device: str | torch.device = "cpu",
+) -> float:
+    """Add `increment` (stored as `inc_dtype`) `steps` times into a scalar `acc_dtype` accumulator."""
+    s = torch.tensor(0, dtype=acc_dtype, device=device)
+    for _ in range(steps):
+        x = torch.tensor(increment, dtype=inc_dtype, device=device)
+        s += x.type(acc_dtype) if cast else x
+    return float(s.item())
+
+
+def accumulation_experiment(
+    steps: int = 1000, increment: float = 0.01, device: str | torch.device = "cpu"
+) -> pd.DataFrame:
+    """The four handout loops; one row per case.
+
+    Columns: case, accumulator, increment_dtype, result (the sum, as float64), exact (steps *
+    increment in float64), increment_stored (the increment after rounding to its dtype),
+    representation_error (steps * (increment_stored - increment): what an exact accumulator of the
+    stored increment would be off by), accumulation_error (result - steps * increment_stored: the
+    error added by rounding the partial sums).
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if not increment > 0:
+        raise ValueError(f"increment must be positive, got {increment!r}")
+    exact = steps * increment
+    rows = []
+    for case, acc, inc, cast in CASES:
+        stored = float(torch.tensor(increment, dtype=inc).item())
+        result = accumulate(acc, inc, cast=cast, steps=steps, increment=increment, device=device)
+        rows.append(
+            {
+                "case": case,
+                "accumulator": _dtype_name(acc),
+                "increment_dtype": _dtype_name(inc),
+                "result": result,
+                "exact": exact,
+                "increment_stored": stored,
+                "representation_error": steps * (stored - increment),
+                "accumulation_error": result - steps * stored,
+            }
+        )
+    return pd.DataFrame(rows)
