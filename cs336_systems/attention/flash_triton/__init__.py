@@ -1,0 +1,36 @@
+"""FlashAttention-2 in Triton: kernels.py (@triton.jit only) -> launch.py (check, allocate, grid,
+launch, tile configs) -> function.py (the autograd.Function and its custom ops).
+
+Without a CUDA device the kernels run under the Triton interpreter: TRITON_INTERPRET=1 is set here,
+before the kernels are defined, unless the environment already says otherwise.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cs336_systems.attention.flash_triton.function import FlashAttentionTriton, flash_attention_triton
+from cs336_systems.attention.flash_triton.launch import (
+    BwdConfig,
+    FwdConfig,
+    KernelOptions,
+    flash_bwd,
+    flash_fwd,
+    set_autotune,
+    use_configs,
+)
+
+__all__ = [
+    "BwdConfig",
+    "FlashAttentionTriton",
+    "FwdConfig",
+    "KernelOptions",
+    "flash_attention_triton",
+    "flash_bwd",
+    "flash_fwd",
+    "set_autotune",
+    "use_configs",
+]

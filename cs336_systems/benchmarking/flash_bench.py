@@ -1,0 +1,616 @@
+"""FlashAttention-2 benchmarks: the flash_benchmarking sweep and the 2025 leaderboard protocol.
+
+Sweep (handout 1.3.2 flash_benchmarking): batch 1, one head, causal, N = 128 ... 65536, d = 16 ... 128,
+bf16 and fp32; forward, backward and forward+backward latency (`timing.kernel_time`, i.e.
+`triton.testing.do_bench`: median and p20/p80), TFLOP/s (`flops.attention_flops`, causal = half
+the matmul work) and the peak memory of one forward+backward. Implementations:
+
+* flash_triton            our Triton kernels (forward + two-pass Triton backward)
+* flash_triton_ptbwd      our Triton forward + the torch.compile'd PyTorch recomputation backward
+* flash_pytorch           tiled PyTorch autograd.Function (eager tile loop, compiled backward)
+* flash_pytorch_compiled  the same with every tile step compiled
+* naive                   the model's naive attention (T x T scores materialised; OOM recorded)
+* sdpa_flash / sdpa_cudnn PyTorch SDPA pinned to its FlashAttention-2 / cuDNN backend
+                          (a backend that rejects a dtype or d gives an 'unsupported' row)
+
+Configurations an implementation cannot reasonably run (the Python tile loop at long N, or beyond
+a time cap set by an earlier N) become 'skipped: reason' rows, as does everything left when the
+overall time budget runs out, so every planned cell has a row. fp32 matmuls run in TF32
+(`torch.set_float32_matmul_precision("high")`) for every implementation alike; the row config says so.
+
+Leaderboard (`--leaderboard`, handout section 5.1 of the spec): bf16, causal, one
+`torch.randn(3, 16, 16384, 64, requires_grad=True)` unbound into q, k, v; `torch.compile(Cls.apply)`;
+`o = flash(q, k, v, True); o.sum().backward()` timed by `do_bench(rep=10000, warmup=1000)`; ours vs
+SDPA flash vs SDPA cuDNN (the SDPA calls see the same tensors as (1, 16, N, 64) views) with ratios,
+plus forward-only/backward-only TFLOP/s and the measured bf16 matmul peak of the same GPU.
+`--variants` and `--tune` time kernel variants and tile candidates at the leaderboard shape (the
+evidence behind flash_triton/OPTIMIZATION_LOG.md).
+
+Rows: problem "flash_benchmarking" (sweep) and "flash_leaderboard" (everything else).
+Run: `python -m cs336_systems.benchmarking.flash_bench [--quick] [--leaderboard] [--variants] [--tune]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import timeit
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from cs336_systems.attention import FlashAttentionPytorch, FlashAttentionTriton
+from cs336_systems.attention.flash_triton import launch
+from cs336_systems.benchmarking.budget import TimeBudget, skipped_row
+from cs336_systems.benchmarking.flops import attention_flops, tflops
+from cs336_systems.benchmarking.results import (
+    append_rows,
+    capture_failure,
+    device_name,
+    failure_row,
+    make_row,
+)
+from cs336_systems.benchmarking.timing import kernel_time, synchronize
+from cs336_systems.model import get_attention
+
+PROBLEM = "flash_benchmarking"
+LEADERBOARD = "flash_leaderboard"
+IMPLS = (
+    "flash_triton",
+    "sdpa_flash",
+    "sdpa_cudnn",
+    "naive",
+    "flash_triton_ptbwd",
+    "flash_pytorch",
+    "flash_pytorch_compiled",
+)
+MODES = ("fwd", "bwd", "fwd_bwd")
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepConfig:
+    """The flash_benchmarking grid and its time limits."""
+
+    seq_lens: tuple[int, ...] = tuple(2**i for i in range(7, 17))
+    head_dims: tuple[int, ...] = (16, 32, 64, 128)
+    dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    impls: tuple[str, ...] = IMPLS
+    batch: int = 1
+    heads: int = 1
+    causal: bool = True
+    warmup_ms: float = 10.0
+    rep_ms: float = 40.0
+    max_n: dict[str, int] = field(
+        default_factory=lambda: {
+            "flash_pytorch": 4096,
+            "flash_pytorch_compiled": 4096,
+            "flash_triton_ptbwd": 16384,
+        }
+    )
+    call_cap_ms: float = 1500.0  # a forward+backward slower than this stops the impl at longer N
+    budget_s: float | None = None
+    device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.impls) - set(IMPLS)
+        if unknown:
+            raise ValueError(f"unknown impls {sorted(unknown)}; known: {IMPLS}")
+        if any(n < 1 for n in self.seq_lens) or any(d < 1 for d in self.head_dims):
+            raise ValueError("sequence lengths and head dims must be positive")
+
+
+# ------------------------------------------------------------------------------------------------
+# The implementations: fn(q, k, v, is_causal) -> o on (batch, heads, N, d) tensors
+# ------------------------------------------------------------------------------------------------
+
+
+def _sdpa(backend_name: str) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+
+    def fn(q, k, v, is_causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    return fn
+
+
+def attention_fn(impl: str, device: str = "cuda") -> Callable:
+    """The callable of `impl`; the PyTorch tile loop uses 128-row tiles on a GPU (64 on a CPU)."""
+    tile = 128 if torch.device(device).type == "cuda" else 64
+    return {
+        "flash_triton": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c),
+        "flash_triton_ptbwd": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, "pytorch"),
+        "flash_pytorch": lambda q, k, v, c: FlashAttentionPytorch.apply(q, k, v, c, None, tile, tile),
+        "flash_pytorch_compiled": lambda q, k, v, c: FlashAttentionPytorch.apply(
+            q, k, v, c, True, tile, tile
+        ),
+        "naive": get_attention("naive"),
+        "sdpa_flash": _sdpa("flash"),
+        "sdpa_cudnn": _sdpa("cudnn"),
+    }[impl]
+
+
+def _failure_note(note: str) -> str:
+    """SDPA backends that reject an input say so with 'No available kernel' (plus warnings)."""
+    low = note.lower()
+    if "no available kernel" in low or "not supported" in low or "unsupported" in low:
+        return "unsupported: " + note.removeprefix("error: ")
+    return note
+
+
+# ------------------------------------------------------------------------------------------------
+# One configuration
+# ------------------------------------------------------------------------------------------------
+
+
+def measure_config(
+    fn: Callable, *, batch: int, heads: int, n: int, d: int, dtype: torch.dtype, causal: bool, device: str,
+    warmup_ms: float, rep_ms: float, modes: Sequence[str] = MODES,
+) -> tuple[dict[str, dict[str, float]], float | None, str]:  # fmt: skip
+    """Latency stats per mode, peak memory (GiB above the inputs) and a failure note ('' if none)."""
+    stats: dict[str, dict[str, float]] = {}
+    peak = None
+    outcome: dict[str, str] = {}
+    with capture_failure(outcome):
+        q, k, v = (
+            torch.randn(batch, heads, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+        )
+        do = torch.randn(batch, heads, n, d, device=device, dtype=dtype)
+        # warm-up call (compiles), then one measured forward+backward for the peak memory
+        fn(q, k, v, causal).backward(do)
+        synchronize(device)
+        if torch.device(device).type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            fn(q, k, v, causal).backward(do)
+            synchronize(device)
+            peak = (torch.cuda.max_memory_allocated(device) - base) / GIB
+        grads = [q, k, v]
+        if "fwd" in modes:
+            stats["fwd"] = kernel_time(
+                lambda: fn(q, k, v, causal), warmup_ms=warmup_ms, rep_ms=rep_ms, device=device
+            )
+        if "bwd" in modes:
+            o = fn(q, k, v, causal)
+            stats["bwd"] = kernel_time(
+                lambda: o.backward(do, retain_graph=True), warmup_ms=warmup_ms, rep_ms=rep_ms,
+                grad_to_none=grads, device=device,
+            )  # fmt: skip
+            del o
+        if "fwd_bwd" in modes:
+            stats["fwd_bwd"] = kernel_time(
+                lambda: fn(q, k, v, causal).backward(do), warmup_ms=warmup_ms, rep_ms=rep_ms,
+                grad_to_none=grads, device=device,
+            )  # fmt: skip
+    return stats, peak, _failure_note(outcome.get("note", ""))
+
+
+def _rows_for_config(
+    impl: str,
+    n: int,
+    d: int,
+    dtype_name: str,
+    cfg: SweepConfig,
+    stats,
+    peak,
+    note: str,
+    extra: dict[str, Any],
+) -> list[dict[str, Any]]:
+    config = {"batch": cfg.batch, "heads": cfg.heads, "seq_len": n, "d": d, "causal": cfg.causal,
+              "warmup_ms": cfg.warmup_ms, "rep_ms": cfg.rep_ms, "statistic": "do_bench median (p20/p80)",
+              "float32_matmul_precision": torch.get_float32_matmul_precision(), **extra}  # fmt: skip
+    common = dict(
+        problem=PROBLEM, name=f"d{d}", impl=impl, dtype=dtype_name, x_name="seq_len", x_value=n, config=config
+    )
+    rows = []
+    for mode in MODES:
+        if mode in stats:
+            st = stats[mode]
+            rows.append(make_row(metric="latency", unit="ms", mode=mode, stats=st, **common))
+            flops = attention_flops(cfg.batch, cfg.heads, n, n, d, causal=cfg.causal, mode=mode)
+            rows.append(
+                make_row(
+                    metric="throughput", unit="TFLOP/s", mode=mode, value=tflops(flops, st["p50"]), **common
+                )
+            )
+        else:
+            why = note or "not measured"
+            rows.append(failure_row(metric="latency", unit="ms", mode=mode, note=why, **common))
+            rows.append(failure_row(metric="throughput", unit="TFLOP/s", mode=mode, note=why, **common))
+    if peak is not None:
+        rows.append(make_row(metric="peak_memory", unit="GiB", mode="fwd_bwd", value=peak, **common))
+    else:
+        rows.append(
+            failure_row(
+                metric="peak_memory", unit="GiB", mode="fwd_bwd", note=note or "not measured", **common
+            )
+        )
+    return rows
+
+
+def _skip_rows(
+    impl: str, n: int, d: int, dtype_name: str, cfg: SweepConfig, reason: str
+) -> list[dict[str, Any]]:
+    common = dict(problem=PROBLEM, name=f"d{d}", impl=impl, dtype=dtype_name, x_name="seq_len", x_value=n,
+                  config={"batch": cfg.batch, "heads": cfg.heads, "seq_len": n, "d": d, "causal": cfg.causal})  # fmt: skip
+    rows = [skipped_row(metric=m, unit=u, mode=mode, reason=reason, **common)
+            for mode in MODES for m, u in (("latency", "ms"), ("throughput", "TFLOP/s"))]  # fmt: skip
+    rows.append(skipped_row(metric="peak_memory", unit="GiB", mode="fwd_bwd", reason=reason, **common))
+    return rows
+
+
+def run_sweep(cfg: SweepConfig, *, results_dir=None, progress: bool = True) -> list[dict[str, Any]]:
+    """Measure the grid; append the rows to flash_benchmarking.csv as each (impl, dtype, d) finishes."""
+    budget = TimeBudget(cfg.budget_s, label="flash_benchmarking")
+    all_rows: list[dict[str, Any]] = []
+    plan = [(impl, dt, d) for impl in cfg.impls for dt in cfg.dtypes for d in cfg.head_dims]
+    prev_precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 for every fp32 implementation alike
+    try:
+        for impl, dtype_name, d in tqdm(plan, desc="flash_benchmarking", disable=not progress):
+            dtype = getattr(torch, dtype_name)
+            fn = attention_fn(impl, cfg.device)
+            rows: list[dict[str, Any]] = []
+            stop_reason = ""
+            for n in sorted(cfg.seq_lens):
+                if budget.exhausted():
+                    rows += _skip_rows(
+                        impl, n, d, dtype_name, cfg, budget.skip_note(f"{impl} {dtype_name} d={d} N={n}")
+                    )
+                    continue
+                if n > cfg.max_n.get(impl, math.inf):
+                    rows += _skip_rows(impl, n, d, dtype_name, cfg,
+                                       f"{impl} is not run beyond N={cfg.max_n[impl]} (Python tile loop / compile time)")  # fmt: skip
+                    continue
+                if stop_reason:
+                    rows += _skip_rows(impl, n, d, dtype_name, cfg, stop_reason)
+                    continue
+                start = timeit.default_timer()
+                stats, peak, note = measure_config(
+                    fn, batch=cfg.batch, heads=cfg.heads, n=n, d=d, dtype=dtype, causal=cfg.causal,
+                    device=cfg.device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms,
+                )  # fmt: skip
+                extra = {"wall_s": round(timeit.default_timer() - start, 2)}
+                if impl == "flash_triton" and torch.device(cfg.device).type == "cuda":
+                    extra["tiles"] = repr(
+                        launch.heuristic_fwd(n, n, max(16, 1 << (d - 1).bit_length()), dtype)
+                    )
+                rows += _rows_for_config(impl, n, d, dtype_name, cfg, stats, peak, note, extra)
+                if note.startswith("OOM"):
+                    stop_reason = f"skipped: OOM at N={n}"
+                elif "fwd_bwd" in stats and stats["fwd_bwd"]["p50"] > cfg.call_cap_ms:
+                    stop_reason = f"skipped: forward+backward took {stats['fwd_bwd']['p50']:.0f} ms at N={n} (cap {cfg.call_cap_ms:.0f} ms)"
+            append_rows(PROBLEM, rows, results_dir)
+            all_rows += rows
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    finally:
+        torch.set_float32_matmul_precision(prev_precision)
+    return all_rows
+
+
+# ------------------------------------------------------------------------------------------------
+# The leaderboard protocol, kernel variants and tile candidates
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderboardConfig:
+    """The 2025 protocol: bf16, causal, (3, 16, 16384, 64) unbound into q, k, v; do_bench rep/warmup in ms."""
+
+    heads: int = 16
+    seq_len: int = 16384
+    d: int = 64
+    rep_ms: float = 10000.0
+    warmup_ms: float = 1000.0
+    impls: tuple[str, ...] = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
+    device: str = "cuda"
+
+
+def _leaderboard_fn(impl: str, x: torch.Tensor) -> Callable[[], None]:
+    q, k, v = x  # the protocol's unpacking along dim 0: (heads, N, d) views of x
+    if impl == "flash_triton":
+        flash = torch.compile(FlashAttentionTriton.apply)
+    elif impl == "flash_pytorch_compiled_bwd":
+        flash = torch.compile(lambda a, b, c, causal: FlashAttentionTriton.apply(a, b, c, causal, "pytorch"))
+    else:
+        sdpa = _sdpa(impl.removeprefix("sdpa_"))
+        q, k, v = q[None], k[None], v[None]  # (1, heads, N, d) views: SDPA's flash/cuDNN kernels want 4-D
+        flash = sdpa
+
+    def step():
+        o = flash(q, k, v, True)
+        o.sum().backward()
+
+    return step
+
+
+def _bench_all(
+    fn: Callable[[], object], warmup_ms: float, rep_ms: float, grad_to_none=None
+) -> dict[str, float]:
+    import triton.testing
+
+    from cs336_systems.benchmarking.results import summarize
+
+    return summarize(list(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
+                                                   return_mode="all")))  # fmt: skip
+
+
+def matmul_peak_tflops(device: str = "cuda", n: int = 8192) -> float:
+    """Measured bf16 matmul rate of this GPU (random data, do_bench median)."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = _bench_all(lambda: a @ b, 25, 200)["p50"]
+    return tflops(2.0 * n**3, ms)
+
+
+def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = True) -> list[dict[str, Any]]:
+    """Time the protocol for every impl, print a side-by-side table, append rows."""
+    gpu = device_name(cfg.device)
+    rows: list[dict[str, Any]] = []
+    config = dataclasses.asdict(cfg) | {
+        "dtype": "bfloat16",
+        "causal": True,
+        "timed": "o = flash(q, k, v, True); o.sum().backward()",
+    }
+    results: dict[str, dict[str, float]] = {}
+    for impl in cfg.impls:
+        torch.manual_seed(0)
+        x = torch.randn(
+            3, cfg.heads, cfg.seq_len, cfg.d, device=cfg.device, dtype=torch.bfloat16, requires_grad=True
+        )
+        outcome: dict[str, str] = {}
+        with capture_failure(outcome):
+            step = _leaderboard_fn(impl, x)
+            step()  # compile outside the timed region (do_bench's warm-up would also absorb it)
+            results[impl] = _bench_all(step, cfg.warmup_ms, cfg.rep_ms)
+        common = dict(problem=LEADERBOARD, name="protocol", impl=impl, mode="fwd_bwd", dtype="bfloat16",
+                      x_name="seq_len", x_value=cfg.seq_len, config=config)  # fmt: skip
+        if impl in results:
+            rows.append(make_row(metric="latency", unit="ms", stats=results[impl], **common))
+        else:
+            rows.append(
+                failure_row(metric="latency", unit="ms", note=_failure_note(outcome["note"]), **common)
+            )
+        del x
+        gc.collect()
+        torch.cuda.empty_cache()
+    flops = attention_flops(1, cfg.heads, cfg.seq_len, cfg.seq_len, cfg.d, causal=True, mode="fwd_bwd")
+    print(f"\nFA2 leaderboard protocol on {gpu}: bf16, causal, {cfg.heads} x {cfg.seq_len} x {cfg.d}, "
+          f"do_bench(rep={cfg.rep_ms:g}, warmup={cfg.warmup_ms:g})")  # fmt: skip
+    base = results.get("sdpa_flash", {}).get("p50")
+    print(f"{'impl':<16}{'median ms':>11}{'mean ms':>10}{'TFLOP/s':>9}{'vs sdpa_flash':>15}")
+    for impl in cfg.impls:
+        if impl not in results:
+            print(f"{impl:<16}{'failed':>11}")
+            continue
+        st = results[impl]
+        ratio = f"{st['p50'] / base:.3f}x" if base else "-"
+        print(f"{impl:<16}{st['p50']:>11.3f}{st['mean']:>10.3f}{tflops(flops, st['p50']):>9.1f}{ratio:>15}")
+    if split:
+        rows += _leaderboard_split(cfg, config)
+    append_rows(LEADERBOARD, rows, results_dir)
+    return rows
+
+
+def _leaderboard_split(cfg: LeaderboardConfig, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Forward-only and backward-only times at the protocol shape, and the bf16 matmul peak."""
+    rows = []
+    peak = matmul_peak_tflops(cfg.device)
+    rows.append(make_row(problem=LEADERBOARD, name="matmul_peak", impl="torch.matmul", mode="", dtype="bfloat16",
+                         metric="throughput", unit="TFLOP/s", value=peak, config={"shape": "8192^3"}))  # fmt: skip
+    print(f"\nmeasured bf16 matmul peak: {peak:.0f} TFLOP/s")
+    print(f"{'impl':<16}{'mode':<9}{'median ms':>11}{'TFLOP/s':>9}{'of peak':>9}")
+    for impl in cfg.impls:
+        fn = attention_fn(impl, cfg.device)
+        stats, _, note = measure_config(
+            fn, batch=1, heads=cfg.heads, n=cfg.seq_len, d=cfg.d, dtype=torch.bfloat16, causal=True,
+            device=cfg.device, warmup_ms=100, rep_ms=1000, modes=("fwd", "bwd"),
+        )  # fmt: skip
+        for mode in ("fwd", "bwd"):
+            common = dict(problem=LEADERBOARD, name="split", impl=impl, mode=mode, dtype="bfloat16",
+                          x_name="seq_len", x_value=cfg.seq_len, config=config)  # fmt: skip
+            if mode not in stats:
+                rows.append(failure_row(metric="latency", unit="ms", note=note or "not measured", **common))
+                continue
+            st = stats[mode]
+            tf = tflops(
+                attention_flops(1, cfg.heads, cfg.seq_len, cfg.seq_len, cfg.d, causal=True, mode=mode),
+                st["p50"],
+            )
+            rows.append(make_row(metric="latency", unit="ms", stats=st, **common))
+            rows.append(make_row(metric="throughput", unit="TFLOP/s", value=tf, **common))
+            print(f"{impl:<16}{mode:<9}{st['p50']:>11.3f}{tf:>9.1f}{tf / peak:>9.1%}")
+    return rows
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    # name: options / bwd fused flag / backward impl; see OPTIMIZATION_LOG.md for the predictions
+    "v0_mask_all_tiles": {"options": launch.KernelOptions(False, False, False)},
+    "v1_skip_masked_tiles": {"options": launch.KernelOptions(True, False, False)},
+    "v2_split_diagonal": {"options": launch.KernelOptions(True, True, False)},
+    "v3_tma": {"options": launch.KernelOptions(True, True, True)},
+    "v4_tma_fused_bwd": {"options": launch.KernelOptions(True, True, True), "fused": True},
+    "pytorch_compiled_bwd": {"options": launch.KernelOptions(True, True, None), "bwd_impl": "pytorch"},
+}
+
+
+def run_variants(
+    cfg: LeaderboardConfig, names: Sequence[str] | None = None, *, results_dir=None
+) -> list[dict[str, Any]]:
+    """Forward and backward times of kernel variants at the leaderboard shape (heuristic tiles)."""
+    rows = []
+    n, d = cfg.seq_len, cfg.d
+    print(f"\nkernel variants at {cfg.heads} x {n} x {d}, bf16, causal (do_bench median)")
+    print(f"{'variant':<24}{'fwd ms':>9}{'bwd ms':>9}{'fwd+bwd':>9}")
+    for name in names or VARIANTS:
+        spec = VARIANTS[name]
+        bwd_cfg = dataclasses.replace(
+            launch.heuristic_bwd(n, n, d, torch.bfloat16), fused=spec.get("fused", False)
+        )
+        bwd_impl = spec.get("bwd_impl", "triton")
+        fn = lambda q, k, v, c, b=bwd_impl: FlashAttentionTriton.apply(q, k, v, c, b)
+        with launch.use_configs(bwd=bwd_cfg, options=spec["options"]):
+            stats, _, note = measure_config(
+                fn, batch=1, heads=cfg.heads, n=n, d=d, dtype=torch.bfloat16, causal=True, device=cfg.device,
+                warmup_ms=50, rep_ms=400,
+            )  # fmt: skip
+        config = {"heads": cfg.heads, "seq_len": n, "d": d, "options": repr(spec["options"]), "bwd": repr(bwd_cfg),
+                  "bwd_impl": bwd_impl, "fwd": repr(launch.heuristic_fwd(n, n, d, torch.bfloat16))}  # fmt: skip
+        for mode in MODES:
+            common = dict(problem=LEADERBOARD, name="variant", impl=name, mode=mode, dtype="bfloat16",
+                          x_name="seq_len", x_value=n, config=config)  # fmt: skip
+            if mode in stats:
+                rows.append(make_row(metric="latency", unit="ms", stats=stats[mode], **common))
+            else:
+                rows.append(failure_row(metric="latency", unit="ms", note=note or "not measured", **common))
+        cells = "".join(f"{stats[m]['p50']:>9.3f}" if m in stats else f"{'fail':>9}" for m in MODES)
+        print(f"{name:<24}{cells}  {note}")
+    append_rows(LEADERBOARD, rows, results_dir)
+    return rows
+
+
+def run_tuning(
+    heads: int, n: int, d: int, dtype: torch.dtype, *, device: str = "cuda", results_dir=None
+) -> list[dict[str, Any]]:
+    """Time every forward and backward tile candidate (causal) and print them, fastest first."""
+    rows = []
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, heads, n, d, device=device, dtype=dtype) for _ in range(4))
+    o, lse = launch.flash_fwd(q, k, v, True)
+    block_d = max(16, 1 << (d - 1).bit_length())
+    results = []
+    for kind, cands in (
+        ("fwd", launch.fwd_candidates(block_d, dtype)),
+        ("bwd", launch.bwd_candidates(block_d, dtype)),
+    ):
+        for cand in cands:
+            outcome: dict[str, str] = {}
+            with capture_failure(outcome):
+                pin = {"fwd": cand} if kind == "fwd" else {"bwd": cand}
+                with launch.use_configs(**pin):
+                    call = (lambda: launch.flash_fwd(q, k, v, True)) if kind == "fwd" else (
+                        lambda: launch.flash_bwd(do, q, k, v, o, lse, True))  # fmt: skip
+                    call()
+                    st = _bench_all(call, 25, 200)
+            common = dict(problem=LEADERBOARD, name="tuning", impl=repr(cand), mode=kind, dtype=str(dtype).removeprefix("torch."),
+                          x_name="seq_len", x_value=n, config={"heads": heads, "seq_len": n, "d": d, "causal": True})  # fmt: skip
+            if outcome.get("note"):
+                rows.append(failure_row(metric="latency", unit="ms", note=outcome["note"], **common))
+                results.append((kind, math.inf, cand, outcome["note"]))
+            else:
+                rows.append(make_row(metric="latency", unit="ms", stats=st, **common))
+                results.append((kind, st["p50"], cand, ""))
+    print(f"\ntile candidates at {heads} x {n} x {d}, {dtype}, causal")
+    for kind, ms, cand, note in sorted(results, key=lambda r: (r[0], r[1])):
+        print(f"{kind:<4}{ms:>9.3f} ms  {cand!r} {note}")
+    append_rows(LEADERBOARD, rows, results_dir)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def _strs(s: str) -> tuple[str, ...]:
+    return tuple(x for x in s.split(",") if x)
+
+
+def quick_config(device: str = "cpu") -> SweepConfig:
+    """Tiny sizes that run on a CPU in seconds (interpreter for the Triton kernels)."""
+    return SweepConfig(seq_lens=(32, 64), head_dims=(16,), dtypes=("float32",),
+                       impls=("flash_triton", "naive", "flash_pytorch"), warmup_ms=1, rep_ms=5, device=device)  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    d = SweepConfig()
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="run the flash_benchmarking sweep (default if nothing else is asked)",
+    )
+    p.add_argument("--seq-lens", type=_ints, default=d.seq_lens, help="comma-separated N values")
+    p.add_argument("--head-dims", type=_ints, default=d.head_dims, help="comma-separated head dims")
+    p.add_argument("--dtypes", type=_strs, default=d.dtypes, help="comma-separated torch dtype names")
+    p.add_argument(
+        "--impls", type=_strs, default=d.impls, help=f"comma-separated subset of {','.join(IMPLS)}"
+    )
+    p.add_argument(
+        "--warmup-ms", type=float, default=d.warmup_ms, help="do_bench warm-up budget per measurement"
+    )
+    p.add_argument(
+        "--rep-ms", type=float, default=d.rep_ms, help="do_bench repetition budget per measurement"
+    )
+    p.add_argument(
+        "--pytorch-max-n",
+        type=int,
+        default=d.max_n["flash_pytorch"],
+        help="longest N for the PyTorch tile loop",
+    )
+    p.add_argument(
+        "--call-cap-ms", type=float, default=d.call_cap_ms, help="stop an impl after a fwd+bwd this slow"
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="overall sweep time budget (the rest: skipped rows)"
+    )
+    p.add_argument("--quick", action="store_true", help="tiny CPU-sized sweep (for smoke tests)")
+    p.add_argument("--leaderboard", action="store_true", help="run the 2025 leaderboard protocol")
+    p.add_argument(
+        "--lb-rep-ms", type=float, default=10000.0, help="leaderboard do_bench rep (protocol: 10000)"
+    )
+    p.add_argument(
+        "--lb-warmup-ms", type=float, default=1000.0, help="leaderboard do_bench warmup (protocol: 1000)"
+    )
+    p.add_argument("--variants", action="store_true", help="time the kernel variants of the optimisation log")
+    p.add_argument(
+        "--tune", type=str, default="", help="time tile candidates: 'd:dtype:N,...' e.g. 64:bfloat16:16384"
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+
+    if args.tune:
+        for spec in args.tune.split(","):
+            dd, dt, n = spec.split(":")
+            run_tuning(16, int(n), int(dd), getattr(torch, dt), device=args.device)
+    if args.variants:
+        run_variants(LeaderboardConfig(device=args.device))
+    if args.leaderboard:
+        run_leaderboard(
+            LeaderboardConfig(rep_ms=args.lb_rep_ms, warmup_ms=args.lb_warmup_ms, device=args.device)
+        )
+    if args.sweep or args.quick or not (args.leaderboard or args.variants or args.tune):
+        if args.quick:
+            cfg = quick_config(args.device)
+        else:
+            cfg = SweepConfig(
+                seq_lens=args.seq_lens, head_dims=args.head_dims, dtypes=args.dtypes, impls=args.impls,
+                warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, call_cap_ms=args.call_cap_ms, budget_s=args.budget_s,
+                max_n={"flash_pytorch": args.pytorch_max_n, "flash_pytorch_compiled": args.pytorch_max_n,
+                       "flash_triton_ptbwd": 16384},
+                device=args.device,
+            )  # fmt: skip
+        print(cfg)
+        rows = run_sweep(cfg)
+        measured = sum(1 for r in rows if r["metric"] == "latency" and not r["note"])
+        print(f"flash_benchmarking: {measured} latency rows measured, {len(rows)} rows written")
+
+
+if __name__ == "__main__":
+    main()
