@@ -67,7 +67,7 @@ texdeps:
 ## JupyterLab on notebooks/: jupytext (notebooks/jupytext.toml) opens the .py files as notebooks and
 ## pairs them with .ipynb copies (git-ignored).
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## On a connected machine: the wheels of the notebook stack for the offline GPU host (Python 3.12).
 wheelhouse:

@@ -35,16 +35,16 @@ results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
 df = accumulation_experiment(steps=steps, increment=increment)
+headers = {"case": "case", "result": "result", "increment_stored": "0.01 as stored",
+           "representation_error": "representation error", "accumulation_error": "accumulation error"}  # fmt: skip
+formats = {"result": "{:.6f}", "0.01 as stored": "{:.10f}", "representation error": "{:+.2e}",
+           "accumulation error": "{:+.2e}"}  # fmt: skip
 show_table(
-    df[["case", "result", "increment_stored", "representation_error", "accumulation_error"]],
+    df[list(headers)].rename(columns=headers),
     caption=f"Sum of {steps} additions of {increment} (exact: {steps * increment:g})",
-    formats={
-        "result": "{:.6f}",
-        "increment_stored": "{:.10f}",
-        "representation_error": "{:+.2e}",
-        "accumulation_error": "{:+.2e}",
-    },
+    formats=formats,
     provenance_from=f"computed live on {device_name('cpu')} with torch {torch.__version__}",
+    note="Representation error: steps x (stored - exact increment). Accumulation error: result - steps x stored increment",
 )
 
 # %% tags=["remove-input"]

@@ -434,3 +434,32 @@ def test_runner_reports_failures_and_timeouts(tmp_path, monkeypatch, capsys):
     (src / "03_slow.py").write_text(_HEADER + "\n# %%\nimport time\ntime.sleep(600)\n")
     assert run_notebooks.main(["--timeout", "3", "--select", "slow"]) == 1
     assert "FAILED 03_slow: timed out after 3 s" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------------
+# The package function behind notebook 03 (mixed_precision_accumulation)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_accumulation_experiment_matches_ieee_simulation():
+    import numpy as np
+
+    from cs336_systems.benchmarking.mixed_precision import accumulation_experiment
+
+    df = accumulation_experiment().set_index("case")
+    # independent reference: numpy scalars, rounding every partial sum to the accumulator's dtype
+    ref = {}
+    for case, acc, inc in [("fp32 += fp32", np.float32, np.float32), ("fp16 += fp16", np.float16, np.float16),
+                           ("fp32 += fp16", np.float32, np.float16)]:  # fmt: skip
+        s = acc(0)
+        for _ in range(1000):
+            s = acc(s + acc(inc(0.01)))
+        ref[case] = float(s)
+    for case, value in ref.items():
+        assert df.loc[case, "result"] == value, case
+    assert df.loc["fp32 += fp16.to(fp32)", "result"] == df.loc["fp32 += fp16", "result"]
+    assert df.loc["fp16 += fp16", "increment_stored"] == float(np.float16(0.01))
+    assert abs(df.loc["fp32 += fp16", "accumulation_error"]) < 1e-5  # the error is representation only
+    assert abs(df.loc["fp16 += fp16", "result"] - 10) > 10 * abs(df.loc["fp32 += fp32", "result"] - 10)
+    with pytest.raises(ValueError, match="steps"):
+        accumulation_experiment(steps=0)

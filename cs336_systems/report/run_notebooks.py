@@ -87,9 +87,11 @@ def convert(source: Path) -> Path:
     import jupytext
 
     nb = jupytext.read(source)
+    # a bare percent file has no kernel or language: papermill needs both
     nb.metadata.setdefault(
         "kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"}
     )
+    nb.metadata.setdefault("language_info", {"name": "python"})
     CONVERTED.mkdir(parents=True, exist_ok=True)
     dest = CONVERTED / f"{source.stem}.ipynb"
     nbformat.write(nb, dest)
