@@ -4,10 +4,14 @@ token_embeddings -> layers[i] (x + attn(ln1 x), then h + ffn(ln2 h)) -> ln_final
 No biases, no dropout, no weight tying, RoPE shared by every block.
 
 Activation checkpointing (2026 gradient_checkpointing) is a property of the forward loop only:
-`set_checkpointing(group_size)` recomputes each run of `group_size` consecutive blocks in backward.
+`set_checkpointing(group_size)` recomputes each run of `group_size` consecutive blocks in backward;
+`set_block_runner(fn)` hands the whole block stack to `fn(layers, x)` instead (nested or sub-block
+strategies from `cs336_systems.model.checkpointing`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -69,7 +73,9 @@ class BasicsTransformerLM(nn.Module):
         )
         self.context_length = context_length
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
-        self.positional_encoder = RotaryEmbedding(context_length, d_model // num_heads, rope_theta, device=device)
+        self.positional_encoder = RotaryEmbedding(
+            context_length, d_model // num_heads, rope_theta, device=device
+        )
         self.layers = nn.ModuleList(
             TransformerBlock(d_model, num_heads, d_ff, self.positional_encoder, attention_impl, device, dtype)
             for _ in range(num_layers)
@@ -77,6 +83,7 @@ class BasicsTransformerLM(nn.Module):
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
         self.checkpoint_group_size: int | None = None
+        self.block_runner: Callable[[nn.ModuleList, Tensor], Tensor] | None = None
 
     @classmethod
     def from_config(cls, config: ModelConfig, **kwargs) -> BasicsTransformerLM:
@@ -92,6 +99,15 @@ class BasicsTransformerLM(nn.Module):
             raise ValueError(f"group_size must be positive or None, got {group_size}")
         self.checkpoint_group_size = group_size or None
 
+    def set_block_runner(self, runner: Callable[[nn.ModuleList, Tensor], Tensor] | None) -> None:
+        """Run the blocks as `runner(self.layers, x)` when autograd records (None: the default loop).
+
+        Takes precedence over `set_checkpointing`; inference (no grad) always uses the plain loop.
+        """
+        if runner is not None and not callable(runner):
+            raise ValueError(f"block runner must be callable or None, got {type(runner).__name__}")
+        self.block_runner = runner
+
     def get_num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.lm_head.weight.numel() if non_embedding else n
@@ -104,10 +120,14 @@ class BasicsTransformerLM(nn.Module):
     def forward(self, token_ids: Tensor) -> Tensor:
         """token_ids: (batch, T) int64 with T <= context_length -> logits (batch, T, vocab_size)."""
         if token_ids.shape[-1] > self.context_length:
-            raise ValueError(f"sequence length {token_ids.shape[-1]} exceeds context_length {self.context_length}")
+            raise ValueError(
+                f"sequence length {token_ids.shape[-1]} exceeds context_length {self.context_length}"
+            )
         x = self.token_embeddings(token_ids)
         group = self.checkpoint_group_size
-        if group and torch.is_grad_enabled():
+        if self.block_runner is not None and torch.is_grad_enabled():
+            x = self.block_runner(self.layers, x)
+        elif group and torch.is_grad_enabled():
             for start in range(0, len(self.layers), group):
                 x = checkpoint(self._run_group, x, start, start + group, use_reentrant=False)
         else:
