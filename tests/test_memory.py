@@ -1,0 +1,234 @@
+"""Memory profiling tools: snapshot timeline, largest allocations, compaction, capture, (d) and (f)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+from cs336_systems.benchmarking import memory as mem
+from cs336_systems.benchmarking.end_to_end import EndToEndConfig
+from cs336_systems.model import get_config
+
+MIB = 2**20
+ATTN = {
+    "filename": "/repo/cs336_systems/model/attention.py",
+    "line": 33,
+    "name": "scaled_dot_product_attention",
+}
+BLOCK = {"filename": "/repo/cs336_systems/model/transformer.py", "line": 44, "name": "forward"}
+CALL = {"filename": "/venv/lib/torch/nn/modules/module.py", "line": 1782, "name": "_call_impl"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _marker(phase: str, addr: int) -> list[dict]:
+    frames = [
+        {
+            "filename": "/repo/cs336_systems/benchmarking/memory.py",
+            "line": 80,
+            "name": f"_memory_mark_{phase}",
+        }
+    ]
+    return [
+        {"action": "alloc", "addr": addr, "size": 512, "stream": 0, "frames": frames},
+        {"action": "free_requested", "addr": addr, "size": 512, "stream": 0, "frames": frames},
+        {"action": "free_completed", "addr": addr, "size": 512, "stream": 0, "frames": frames},
+    ]
+
+
+def _ev(action: str, addr: int, size_mib: float, frames=()) -> dict:
+    return {"action": action, "addr": addr, "size": int(size_mib * MIB), "stream": 0, "frames": list(frames)}
+
+
+def synthetic_snapshot() -> dict:
+    """The layout of torch.cuda.memory._snapshot(): a 1 MiB block live throughout (parameters), a
+    0.5 MiB tensor allocated before recording and freed in backward, two forward allocations with
+    Python frames, and one 3 MiB backward allocation without frames (autograd's thread)."""
+    trace = [
+        *_marker("forward", 0x900),
+        _ev("alloc", 0x2000, 2, [ATTN, CALL, BLOCK]),  # A
+        _ev("segment_alloc", 0x8000, 8),  # ignored by the timeline
+        _ev("alloc", 0x3000, 1, [BLOCK]),  # B
+        _ev("free_requested", 0x2000, 2),
+        _ev("free_completed", 0x2000, 2),  # A freed
+        *_marker("backward", 0x900),
+        _ev("free_requested", 0x5000, 0.5),
+        _ev("free_completed", 0x5000, 0.5),  # C: allocated before recording
+        _ev("alloc", 0x6000, 3),  # D: no frames
+        _ev("free_completed", 0x3000, 1),  # B freed
+        _ev("free_completed", 0x6000, 3),  # D freed
+        *_marker("end", 0x900),
+    ]
+    segment = {
+        "device": 0,
+        "address": 0x1000,
+        "total_size": 20 * MIB,
+        "stream": 0,
+        "segment_type": "large",
+        "allocated_size": MIB,
+        "active_size": MIB,
+        "blocks": [
+            {
+                "address": 0x1000,
+                "size": MIB,
+                "requested_size": MIB,
+                "state": "active_allocated",
+                "frames": [],
+            },
+            {
+                "address": 0x1000 + MIB,
+                "size": 19 * MIB,
+                "requested_size": 0,
+                "state": "inactive",
+                "frames": [],
+            },
+        ],
+    }
+    return {"segments": [segment], "device_traces": [trace], "allocator_settings": {}}
+
+
+def test_parse_timeline_elements_phases_and_total():
+    tl = mem.parse_timeline(synthetic_snapshot())
+    # elements in discovery order: A, B, C (initial, freed), D, persistent block
+    np.testing.assert_array_equal(tl.size, np.array([2, 1, 0.5, 3, 1]) * MIB)
+    np.testing.assert_array_equal(tl.initial, [False, False, True, False, True])
+    assert tl.num_steps == 7  # alloc A, alloc B, free A, free C, alloc D, free B, free D
+    assert tl.phases == [("forward", 0), ("backward", 3), ("end", 7)]
+    expected = np.array([1.5, 3.5, 4.5, 2.5, 2.0, 5.0, 4.0, 1.0]) * MIB
+    np.testing.assert_array_equal(tl.total, expected)
+    assert tl.phase_of(0) == "forward" and tl.phase_of(4) == "backward"
+
+
+@pytest.mark.parametrize("max_drawn", [1, 2, 100])
+def test_layout_stack_top_equals_total(max_drawn):
+    tl = mem.parse_timeline(synthetic_snapshot())
+    polys, ids, drawn_top, summarized, base = mem._layout(tl, max_drawn)
+    assert base == MIB  # the persistent block is the bottom band
+    assert len(ids) == min(max_drawn, 4)
+    np.testing.assert_allclose(drawn_top + summarized, tl.total)
+    for poly in polys:  # every band is a closed outline of a positive height
+        assert poly.shape[1] == 2 and np.ptp(poly[:, 1]) > 0
+
+
+def test_plot_active_memory_timeline_renders(tmp_path):
+    fig = mem.plot_active_memory_timeline(synthetic_snapshot(), title="synthetic", unit="MiB", max_drawn=2)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert ax.get_ylim()[1] >= 5.0  # peak 5 MiB
+    assert {t.get_text().strip() for t in ax.texts} == {"forward", "backward"}
+    fig.savefig(tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="unit"):
+        mem.plot_active_memory_timeline(synthetic_snapshot(), unit="KB")
+
+
+def test_largest_allocations_sources_and_phases():
+    df = mem.largest_allocations(synthetic_snapshot(), top=3)
+    assert list(df["size_MiB"]) == [3.0, 2.0, 1.0]
+    assert df.loc[0, "phase"] == "backward" and "no Python frames" in df.loc[0, "source"]
+    assert df.loc[1, "source"] == "model/attention.py:33 scaled_dot_product_attention"
+    assert (
+        df.loc[1, "stack"]
+        == "model/attention.py:33 scaled_dot_product_attention <- model/transformer.py:44 forward"
+    )
+    with_initial = mem.largest_allocations(synthetic_snapshot(), top=10, include_initial=True)
+    assert "(allocated before recording)" in set(with_initial["source"])
+    assert list(mem.largest_allocations(synthetic_snapshot(), phase="forward")["size_MiB"]) == [2.0, 1.0]
+
+
+def test_largest_allocations_groups_repeats():
+    snap = synthetic_snapshot()
+    trace = snap["device_traces"][0]
+    extra = [_ev("alloc", 0x7000 + i, 2, [ATTN, BLOCK]) for i in range(3)]
+    snap["device_traces"][0] = trace[:3] + extra + trace[3:]
+    df = mem.largest_allocations(snap, top=2)
+    assert df.loc[0, "size_MiB"] == 3.0
+    assert df.loc[1, "size_MiB"] == 2.0 and df.loc[1, "count"] == 4
+
+
+def test_profiler_frames_are_understood():
+    frames = [{"filename": "none", "line": 0, "name": "/x/cs336_systems/model/layers.py(20): softmax"}]
+    assert mem.allocation_source(frames)[0] == "model/layers.py:20 softmax"
+    ev = {
+        "action": "alloc",
+        "frames": [{"filename": "none", "line": 0, "name": "/x/memory.py(81): _memory_mark_backward"}],
+    }
+    assert mem._marker_phase(ev) == "backward"
+
+
+def test_compact_save_load_roundtrip(tmp_path):
+    snap = synthetic_snapshot()
+    compact = mem.compact_snapshot(snap, max_frames=1)
+    a = next(e for e in compact["device_traces"][0] if e["action"] == "alloc" and e["addr"] == 0x2000)
+    assert a["frames"] == [ATTN]  # module-call wrapper dropped, then truncated to 1 frame
+    assert all(not e["frames"] for e in compact["device_traces"][0] if e["action"] != "alloc")
+    assert snap["device_traces"][0][3]["frames"] == [ATTN, CALL, BLOCK]  # the original is untouched
+    path = mem.save_snapshot(compact, tmp_path / "s.pickle.gz")
+    back = mem.load_snapshot(path)
+    np.testing.assert_array_equal(mem.parse_timeline(back).total, mem.parse_timeline(snap).total)
+    (tmp_path / "bad.pickle").write_bytes(__import__("pickle").dumps({"x": 1}))
+    with pytest.raises(ValueError, match="not a memory snapshot"):
+        mem.load_snapshot(tmp_path / "bad.pickle")
+
+
+def test_residual_stream_size():
+    # 2.7B (d_model 2560), batch 4: T=512 -> 4*512*2560*4 bytes = 20 MiB exactly
+    assert mem.residual_stream_bytes("2.7B", 4, 512) == 20 * MIB
+    assert mem.residual_stream_bytes("2.7B", 4, 128) == 5 * MIB
+    with pytest.raises(ValueError):
+        mem.residual_stream_bytes("2.7B", 0, 128)
+
+
+def test_block_saved_memory_on_meta_is_consistent():
+    res = mem.block_saved_memory("debug", batch_size=2, context_length=16, device="meta", top=None)
+    by_op = sum(r["bytes"] for r in res["by_op"])
+    assert by_op == res["saved"]["activation"] > 0
+    cfg = get_config("debug")
+    per_block_params = 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
+    assert res["expected_grad_bytes"] == 4 * per_block_params
+    assert res["saved"]["input"] == 2 * 16 * cfg.d_model * 4  # the block input, saved by reference
+    table = mem.by_op_frame(res)
+    assert abs(table["percent"].sum() - 100) < 1e-9
+    rows = mem.block_saved_rows(res)
+    assert {r["metric"] for r in rows} == {"block_saved_activation_hooks", "block_param_grad_expected"}
+
+
+def test_capture_step_on_cpu_records_phases_and_rows(tmp_path):
+    cfg = EndToEndConfig(size="debug", context_length=16, batch_size=2, mode="train", device="cpu")
+    cap = mem.capture_step(cfg)
+    assert cap.note == "" and cap.source == "cpu_profiler"
+    tl = mem.parse_timeline(cap.snapshot)
+    assert [p for p, _ in tl.phases] == ["forward", "backward", "optimizer", "end"]
+    assert cap.peak_bytes > cap.resident_bytes > 0
+    rows = mem.capture_rows(cap, snapshot_file="x.pickle.gz")
+    assert [r["metric"] for r in rows] == ["peak_memory", "resident_memory"]
+    assert json.loads(rows[0]["config_json"])["snapshot_file"] == "x.pickle.gz"
+
+
+def test_capture_failure_becomes_rows():
+    cfg = EndToEndConfig(size="debug", context_length=16, mode="forward", device="cpu")
+    bad = mem.MemoryCapture(cfg, None, None, None, [], "cuda_snapshot", "OOM")
+    rows = mem.capture_rows(bad)
+    assert all(r["note"] == "OOM" and np.isnan(r["mean"]) for r in rows)
+
+
+@pytest.mark.gpu
+def test_capture_step_cuda_snapshot_matches_allocator():
+    cfg = EndToEndConfig(size="debug", context_length=64, batch_size=2, mode="train", device="cuda")
+    cap = mem.capture_step(cfg)
+    assert cap.note == "" and cap.source == "cuda_snapshot"
+    tl = mem.parse_timeline(cap.snapshot)
+    assert [p for p, _ in tl.phases] == ["forward", "backward", "optimizer", "end"]
+    assert abs(tl.total.max() - cap.peak_bytes) <= 0.05 * cap.peak_bytes
+    res = mem.block_saved_memory("debug", 2, 64, device="cuda")
+    m = res["measured"]
+    assert abs(m["saved_activation"] - res["saved"]["activation"]) <= 0.05 * res["saved"]["activation"]
+    assert abs(m["grad_bytes"] - res["expected_grad_bytes"]) <= 0.05 * res["expected_grad_bytes"]
