@@ -31,6 +31,7 @@ from cs336_systems.benchmarking.results import make_row
 from cs336_systems.model import SIZES_2025
 
 PROBLEM = "benchmarking_mixed_precision"
+OPERANDS = "fc1 matmul operands (autocast's cast copies)"
 _BITS = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 16, torch.float64: 64}
 
 
@@ -107,7 +108,7 @@ def dtype_table(
     fc1_operands = sorted({str(d) for d in operands.seen[0][1]}) if operands.seen else ["(no matmul seen)"]
     rows = [
         ("model parameters (inside autocast)", ", ".join(param_dtypes)),
-        ("fc1 matmul operands (autocast's cast copies)", ", ".join(fc1_operands)),
+        (OPERANDS, ", ".join(fc1_operands)),
         ("fc1 output", str(outputs["fc1"])),
         ("ReLU output", str(outputs["relu"])),
         ("LayerNorm output", str(outputs["ln"])),

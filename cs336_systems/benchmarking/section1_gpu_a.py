@@ -13,9 +13,10 @@ Stages, in order (rows appended to `$CS336_RESULTS_DIR/<problem>.csv` as each co
    steps, each warm-up setting in a fresh Python process (as the handout's script would be run), so
    the first measured step pays for CUDA/cuBLAS initialisation, kernel selection and allocator growth;
    the sizes run in order in that process (the first in a cold process, later ones with new shapes);
-5. nsys_profile: every size x context 128/256/512/1024 profiled with torch.profiler (1 warm-up
-   train step, then one inference forward and one train step traced), OOMs recorded, the slim trace
-   of one configuration saved next to the results and its timeline rendered into --out.
+5. nsys_profile: every size x context 128/256/512/1024 (context-major, so what a tight budget skips
+   is the long-context tail that mostly runs out of memory anyway) profiled with torch.profiler (1
+   warm-up train step, then one inference forward and one train step traced), OOMs recorded, the
+   slim trace of one configuration saved next to the results and its timeline rendered into --out.
 
 The run has a wall-clock budget (`--budget-s`, default 285 s): a configuration whose predicted
 duration no longer fits, or that comes after the deadline, gets a 'skipped: <reason>' row instead of
@@ -69,6 +70,7 @@ class Plan:
     steps: int = 10
     ablation_sizes: tuple[str, ...] = ("small", "medium", "large")
     ablation_warmups: tuple[int, ...] = (0, 1, 2)
+    ablation_fresh_process: bool = True  # False (quick runs): in this process, no cold start to show
     profile_contexts: tuple[int, ...] = (128, 256, 512, 1024)
     profile_warmup: int = 1
     profile_steps: int = 1
@@ -85,7 +87,8 @@ def make_plan(quick: bool = False, **overrides: Any) -> Plan:
     """The GPU plan, or with quick=True the debug model on the CPU with short protocols."""
     if quick:
         base = dict(sizes=("debug",), context_length=64, warmup=1, steps=3, ablation_sizes=("debug",),
-                    profile_contexts=(32, 64), trace_size="debug", trace_context=64, device="cpu")  # fmt: skip
+                    ablation_fresh_process=False, profile_contexts=(32, 64), trace_size="debug", trace_context=64,
+                    device="cpu")  # fmt: skip
         overrides = {**base, **overrides}
     return Plan(**overrides)
 
@@ -131,10 +134,10 @@ def _skipped_rows(cfg: EndToEndConfig, problem: str, note: str) -> list[dict[str
 
 
 def _budgeted_sweep(
-    configs: Sequence[EndToEndConfig], problem: str, results_dir, budget: Budget
+    configs: Sequence[EndToEndConfig], problem: str, results_dir, budget: Budget, progress: bool = True
 ) -> list[dict]:
     rows = []
-    for cfg in tqdm(configs, desc=problem):
+    for cfg in tqdm(configs, desc=problem, disable=not progress):
         est = predicted_seconds(
             cfg.size, cfg.context_length, cfg.mode, cfg.autocast, cfg.warmup + cfg.steps, cfg.device
         )
@@ -188,10 +191,11 @@ def run_mixed_precision(
 
 
 def run_warmup_ablation(plan: Plan, results_dir=None, budget: Budget | None = None) -> list[dict]:
-    """Stage 4: per warm-up setting, a fresh `end_to_end` process timing plan.steps train steps.
+    """Stage 4: per warm-up setting, `plan.steps` timed train steps of every ablation size.
 
-    The child appends its own rows (x_name "warmup"); a child that fails or overruns leaves failure
-    rows written here for the configurations it did not report.
+    With `plan.ablation_fresh_process`, each warm-up setting runs in a fresh `end_to_end` process that
+    appends its own rows (x_name "warmup"); a child that fails or overruns leaves failure rows written
+    here for the configurations it did not report. Otherwise (quick runs) it runs in this process.
     """
     budget = budget or Budget(None)
     results = str(default_results_dir(results_dir))
@@ -201,6 +205,9 @@ def run_warmup_ablation(plan: Plan, results_dir=None, budget: Budget | None = No
     for w in tqdm(plan.ablation_warmups, desc="warm-up ablation"):
         cfgs = [EndToEndConfig(size=s, context_length=plan.context_length, mode="train", warmup=w, steps=plan.steps,
                                device=plan.device, x_axis="warmup") for s in plan.ablation_sizes]  # fmt: skip
+        if not plan.ablation_fresh_process:
+            written.extend(_budgeted_sweep(cfgs, BENCH, results_dir, budget, progress=False))
+            continue
         est = 10.0 + sum(
             predicted_seconds(c.size, c.context_length, "train", "none", w + c.steps, c.device) for c in cfgs
         )
@@ -229,6 +236,18 @@ def run_warmup_ablation(plan: Plan, results_dir=None, budget: Budget | None = No
     return written
 
 
+def measure_benchmarking_script(plan: Plan, results_dir=None, budget: Budget | None = None) -> None:
+    """benchmarking_script (b) and (c): stage 2 then stage 4 (one call for the notebook)."""
+    run_benchmarking_script(plan, results_dir, budget)
+    run_warmup_ablation(plan, results_dir, budget)
+
+
+def measure_mixed_precision(plan: Plan, results_dir=None, budget: Budget | None = None) -> None:
+    """benchmarking_mixed_precision (a) and (c): the dtype table, then fp32 and bf16 timings."""
+    run_toy_dtypes(plan, results_dir)
+    run_mixed_precision(plan, results_dir, budget)
+
+
 def run_profiling(plan: Plan, results_dir=None, budget: Budget | None = None, out_dir=None) -> pd.DataFrame:
     """Stage 5: the nsys_profile grid (torch.profiler), one slim trace, and its timeline PNG in out_dir."""
     budget = budget or Budget(None)
@@ -236,7 +255,7 @@ def run_profiling(plan: Plan, results_dir=None, budget: Budget | None = None, ou
     trace_path = results / plan.trace_name
     rows = []
     configs = [profile.ProfileConfig(size=s, context_length=c, warmup=plan.profile_warmup, steps=plan.profile_steps,
-                                     device=plan.device) for s in plan.sizes for c in plan.profile_contexts]  # fmt: skip
+                                     device=plan.device) for c in plan.profile_contexts for s in plan.sizes]  # fmt: skip
     for cfg in tqdm(configs, desc=PROFILE):
         est = 3.0 + predicted_seconds(cfg.size, cfg.context_length, "train", "none", cfg.warmup + cfg.steps + 0.4,
                                       cfg.device)  # fmt: skip
