@@ -84,7 +84,8 @@ gpu-notebooks:
 	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "no .whl/: run 'make wheelhouse' on a connected machine"; exit 2; }
 	mkdir -p $(GPU_OUT) build
 	touch build/.gpu-notebooks-start
-	python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
+	test .site/.installed -nt .whl || { python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl \
+		&& touch .site/.installed; }
 	export PYTHONPATH=$$PWD/.site:$$PWD PATH=$$PWD/.site/bin:$$PATH; \
 	python3 -m ipykernel install --user --name python3 >/dev/null && \
 	$(MAKE) --no-print-directory notebooks PYTHON_NB=python3 NB='$(NB)' PARAMS='$(PARAMS)' \

@@ -154,18 +154,30 @@ def _rows(cells: pd.DataFrame) -> list[str]:
     return [" & ".join(latex_escape(v) for v in row) + r" \\" for row in cells.itertuples(index=False)]
 
 
-def _short_table(cells: pd.DataFrame, spec: str, caption: str | None, numbered: bool) -> str:
-    """A non-floating ([H]) table scaled down to the text width if needed; never splits."""
+def _footer_latex(footer: str) -> str:
+    return r"\par\vspace{3pt}{\centering\footnotesize\itshape " + latex_escape(footer) + r"\par}"
+
+
+def _short_table(
+    cells: pd.DataFrame, spec: str, caption: str | None, numbered: bool, footer: str | None = None
+) -> str:
+    """A non-floating ([H]) table scaled down to the text width if needed; never splits from its
+    caption or its footer."""
     lines = [r"\begin{table}[H]", r"\centering\small"]
     if caption:
         lines.append((r"\caption{" if numbered else r"\caption*{") + latex_escape(caption) + "}")
     lines += [r"\begin{adjustbox}{max width=\linewidth}", r"\begin{tabular}{" + spec + "}", r"\toprule"]
     lines += [_header(list(cells.columns)), r"\midrule", *_rows(cells), r"\bottomrule"]
-    lines += [r"\end{tabular}", r"\end{adjustbox}", r"\end{table}"]
+    lines += [r"\end{tabular}", r"\end{adjustbox}"]
+    if footer:
+        lines.append(_footer_latex(footer))
+    lines.append(r"\end{table}")
     return "\n".join(lines)
 
 
-def _long_table(cells: pd.DataFrame, spec: str, caption: str | None, numbered: bool) -> str:
+def _long_table(
+    cells: pd.DataFrame, spec: str, caption: str | None, numbered: bool, footer: str | None = None
+) -> str:
     """A longtable: breaks across pages with the header repeated (its width is kept in bounds by
     `_column_blocks`, since a longtable cannot be scaled)."""
     ncol = len(cells.columns)
@@ -176,6 +188,8 @@ def _long_table(cells: pd.DataFrame, spec: str, caption: str | None, numbered: b
     lines += [r"\multicolumn{" + str(ncol) + r"}{l}{\footnotesize\itshape (continued)}\\", r"\toprule"]
     lines += [_header(list(cells.columns)), r"\midrule", r"\endhead", r"\bottomrule", r"\endlastfoot"]
     lines += [*_rows(cells), r"\end{longtable}}"]
+    if footer:
+        lines += [_footer_latex(footer), r"\medskip"]
     return "\n".join(lines)
 
 
@@ -187,12 +201,9 @@ def _latex(cells: pd.DataFrame, numeric: list[bool], caption: str | None, footer
         spec = "".join("r" if is_numeric[c] else "l" for c in cols)
         cap = caption if i == 0 else (f"{caption} (continued)" if caption else None)
         render = _long_table if len(cells) > LONG_TABLE_ROWS else _short_table
-        parts.append(render(cells[cols], spec, cap, numbered=i == 0))
+        last = i == len(blocks) - 1
+        parts.append(render(cells[cols], spec, cap, numbered=i == 0, footer=footer if last else None))
     body = "\n".join(parts)
-    if footer:
-        body += (
-            "\n" + r"{\centering\footnotesize\itshape " + latex_escape(footer) + r"\par}" + "\n" + r"\medskip"
-        )
     return body
 
 
