@@ -101,6 +101,10 @@ def test_classify_kernel(name, cat, cls):
             "vectorized_elementwise_kernel[MulFunctor]",
         ),
         (NVJET, NVJET),
+        (
+            "void cutlass::Kernel2<cutlass_80_simt_sgemm_128x128_8x4_nn_align1>(cutlass_80_simt_sgemm_128x128_8x4_nn_align1::Params)",
+            "Kernel2[cutlass_80_simt_sgemm_128x128_8x4_nn_align1]",
+        ),
         ("aten::mm", "aten::mm"),
     ],
 )

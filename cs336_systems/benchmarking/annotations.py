@@ -25,13 +25,30 @@ from cs336_systems.model.layers import softmax
 ATTENTION_RANGES = ("computing attention scores", "computing softmax", "final matmul")
 
 
+_nvtx_usable: list[bool] = []  # decided at the first annotated range of the process
+
+
+def _nvtx_available() -> bool:
+    """NVTX needs a CUDA build with the NVTX library; without it torch's stub raises on every call."""
+    if not _nvtx_usable:
+        ok = torch.cuda.is_available()
+        if ok:
+            try:
+                torch.cuda.nvtx.range_push("nvtx_probe")
+                torch.cuda.nvtx.range_pop()
+            except RuntimeError:  # "NVTX functions not installed": keep the record_function ranges only
+                ok = False
+        _nvtx_usable.append(ok)
+    return _nvtx_usable[0]
+
+
 @contextlib.contextmanager
 def annotate(name: str, enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
     with torch.profiler.record_function(name):
-        if torch.cuda.is_available():
+        if _nvtx_available():
             torch.cuda.nvtx.range_push(name)
             try:
                 yield

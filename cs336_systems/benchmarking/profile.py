@@ -188,6 +188,9 @@ def _strip_templates(name: str) -> tuple[str, list[str]]:
 
 
 _FUNCTOR_HINT = re.compile(r"(\w+_kernel_cuda|\w*Functor\w*|\w+Ops\b|\w+_kernel_impl)")
+_GENERIC_KERNELS = {"Kernel", "Kernel2", "device_kernel", "kernel", "GemmUniversal", "generic_kernel"}
+_NOT_HINTS = {"float", "double", "half", "bool", "long", "unsigned", "char", "short", "true", "false", "void",
+              "Array", "detail", "native", "cutlass", "c10", "BFloat16", "Half", "Params"}  # fmt: skip
 
 
 def short_kernel_name(name: str, max_len: int = 80) -> str:
@@ -207,6 +210,9 @@ def short_kernel_name(name: str, max_len: int = 80) -> str:
         if hints:
             hint = hints[-1] if "Functor" in hints[0] and len(hints) > 1 else hints[0]
             break
+    if not hint and templ and base in _GENERIC_KERNELS:  # e.g. cutlass::Kernel2<cutlass_80_simt_sgemm_...>
+        words = [w for w in re.findall(r"[A-Za-z_]\w{3,}", templ[0]) if w not in _NOT_HINTS]
+        hint = max(words, key=len, default="")
     short = f"{base}[{hint}]" if hint else base
     return short if len(short) <= max_len else short[: max_len - 3] + "..."
 
