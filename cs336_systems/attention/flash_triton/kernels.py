@@ -36,8 +36,8 @@ Caveats: d <= 256 (register/shared-memory limits; the launcher checks); the inte
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
-LN2: tl.constexpr = 0.6931471805599453  # ln(2): ln(x) = log2(x) * LN2
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): ln(x) = log2(x) * LN2
 
 
 @triton.jit
@@ -344,7 +344,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, lo, hi, offs_m, N_KEYS, qk_s
         v = _load_tile(v_src, start_n, CHECK_ROWS, PAD_D, USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (Bq, Bk)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
-        if CHECK_ROWS or MASK_CAUSAL:
+        if CHECK_ROWS:  # every masked call checks rows (MASK_CAUSAL implies CHECK_ROWS)
             offs_n = start_n + offs_n0
             keep = offs_n[None, :] < N_KEYS  # padded keys: exp2(0 - L) could overflow, so zero them
             if MASK_CAUSAL:

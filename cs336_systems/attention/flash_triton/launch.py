@@ -13,7 +13,8 @@ CS336_FLASH_AUTOTUNE=1): the first call of each key then times the candidate lis
 caches the fastest. A configuration that does not fit the GPU's shared memory is shrunk and retried.
 
 fp32 inputs: tl.dot uses TF32 when `torch.get_float32_matmul_precision()` is "high"/"medium" and
-exact fp32 ("ieee") when it is "highest" (PyTorch's default), so our fp32 error tracks PyTorch's.
+3xTF32 ("tf32x3", near-fp32 accuracy) when it is "highest" (PyTorch's default), so our fp32 error
+tracks PyTorch's.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def set_autotune(on: bool) -> None:
 
 def tuning_key(n_q: int, n_k: int, d: int, dtype: torch.dtype, causal: bool) -> tuple:
     bucket = lambda n: 1 << max(0, math.ceil(math.log2(max(n, 1))))
-    return (bucket(n_q), bucket(n_k), d, str(dtype), bool(causal))
+    return (bucket(n_q), bucket(n_k), d, str(dtype), _dot_precision(dtype), bool(causal))
 
 
 def _pow2_clamp(n: int, lo: int, hi: int) -> int:
@@ -122,41 +123,35 @@ def _pow2_clamp(n: int, lo: int, hi: int) -> int:
 
 
 def heuristic_fwd(n_q: int, n_k: int, block_d: int, dtype: torch.dtype) -> FwdConfig:
+    """Forward tiles. GPU values: register-spill-free with TMA on sm_90 (ptxas -v, see the log)."""
     if interpreting():  # the interpreter's cost is per tile: few, large tiles
         bm = _pow2_clamp(n_q, MIN_BLOCK, 64)
         return FwdConfig(bm, _pow2_clamp(n_k, MIN_BLOCK, bm), 1, 1)
     wide = dtype == torch.float32
     if block_d <= 64:
-        cfg = FwdConfig(128, 32, 4, 2) if wide else FwdConfig(128, 64, 4, 3)
-    elif block_d <= 128:
         cfg = FwdConfig(64, 32, 4, 2) if wide else FwdConfig(128, 64, 8, 3)
+    elif block_d <= 128:
+        cfg = FwdConfig(64, 32, 8, 2) if wide else FwdConfig(128, 64, 8, 3)
     else:
-        cfg = FwdConfig(64, 16, 4, 1) if wide else FwdConfig(64, 32, 4, 2)
+        cfg = FwdConfig(32, 16, 4, 1) if wide else FwdConfig(64, 32, 4, 2)
     bm = _pow2_clamp(n_q, MIN_BLOCK, cfg.block_m)
     return dataclasses.replace(cfg, block_m=bm, block_n=min(cfg.block_n, bm))
 
 
 def heuristic_bwd(n_q: int, n_k: int, block_d: int, dtype: torch.dtype) -> BwdConfig:
+    """Backward tiles (same criteria as heuristic_fwd)."""
     if interpreting():
         bn1 = _pow2_clamp(n_k, MIN_BLOCK, 64)
         bm2 = _pow2_clamp(n_q, MIN_BLOCK, 64)
-        return BwdConfig(
-            min(bn1, _pow2_clamp(n_q, MIN_BLOCK, 64)),
-            bn1,
-            bm2,
-            min(bm2, _pow2_clamp(n_k, MIN_BLOCK, 64)),
-            1,
-            1,
-            1,
-            1,
-        )
+        bm1, bn2 = min(bn1, _pow2_clamp(n_q, MIN_BLOCK, 64)), min(bm2, _pow2_clamp(n_k, MIN_BLOCK, 64))
+        return BwdConfig(bm1, bn1, bm2, bn2, 1, 1, 1, 1)
     wide = dtype == torch.float32
     if block_d <= 64:
-        cfg = BwdConfig(32, 64, 64, 32, 4, 2, 4, 2) if wide else BwdConfig(32, 128, 128, 32, 4, 3, 4, 3)
+        cfg = BwdConfig(32, 64, 64, 32, 8, 2, 4, 2) if wide else BwdConfig(32, 128, 128, 32, 8, 3, 8, 3)
     elif block_d <= 128:
-        cfg = BwdConfig(16, 64, 64, 16, 4, 1, 4, 1) if wide else BwdConfig(32, 64, 64, 32, 4, 2, 4, 2)
+        cfg = BwdConfig(16, 64, 64, 16, 8, 2, 4, 1) if wide else BwdConfig(32, 64, 64, 32, 8, 2, 8, 2)
     else:
-        cfg = BwdConfig(16, 32, 32, 16, 4, 1, 4, 1)
+        cfg = BwdConfig(16, 64, 64, 16, 8, 2, 8, 1)
     bn1 = _pow2_clamp(n_k, MIN_BLOCK, cfg.block_n1)
     bm2 = _pow2_clamp(n_q, MIN_BLOCK, cfg.block_m2)
     return dataclasses.replace(
@@ -166,34 +161,44 @@ def heuristic_bwd(n_q: int, n_k: int, block_d: int, dtype: torch.dtype) -> BwdCo
 
 def fwd_candidates(block_d: int, dtype: torch.dtype) -> list[FwdConfig]:
     """Configurations the autotuner times (sizes that fit an H100's 228 KB of shared memory)."""
-    if block_d <= 64 and dtype != torch.float32:
+    if dtype == torch.float32:
         return [
-            FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 4, 4), FwdConfig(128, 64, 8, 3),
-            FwdConfig(128, 128, 8, 3), FwdConfig(128, 128, 8, 2), FwdConfig(128, 32, 4, 3),
-            FwdConfig(64, 64, 4, 3), FwdConfig(64, 32, 4, 4),
+            FwdConfig(64, 32, 4, 2),
+            FwdConfig(64, 32, 8, 2),
+            FwdConfig(128, 64, 8, 2),
+            FwdConfig(64, 16, 4, 1),
+        ]
+    if block_d <= 64:
+        return [
+            FwdConfig(128, 64, 8, 3), FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 8, 4), FwdConfig(128, 64, 4, 4),
+            FwdConfig(128, 128, 8, 3), FwdConfig(128, 128, 8, 2), FwdConfig(128, 32, 8, 3), FwdConfig(64, 64, 4, 3),
         ]  # fmt: skip
     if block_d <= 128:
         return [
-            FwdConfig(128, 64, 8, 3), FwdConfig(128, 64, 8, 2), FwdConfig(128, 32, 4, 3),
-            FwdConfig(64, 64, 4, 3), FwdConfig(64, 32, 4, 2), FwdConfig(128, 128, 8, 2),
+            FwdConfig(128, 64, 8, 3), FwdConfig(128, 64, 8, 2), FwdConfig(128, 32, 8, 3), FwdConfig(64, 64, 4, 3),
+            FwdConfig(64, 32, 4, 3), FwdConfig(128, 128, 8, 2),
         ]  # fmt: skip
-    return [FwdConfig(64, 32, 4, 2), FwdConfig(64, 16, 4, 1), FwdConfig(32, 32, 4, 1)]
+    return [FwdConfig(64, 32, 4, 2), FwdConfig(64, 64, 8, 2), FwdConfig(128, 32, 8, 2)]
 
 
 def bwd_candidates(block_d: int, dtype: torch.dtype) -> list[BwdConfig]:
-    if block_d <= 64 and dtype != torch.float32:
+    if dtype == torch.float32:
+        return [BwdConfig(32, 64, 64, 32, 8, 2, 4, 2), BwdConfig(16, 64, 64, 16, 4, 2, 4, 2),
+                BwdConfig(32, 128, 128, 32, 8, 2, 8, 2)]  # fmt: skip
+    if block_d <= 64:
         return [
-            BwdConfig(32, 128, 128, 32, 4, 3, 4, 3), BwdConfig(32, 128, 128, 32, 4, 4, 4, 4),
+            BwdConfig(32, 128, 128, 32, 8, 3, 8, 3), BwdConfig(32, 128, 128, 32, 8, 4, 8, 4),
             BwdConfig(64, 128, 128, 64, 8, 3, 8, 3), BwdConfig(32, 64, 64, 32, 4, 3, 4, 3),
-            BwdConfig(64, 64, 64, 64, 4, 3, 4, 3), BwdConfig(32, 128, 128, 32, 4, 3, 4, 3, fused=True),
-            BwdConfig(64, 128, 128, 64, 8, 2, 8, 2),
+            BwdConfig(32, 128, 128, 64, 8, 3, 8, 3), BwdConfig(32, 128, 64, 32, 8, 3, 4, 3),
+            BwdConfig(64, 64, 64, 64, 4, 3, 4, 3), BwdConfig(32, 128, 128, 32, 8, 3, 8, 3, fused=True),
         ]  # fmt: skip
     if block_d <= 128:
         return [
-            BwdConfig(32, 64, 64, 32, 4, 2, 4, 2), BwdConfig(32, 128, 128, 32, 8, 2, 8, 2),
+            BwdConfig(32, 64, 64, 32, 8, 2, 8, 2), BwdConfig(32, 128, 128, 32, 8, 2, 8, 2),
             BwdConfig(64, 64, 64, 64, 8, 2, 8, 2), BwdConfig(16, 64, 64, 16, 4, 2, 4, 2),
+            BwdConfig(32, 64, 128, 32, 8, 2, 8, 2),
         ]  # fmt: skip
-    return [BwdConfig(16, 32, 32, 16, 4, 1, 4, 1), BwdConfig(16, 64, 64, 16, 8, 1, 8, 1)]
+    return [BwdConfig(16, 32, 32, 16, 8, 1, 8, 1), BwdConfig(16, 64, 64, 16, 8, 2, 8, 1)]
 
 
 def _shrink_fwd(cfg: FwdConfig) -> FwdConfig | None:
@@ -270,9 +275,12 @@ def _set_tma_allocator(device: torch.device) -> None:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot precision for fp32 inputs (ignored for 16-bit ones). [Note: fp32 dots] PyTorch's
+    "highest" matmul precision maps to 3xTF32 (near-fp32 accuracy on tensor cores; exact "ieee" dots
+    compile to FMA loops that spill and take ~50 s to compile), "high"/"medium" to plain TF32."""
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"  # TF32 for fp32 when PyTorch allows it; ignored for 16-bit inputs
+        return "tf32x3"
+    return "tf32"
 
 
 def _block_d(d: int) -> int:
