@@ -117,17 +117,21 @@ def spawn(
     backend: str = "gloo",
     timeout_s: float = 60.0,
     gloo_on_cuda: bool = False,
+    start_method: str = "spawn",
 ) -> None:
     """Run `fn(rank, world_size, device, *args)` in `world_size` processes with a fresh process group.
 
     `fn` must be importable (defined at module level in a package or test module, not in a notebook).
-    An exception in any rank is re-raised here with that rank's traceback.
+    An exception in any rank is re-raised here with that rank's traceback. `start_method="forkserver"`
+    (with `multiprocessing.set_forkserver_preload(["torch", ...])`) forks the workers from a
+    single-threaded server that has imported torch once: ~0.1 s per launch instead of seconds.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    mp.spawn(
+    mp.start_processes(
         _spawn_entry,
         args=(fn, world_size, backend, free_port(), timeout_s, gloo_on_cuda, args),
         nprocs=world_size,
         join=True,
+        start_method=start_method,
     )
