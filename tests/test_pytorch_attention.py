@@ -62,10 +62,11 @@ def test_sweep_on_cpu_writes_rows(tmp_path):
     assert cfg["causal"] is True and cfg["accounting"]["saved_for_backward"] > 0
 
 
-class _OOMInTimedBackward(torch.autograd.Function):
-    """Identity whose backward succeeds during the warm-up (first call) and then runs out of memory."""
+class _OOMInBackward(torch.autograd.Function):
+    """Identity whose backward succeeds `ok_calls` times, then runs out of memory."""
 
     calls = 0
+    ok_calls = 0
 
     @staticmethod
     def forward(ctx, x):
@@ -73,13 +74,14 @@ class _OOMInTimedBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        _OOMInTimedBackward.calls += 1
-        if _OOMInTimedBackward.calls > 1:
+        _OOMInBackward.calls += 1
+        if _OOMInBackward.calls > _OOMInBackward.ok_calls:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
         return g
 
 
-def test_oom_paths_become_rows():
+@pytest.mark.parametrize("ok_calls", [0, 1])  # fails in the warm-up / in the first timed backward
+def test_oom_paths_become_rows(ok_calls):
     cfg = pa.AttentionBenchConfig(d=4, seq_len=8, batch_size=2, reps=2, warmup=1, device="cpu")
 
     def oom_forward(q, k, v):
@@ -88,12 +90,11 @@ def test_oom_paths_become_rows():
     rows = pd.DataFrame(pa.run_attention(cfg, attention_fn=oom_forward))
     assert list(rows.metric) == ["forward_time", "backward_time"]
     assert rows.note.tolist() == ["OOM", "not run: forward failed (OOM)"] and rows["mean"].isna().all()
-    _OOMInTimedBackward.calls = 0
-    rows = pd.DataFrame(
-        pa.run_attention(cfg, attention_fn=lambda q, k, v: _OOMInTimedBackward.apply(q + k + v))
-    )
+    _OOMInBackward.calls, _OOMInBackward.ok_calls = 0, ok_calls
+    rows = pd.DataFrame(pa.run_attention(cfg, attention_fn=lambda q, k, v: _OOMInBackward.apply(q + k + v)))
     fwd, bwd = (rows[rows.metric == m].iloc[0] for m in ("forward_time", "backward_time"))
     assert fwd.note == "" and fwd.n == 2 and bwd.note == "OOM"
+    assert ("first_backward_time" in set(rows.metric)) == bool(ok_calls)
     assert pa.smallest_oom(pd.DataFrame([{"note": "OOM", "name": "d32", "x_value": 8192},
                                          {"note": "OOM", "name": "d16", "x_value": 16384},
                                          {"note": "", "name": "d16", "x_value": 256}])) == (32, 8192)  # fmt: skip

@@ -217,3 +217,60 @@ def checkpointing_sweep(
             append_rows(PROBLEM, rows, results_dir)
         all_rows.extend(rows)
     return pd.DataFrame(all_rows)
+
+
+STRATEGY_LABELS = {"none": "no checkpointing", "block": "one level, k blocks", "sub_block": "one level, half blocks",
+                   "recursive": "recursive bisection"}  # fmt: skip
+
+
+def measured_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Strategy x {peak memory GiB, step ms}: means, or the failure / skip note (latest rows)."""
+    from cs336_systems.benchmarking.results import latest_run
+
+    t = latest_run(
+        df[df.metric.isin(["peak_memory", "step_time"])], keys=("name", "impl", "x_value", "metric")
+    )
+    if t.empty:
+        return pd.DataFrame()
+    value = t.apply(lambda r: r["note"] if r["note"] and not r["n"] else (f"{r['mean']:.1f}" if r["unit"] == "GiB" else f"{r['mean']:,.0f}"), axis=1)  # fmt: skip
+    t = t.assign(
+        value=value, metric=t["metric"].map({"peak_memory": "peak memory (GiB)", "step_time": "step (ms)"})
+    )
+    out = t.pivot_table(
+        index=["impl", "x_value"], columns="metric", values="value", aggfunc="last"
+    ).reset_index()
+    out = out.rename(columns={"impl": "strategy", "x_value": "blocks per checkpoint"})
+    return out.sort_values(["strategy", "blocks per checkpoint"]).reset_index(drop=True)
+
+
+def plot_cost_model(cost: pd.DataFrame, measured: pd.DataFrame | None = None):
+    """Predicted peak (activations + training state) against k for one level, the other strategies as
+    horizontal lines, and the measured peaks as markers. Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    one = cost[cost.strategy == "block"]
+    ax.plot(one.group_size, one.predicted_total_GiB, "-", color="#4e79a7", label="model: one level, k blocks")
+    for strategy, color in (("sub_block", "#f28e2b"), ("recursive", "#59a14f")):
+        row = cost[cost.strategy == strategy]
+        if len(row):
+            ax.axhline(
+                row.predicted_total_GiB.iloc[0],
+                color=color,
+                ls="--",
+                lw=1,
+                label=f"model: {STRATEGY_LABELS[strategy]}",
+            )
+    if measured is not None and len(measured):
+        ok = measured[(measured.metric == "peak_memory") & (measured.note == "")]
+        for strategy, marker in (("block", "o"), ("sub_block", "s"), ("recursive", "^")):
+            m = ok[ok.impl == strategy]
+            if len(m):
+                x = m.x_value if strategy == "block" else [1] * len(m)
+                ax.plot(x, m["mean"], marker, color="black", ms=6, mfc="none" if strategy != "block" else "black",
+                        label=f"measured: {STRATEGY_LABELS[strategy]}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("blocks per checkpoint k")
+    ax.set_ylabel("peak memory (GiB)")
+    ax.legend(fontsize=7, loc="upper left")
+    return fig

@@ -144,3 +144,92 @@ def whole_model_compile_sweep(
             append_rows(PROBLEM, rows, results_dir)
         all_rows.extend(rows)
     return pd.DataFrame(all_rows)
+
+
+def torch_compile_study(
+    *,
+    quick: bool,
+    device: str | None = None,
+    results_dir: str | None = None,
+    budget: TimeBudget | None = None,
+) -> None:
+    """Notebook entry point for both parts. Quick (CPU): a tiny attention grid, eager and compiled with
+    the aot_eager backend (Dynamo + AOTAutograd without Inductor's minutes of C++ compilation), and
+    the debug model eager with its compiled cells recorded as skipped. Otherwise the full grids."""
+    from cs336_systems.benchmarking.pytorch_attention import attention_grid, attention_sweep
+
+    if quick:
+        kw: dict[str, Any] = dict(reps=3, warmup=1, device=device or "cpu")
+        grid: dict[str, Any] = dict(head_dims=(16,), seq_lens=(64, 128), extra_points=())
+        attention_sweep(attention_grid(**grid, **kw), results_dir=results_dir, progress=False)
+        attention_compile_sweep(**grid, backend="aot_eager", results_dir=results_dir, progress=False, **kw)
+        whole_model_compile_sweep(("debug",), context_length=32, warmup=1, steps=2, device=device or "cpu",
+                                  include_compiled=False, results_dir=results_dir, progress=False,
+                                  skip_reason="quick mode on a CPU: Inductor's C++ compile of a whole model takes minutes")  # fmt: skip
+        return
+    dev = {"device": device} if device else {}
+    attention_compile_sweep(budget=budget, results_dir=results_dir, **dev)
+    whole_model_compile_sweep(budget=budget, results_dir=results_dir, **dev)
+
+
+def _fmt(r: pd.Series) -> str:
+    return r["note"] if r["note"] and not r["n"] else f"{r['mean']:.3g}"
+
+
+def attention_speedup_table(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.DataFrame:
+    """(d, T) x {forward, backward} eager ms, compiled ms and speedup (eager / compiled)."""
+    from cs336_systems.benchmarking.results import latest_run
+
+    parts = []
+    for label, df in (("eager", eager), ("compiled", compiled)):
+        t = latest_run(df[df.metric.isin(["forward_time", "backward_time"])])
+        if t.empty:
+            return pd.DataFrame()
+        t = t.assign(d=t["name"].str.lstrip("d").astype(int), T=t["x_value"].astype(int), variant=label,
+                     phase=t["metric"].str.replace("_time", ""))  # fmt: skip
+        parts.append(t)
+    t = pd.concat(parts)
+    cells = t.assign(value=t.apply(_fmt, axis=1)).pivot_table(
+        index=["d", "T"], columns=["phase", "variant"], values="value", aggfunc="last"
+    )
+    means = t[t.note.eq("") | t.n.gt(0)].pivot_table(
+        index=["d", "T"], columns=["phase", "variant"], values="mean"
+    )
+    for phase in ("forward", "backward"):
+        if (phase, "eager") in means.columns and (phase, "compiled") in means.columns:
+            sp = means[(phase, "eager")] / means[(phase, "compiled")]
+            cells[(phase, "speedup")] = (
+                sp.map(lambda v: "" if pd.isna(v) else f"{v:.2f}x").reindex(cells.index).fillna("")
+            )
+    order = [
+        (p, v)
+        for p in ("forward", "backward")
+        for v in ("eager", "compiled", "speedup")
+        if (p, v) in cells.columns
+    ]
+    return cells[order]
+
+
+def whole_model_table(df: pd.DataFrame) -> pd.DataFrame:
+    """size x {forward, train} step ms eager and compiled, speedup, and compile seconds."""
+    from cs336_systems.benchmarking.results import latest_run
+
+    t = latest_run(df[(df.x_name == "context_length") & df.metric.isin(["step_time", "compile_time"])])
+    if t.empty:
+        return pd.DataFrame()
+    t = t.assign(variant=t["impl"].map(lambda s: "compiled" if s.endswith("+compile") else "eager"))
+    order = {s: i for i, s in enumerate(SIZES_2025)}
+    rows = []
+    for (size, mode), g in sorted(
+        t.groupby(["name", "mode"]), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])
+    ):
+        step = g[g.metric == "step_time"].set_index("variant")
+        comp = g[g.metric == "compile_time"]
+        row = {"size": size, "mode": mode}
+        for v in ("eager", "compiled"):
+            row[f"{v} (ms)"] = _fmt(step.loc[v]) if v in step.index else ""
+        ok = all(v in step.index and step.loc[v, "n"] for v in ("eager", "compiled"))
+        row["speedup"] = f"{step.loc['eager', 'mean'] / step.loc['compiled', 'mean']:.2f}x" if ok else ""
+        row["compile (s)"] = _fmt(comp.iloc[0]) if len(comp) else ""
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -160,10 +160,16 @@ def _trim_to_first_marker(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 
 def capture_step(
-    cfg: EndToEndConfig, *, warmup: int = 1, max_entries: int = 200_000, stacks: str = "python"
+    cfg: EndToEndConfig,
+    *,
+    warmup: int = 1,
+    max_entries: int = 200_000,
+    stacks: str = "python",
+    record: bool = True,
 ) -> MemoryCapture:
     """Record the memory of one step of `cfg` after `warmup` untimed steps (see module docstring).
 
+    record=False (CUDA only) measures the peak without recording a history (no snapshot; faster).
     Never raises for OOM or runtime errors: the capture then has `snapshot=None` and a `note`.
     """
     if warmup < 1 and cfg.mode == "train":
@@ -181,14 +187,17 @@ def capture_step(
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             resident = float(torch.cuda.memory_allocated())
-            _start_history(max_entries, stacks)
+            if record:
+                _start_history(max_entries, stacks)
             try:
                 work.step(timer)
                 _memory_mark_end(cfg.device)
                 synchronize(cfg.device)
-                snapshot = _trim_to_first_marker(torch.cuda.memory._snapshot())
+                if record:
+                    snapshot = _trim_to_first_marker(torch.cuda.memory._snapshot())
             finally:
-                torch.cuda.memory._record_memory_history(enabled=None)
+                if record:
+                    torch.cuda.memory._record_memory_history(enabled=None)
             peak = float(torch.cuda.max_memory_allocated())
         else:
             snapshot = _profile_step_cpu(work, timer)
@@ -202,16 +211,22 @@ def capture_step(
     if not cuda:
         tl = parse_timeline(snapshot)
         peak, resident = float(tl.total.max()), float(tl.total[0])
-    return MemoryCapture(cfg, snapshot, peak, resident, marks, "cuda_snapshot" if cuda else "cpu_profiler")
+    source = ("cuda_snapshot" if record else "cuda_peak") if cuda else "cpu_profiler"
+    return MemoryCapture(cfg, snapshot, peak, resident, marks, source)
 
 
 def _profile_step_cpu(work: Any, timer: _MarkingTimer) -> dict[str, Any]:
     from torch.cuda._memory_viz import _profile_to_snapshot
 
+    from cs336_systems.benchmarking.profile import _kineto_logs_filtered  # Kineto's fd-2 chatter
+
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(
-        activities=activities, profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+    with (
+        _kineto_logs_filtered(),
+        torch.profiler.profile(
+            activities=activities, profile_memory=True, record_shapes=True, with_stack=True
+        ) as prof,
+    ):
         work.step(timer)
         _memory_mark_end("cpu")
     return _profile_to_snapshot(prof)
@@ -765,3 +780,62 @@ def memory_grid(
         for m in modes
         for t in context_lengths
     ]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tables for the writeup
+# ----------------------------------------------------------------------------------------------------
+
+
+def _cell(row: pd.Series, digits: int = 2) -> str:
+    return row["note"] if row["note"] else f"{row['mean']:.{digits}f}"
+
+
+def peak_table(df: pd.DataFrame, metric: str = "peak_memory") -> pd.DataFrame:
+    """Peak memory (GiB, or the failure note) by context length x (precision, mode), latest rows."""
+    from cs336_systems.benchmarking.results import latest_run
+
+    t = latest_run(df[(df.metric == metric) & (df.x_name == "context_length")])
+    if t.empty:
+        return t
+    t = t.assign(
+        value=t.apply(_cell, axis=1),
+        precision=t["dtype"],
+        step=t["mode"].map({"forward": "forward", "train": "train step"}),
+    )
+    out = t.pivot_table(index="x_value", columns=["precision", "step"], values="value", aggfunc="last")
+    out.index.name = "context length"
+    return out
+
+
+def phase_peaks(tl: Timeline) -> pd.DataFrame:
+    """Highest active memory inside each phase of a timeline (GiB) and where it occurs."""
+    bounds = [(name, s) for name, s in tl.phases if name != "end"]
+    ends = [s for _, s in tl.phases[1:]] + [tl.num_steps]
+    rows = []
+    for (name, s0), s1 in zip(bounds, ends):
+        seg = tl.total[s0 : s1 + 1]
+        if len(seg):
+            k = int(np.argmax(seg))
+            rows.append(
+                {"phase": name, "peak_GiB": seg[k] / GIB, "at_event": s0 + k, "start_GiB": seg[0] / GIB}
+            )
+    return pd.DataFrame(rows)
+
+
+def count_allocations(tl: Timeline, nbytes: int) -> int:
+    """Allocations made during the recording whose (rounded) size is exactly `nbytes`."""
+    return int(((tl.size == nbytes) & ~tl.initial).sum())
+
+
+def peak_values(df: pd.DataFrame, metric: str = "peak_memory") -> pd.DataFrame:
+    """Like `peak_table`, numeric (failures are NaN)."""
+    from cs336_systems.benchmarking.results import latest_run
+
+    t = latest_run(df[(df.metric == metric) & (df.x_name == "context_length")])
+    if t.empty:
+        return t
+    t = t.assign(step=t["mode"].map({"forward": "forward", "train": "train step"}))
+    return t.pivot_table(
+        index="x_value", columns=["dtype", "step"], values="mean", aggfunc="last", dropna=False
+    )

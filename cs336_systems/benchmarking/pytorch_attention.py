@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import timeit
 from collections.abc import Callable, Sequence
@@ -171,28 +172,44 @@ def _timed(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
     return out, timeit.default_timer() - start
 
 
+def _device_total_bytes(device: str) -> int | None:
+    if not _cuda(device):
+        return None
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory
+
+
 def _cuda(device: str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
 def _measure(cfg: AttentionBenchConfig, fn: Callable, budget: TimeBudget | None) -> dict[str, Any]:
-    """Run the protocol; returns samples (s), memory (bytes), notes per phase. Never raises on OOM."""
+    """Run the protocol; returns samples (s), memory (bytes), notes per phase. Never raises on OOM.
+
+    A backward pass that fails during the warm-up (OOM) is recorded as the backward phase's failure;
+    the forward phase is still warmed up and measured.
+    """
     res: dict[str, Any] = {"notes": {}}
     cuda = _cuda(cfg.device)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     shape = (cfg.batch_size, cfg.seq_len, cfg.d)
     outcome: dict[str, str] = {}
+    bwd_outcome: dict[str, str] = {}
     with capture_failure(outcome):
         q, k, v = (torch.randn(shape, device=cfg.device, generator=gen, requires_grad=True) for _ in range(3))
         do = torch.randn(shape, device=cfg.device, generator=gen)
         o = None
+        t_bwd = 0.0
         for i in range(cfg.warmup):
             o, t_fwd = _timed(lambda: fn(q, k, v), cfg.device)
-            _, t_bwd = _timed(lambda: o.backward(do), cfg.device)  # noqa: B023 - o is this iteration's
+            if not bwd_outcome:
+                with capture_failure(bwd_outcome):
+                    _, t_bwd = _timed(lambda: o.backward(do), cfg.device)  # noqa: B023 - this iteration's o
+                if bwd_outcome:
+                    t_bwd = 0.0
             o = None
             _reset_grads(q, k, v)
             if i == 0:
-                res["first"] = (t_fwd, t_bwd)
+                res["first"] = (t_fwd, math.nan if bwd_outcome else t_bwd)
         per_rep = t_fwd + t_bwd
         reps = cfg.reps
         if budget is not None and not budget.can_afford(reps * per_rep):
@@ -219,6 +236,9 @@ def _measure(cfg: AttentionBenchConfig, fn: Callable, budget: TimeBudget | None)
     if outcome:
         res["notes"]["forward"] = outcome["note"]
         return res
+    if bwd_outcome:
+        res["notes"]["backward"] = bwd_outcome["note"]
+        return res
     with capture_failure(outcome):
         bwd = []
         for _ in range(reps):
@@ -242,7 +262,8 @@ def run_attention(
     """
     fn = attention_fn or (naive_attention if cfg.impl == "naive" else compiled_attention(cfg.backend))
     config = {**asdict(cfg), "causal": True, "dtype": "float32",
-              "accounting": attention_memory_accounting(cfg.batch_size, cfg.seq_len, cfg.d)}  # fmt: skip
+              "accounting": attention_memory_accounting(cfg.batch_size, cfg.seq_len, cfg.d),
+              "device_total_bytes": _device_total_bytes(cfg.device)}  # fmt: skip
     common = dict(problem=cfg.problem, name=f"d{cfg.d}", impl=cfg.impl_label, mode="fwd_bwd", dtype="fp32",
                   x_name="seq_len", x_value=cfg.seq_len, config=config)  # fmt: skip
     cuda = _cuda(cfg.device)
@@ -267,7 +288,8 @@ def run_attention(
     rows = []
     if "first" in res:
         for name, t in zip(("first_forward_time", "first_backward_time"), res["first"]):
-            rows.append(make_row(metric=name, unit="ms", value=t * 1e3, **common))
+            if not math.isnan(t):
+                rows.append(make_row(metric=name, unit="ms", value=t * 1e3, **common))
     for metric, unit in metrics:
         phase = (
             "forward"
@@ -348,3 +370,92 @@ def scaling_exponent(seq_lens: Sequence[float], values: Sequence[float]) -> floa
     my = sum(p[1] for p in pts) / len(pts)
     den = sum((p[0] - mx) ** 2 for p in pts)
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else math.nan
+
+
+def _parse_d(name: object) -> int:
+    return int(str(name).lstrip("d"))
+
+
+def results_table(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
+    """(d, T) x {forward ms, backward ms, memory before backward MiB}: means, or the failure note."""
+    from cs336_systems.benchmarking.results import latest_run
+
+    metrics = {
+        "forward_time": "forward (ms)",
+        "backward_time": "backward (ms)",
+        "memory_before_backward": "memory before backward (MiB)",
+    }
+    t = latest_run(df[(df.impl == impl) & df.metric.isin(list(metrics))])
+    if t.empty:
+        return pd.DataFrame()
+    value = t.apply(
+        lambda r: (
+            r["note"]
+            if r["note"] and r["n"] == 0
+            else (f"{r['mean']:.3g}" if r["unit"] == "ms" else f"{r['mean']:,.0f}")
+        ),
+        axis=1,
+    )
+    t = t.assign(
+        d=t["name"].map(_parse_d), T=t["x_value"].astype(int), value=value, metric=t["metric"].map(metrics)
+    )
+    out = t.pivot_table(index=["d", "T"], columns="metric", values="value", aggfunc="last")
+    return out[[m for m in metrics.values() if m in out.columns]]
+
+
+def memory_vs_accounting(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
+    """Measured memory before backward next to `attention_memory_accounting`'s prediction (MiB)."""
+    from cs336_systems.benchmarking.results import latest_run
+
+    t = latest_run(df[(df.impl == impl) & (df.metric == "memory_before_backward") & (df.note == "")])
+    rows = []
+    for r in t.itertuples():
+        cfg = json.loads(r.config_json) if isinstance(r.config_json, str) else {}
+        b, d, n = cfg.get("batch_size", BATCH_SIZE), _parse_d(r.name), int(r.x_value)
+        acc = attention_memory_accounting(b, n, d)
+        rows.append({"d": d, "T": n, "measured_MiB": r.mean, "predicted_MiB": acc["before_backward"] / MIB,
+                     "saved_T2_MiB": 3 * b * n * n * 4 / MIB})  # fmt: skip
+    return pd.DataFrame(rows).sort_values(["d", "T"]).reset_index(drop=True) if rows else pd.DataFrame()
+
+
+def plot_scaling(df: pd.DataFrame, impl: str = "naive"):
+    """Two panels against T (log-log): forward/backward time per d; memory before backward, measured
+    (markers) against `attention_memory_accounting` (lines). Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.benchmarking.results import latest_run
+
+    t = latest_run(df[(df.impl == impl) & (df.note == "")])
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9.0, 3.4))
+    ds = sorted({_parse_d(n) for n in t["name"]})
+    colors = plt.get_cmap("viridis")([i / max(len(ds) - 1, 1) * 0.85 for i in range(len(ds))])
+    for d, c in zip(ds, colors):
+        sel = t[t["name"] == f"d{d}"]
+        for metric, style in (("forward_time", "-"), ("backward_time", "--")):
+            s = sel[sel.metric == metric].sort_values("x_value")
+            ax_t.plot(
+                s.x_value,
+                s["mean"],
+                style,
+                marker="o",
+                color=c,
+                label=f"d={d}" if metric == "forward_time" else None,
+            )
+        m = sel[sel.metric == "memory_before_backward"].sort_values("x_value")
+        if len(m):
+            ax_m.plot(m.x_value, m["mean"], "o", color=c, label=f"d={d} measured")
+            pred = [
+                attention_memory_accounting(BATCH_SIZE, int(n), d)["before_backward"] / MIB for n in m.x_value
+            ]
+            ax_m.plot(m.x_value, pred, "-", color=c, alpha=0.6)
+    for ax in (ax_t, ax_m):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+    ax_t.set_ylabel("ms per pass (solid: forward, dashed: backward)")
+    ax_m.set_ylabel("memory before backward (MiB)")
+    ax_t.legend(fontsize=8)
+    if ax_m.lines:
+        ax_m.legend(fontsize=7, title="lines: accounting", title_fontsize=7)
+    fig.tight_layout()
+    return fig
