@@ -70,23 +70,28 @@ if nb.have_results(f, "nsys_profile"):
     grid = grid.map(lambda n: n or "profiled").unstack("context_length")
     show_table(grid.reindex(A.order_sizes(grid.index)).reset_index(), caption="Profiled configurations",
                provenance_from=df)  # fmt: skip
+measured = ctx in set(f.loc[f.note == "", "context_length"])  # answers quote context `ctx`
 
 # %% tags=["remove-input"]
-rs = P.range_summary(f)
-fwd = rs.xs("inference/forward", level="range")[["gpu_span_ms", "kernel_ms", "cpu_ms", "python_ms"]].copy()
-ref = bench[(bench["mode"] == "forward") & (bench.metric == "forward_time") & (bench.note == "")]
-fwd["benchmark_ms"] = ref.set_index(["size", "x"])["mean"].rename_axis(["size", "context_length"])
-if len(fwd):
+if measured:
+    rs = P.range_summary(f)
+    fwd = rs.xs("inference/forward", level="range")[
+        ["gpu_span_ms", "kernel_ms", "cpu_ms", "python_ms"]
+    ].copy()
+    ref = bench[(bench["mode"] == "forward") & (bench.metric == "forward_time") & (bench.note == "")]
+    fwd["benchmark_ms"] = (
+        ref.assign(x=ref.x.astype(int)).set_index(["size", "x"])["mean"].rename_axis(fwd.index.names)
+    )
     show_table(
         fwd.reset_index(),
         caption="(a) Inference forward pass (ms): GPU span and summed kernel time from the profiler, "
         "host time inside the range, the synchronised Python timer of the same profiled step, and the "
-        "unprofiled benchmark (benchmarking_script, mean of 10 steps)",
+        f"unprofiled benchmark (benchmarking_script, mean of {plan.steps} steps)",
         provenance_from=df,
     )
 
 # %% tags=["remove-input"]
-if len(fwd):
+if measured:
     a = fwd.xs(ctx, level="context_length").dropna(subset=["gpu_span_ms"])
     sizes = A.order_sizes(a.index)
     dev = (a.python_ms / a.gpu_span_ms - 1).reindex(sizes)
@@ -108,9 +113,9 @@ if len(fwd):
     )
 
 # %% tags=["remove-input"]
-topf = P.top_kernels(f, "inference/forward")
-tops = P.top_kernels(f, "train/step")
-if len(topf):
+if measured:
+    topf = P.top_kernels(f, "inference/forward")
+    tops = P.top_kernels(f, "train/step")
     both = topf[["kernel", "class", "calls", "share"]].join(
         tops[["kernel", "calls", "share"]].add_suffix(" (train step)")
     )
@@ -118,7 +123,7 @@ if len(topf):
                "training step (calls per step; share of the range's kernel time)", provenance_from=df)  # fmt: skip
 
 # %% tags=["remove-input"]
-if len(topf):
+if measured:
     b = topf.xs(ctx, level="context_length")
     bt = tops.xs(ctx, level="context_length")
     same = (b.kernel == bt.kernel.reindex(b.index)).mean()
@@ -139,10 +144,10 @@ if len(topf):
 
 
 # %% tags=["remove-input"]
-rank = P.kernel_ranking(f, "inference/forward")
-nonmm = rank[(rank["class"] != "matmul") & (rank.context_length == ctx)]
-shares = P.class_shares(f, modes=("inference/forward",))
-if len(rank):
+if measured:
+    rank = P.kernel_ranking(f, "inference/forward")
+    nonmm = rank[(rank["class"] != "matmul") & (rank.context_length == ctx)]
+    shares = P.class_shares(f, modes=("inference/forward",))
     show_table(nonmm.drop(columns="context_length").reset_index(drop=True), caption=f"(c) Non-matmul kernels among the top kernels of the "
                f"inference forward pass, context {ctx}", provenance_from=df)  # fmt: skip
     show_table(
@@ -150,7 +155,7 @@ if len(rank):
     )
 
 # %% tags=["remove-input"]
-if len(rank):
+if measured:
     sc = shares.xs(ctx, level="context_length").droplevel("range")
     nonmatmul = (1 - sc.get("matmul", 0)).reindex(A.order_sizes(sc.index))
     big = nonmm[nonmm.share >= 0.01].sort_values("share", ascending=False).drop_duplicates("kernel")
@@ -165,14 +170,14 @@ if len(rank):
     )
 
 # %% tags=["remove-input"]
-cs = P.class_shares(f, modes=("inference/step", "train/step"))
-if len(cs):
+if measured:
+    cs = P.class_shares(f, modes=("inference/step", "train/step"))
     save_figure(A.plot_class_shares(f, ctx), "nsys_profile__class_shares")
     show_table(cs.reset_index(), caption="(d) Kernel-class shares: inference forward vs training step",
                provenance_from=df)  # fmt: skip
 
 # %% tags=["remove-input"]
-if len(cs):
+if measured:
     d = cs.xs(ctx, level="context_length")
     inf, trn = d.xs("inference/step", level="range"), d.xs("train/step", level="range")
     sizes = A.order_sizes(inf.index)
@@ -185,12 +190,13 @@ if len(cs):
     )
     bwd = parts.xs("train/backward", level="range").reindex(sizes)
     ow = parts.xs("train/optimizer_step", level="range").reindex(sizes)
+    ew = ow["elementwise"].min() if "elementwise" in ow.columns else 0.0
     nb.md(
         f"**(d)** At context {ctx} the matmul share of kernel time goes from "
         + ", ".join(f"{inf.matmul[s]:.0%} to {trn.matmul[s]:.0%} ({s})" for s in sizes)
         + " between inference and a full training step. The backward pass alone is "
         f"{bwd.matmul.min():.0%} to {bwd.matmul.max():.0%} matmul. The AdamW step takes {opt.min():.0%} to "
-        f"{opt.max():.0%} of the step's kernel time and is {ow.get('elementwise', 0 * ow.index.size).min():.0%} "
+        f"{opt.max():.0%} of the step's kernel time and is {ew:.0%} "
         "or more elementwise kernels: the optimizer is written with per-parameter tensor ops, about ten passes "
         "over every parameter, gradient and moment buffer at memory speed, with no matmul at all. Together "
         "with the backward's elementwise gradients (softmax, RMSNorm, SwiGLU) this is what lowers the matmul "
@@ -199,13 +205,13 @@ if len(cs):
 
 
 # %% tags=["remove-input"]
-att = P.attention_ratio(f, "inference")
-if len(att):
+if measured:
+    att = P.attention_ratio(f, "inference")
     show_table(att.reset_index(), caption="(e) Inside attention (inference forward, all layers): softmax vs the "
                "two matmuls (QK^T and PV), time and FLOPs", provenance_from=df)  # fmt: skip
 
 # %% tags=["remove-input"]
-if len(att):
+if measured:
     e = att.xs(ctx, level="context_length")
     per_flop = e.time_ratio / e.flop_ratio
     nb.md(
