@@ -10,7 +10,8 @@ snapshot of the timed steps. Each configuration of a sweep is OOM-guarded: failu
         --mode forward forward_backward --warmup 5 --steps 10
 
 Forward-only mode runs under `torch.no_grad()` (inference); in the other modes the forward phase is
-timed with autograd recording, as training does.
+timed with autograd recording, as training does. Rows are keyed by context length unless `--x-axis`
+names another config field (the warm-up ablation uses `--x-axis warmup`).
 """
 
 from __future__ import annotations
