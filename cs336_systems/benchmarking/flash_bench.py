@@ -434,38 +434,51 @@ def _leaderboard_split(cfg: LeaderboardConfig, config: dict[str, Any]) -> list[d
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # name: options / bwd fused flag / backward impl; see OPTIMIZATION_LOG.md for the predictions
+    # name: kernel options, backward tiles ("heuristic": the table; "tuned": the launcher's current
+    # choice, e.g. set by run_tuning), fused backward, dQ on a side stream, backward implementation.
     "v0_mask_all_tiles": {"options": launch.KernelOptions(False, False, False)},
     "v1_skip_masked_tiles": {"options": launch.KernelOptions(True, False, False)},
     "v2_split_diagonal": {"options": launch.KernelOptions(True, True, False)},
     "v3_tma": {"options": launch.KernelOptions(True, True, True)},
     "v4_tma_fused_bwd": {"options": launch.KernelOptions(True, True, True), "fused": True},
-    "pytorch_compiled_bwd": {"options": launch.KernelOptions(True, True, None), "bwd_impl": "pytorch"},
+    "v5_tuned_tiles": {"options": launch.KernelOptions(), "bwd": "tuned"},
+    "v6_tuned_dq_side_stream": {"options": launch.KernelOptions(), "bwd": "tuned", "streams": True},
+    "pytorch_compiled_bwd": {"options": launch.KernelOptions(), "bwd_impl": "pytorch"},
 }
+
+
+def _current_bwd_config(n: int, d: int, dtype: torch.dtype) -> launch.BwdConfig:
+    key = ("bwd", *launch.tuning_key(n, n, d, dtype, True))
+    return launch._tuned.get(key) or launch.heuristic_bwd(n, n, max(16, 1 << (d - 1).bit_length()), dtype)
 
 
 def run_variants(
     cfg: LeaderboardConfig, names: Sequence[str] | None = None, *, results_dir=None
 ) -> list[dict[str, Any]]:
-    """Forward and backward times of kernel variants at the leaderboard shape (heuristic tiles)."""
+    """Forward and backward times of kernel variants at the leaderboard shape."""
     rows = []
     n, d = cfg.seq_len, cfg.d
     print(f"\nkernel variants at {cfg.heads} x {n} x {d}, bf16, causal (do_bench median)")
-    print(f"{'variant':<24}{'fwd ms':>9}{'bwd ms':>9}{'fwd+bwd':>9}")
+    print(f"{'variant':<26}{'fwd ms':>9}{'bwd ms':>9}{'fwd+bwd':>9}")
     for name in names or VARIANTS:
         spec = VARIANTS[name]
+        if spec.get("bwd") == "tuned":
+            bwd_cfg = _current_bwd_config(n, d, torch.bfloat16)
+        else:
+            bwd_cfg = launch.heuristic_bwd(n, n, d, torch.bfloat16)
         bwd_cfg = dataclasses.replace(
-            launch.heuristic_bwd(n, n, d, torch.bfloat16), fused=spec.get("fused", False)
+            bwd_cfg, fused=spec.get("fused", False), streams=spec.get("streams", False)
         )
         bwd_impl = spec.get("bwd_impl", "triton")
         fn = lambda q, k, v, c, b=bwd_impl: FlashAttentionTriton.apply(q, k, v, c, b)
-        with launch.use_configs(bwd=bwd_cfg, options=spec["options"]):
+        pin_fwd = None if spec.get("bwd") == "tuned" else launch.heuristic_fwd(n, n, d, torch.bfloat16)
+        with launch.use_configs(fwd=pin_fwd, bwd=bwd_cfg, options=spec["options"]):
             stats, _, note = measure_config(
                 fn, batch=1, heads=cfg.heads, n=n, d=d, dtype=torch.bfloat16, causal=True, device=cfg.device,
                 warmup_ms=50, rep_ms=400,
             )  # fmt: skip
         config = {"heads": cfg.heads, "seq_len": n, "d": d, "options": repr(spec["options"]), "bwd": repr(bwd_cfg),
-                  "bwd_impl": bwd_impl, "fwd": repr(launch.heuristic_fwd(n, n, d, torch.bfloat16))}  # fmt: skip
+                  "bwd_impl": bwd_impl, "fwd": repr(pin_fwd or launch._tuned.get(("fwd", *launch.tuning_key(n, n, d, torch.bfloat16, True))))}  # fmt: skip
         for mode in MODES:
             common = dict(problem=LEADERBOARD, name="variant", impl=name, mode=mode, dtype="bfloat16",
                           x_name="seq_len", x_value=n, config=config)  # fmt: skip
@@ -474,45 +487,110 @@ def run_variants(
             else:
                 rows.append(failure_row(metric="latency", unit="ms", note=note or "not measured", **common))
         cells = "".join(f"{stats[m]['p50']:>9.3f}" if m in stats else f"{'fail':>9}" for m in MODES)
-        print(f"{name:<24}{cells}  {note}")
+        print(f"{name:<26}{cells}  {note}")
     append_rows(LEADERBOARD, rows, results_dir)
     return rows
 
 
+DKDV_CANDIDATES = [
+    (64, 64, 4, 3),
+    (32, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 64, 4, 2),
+    (32, 64, 4, 4),
+    (64, 128, 8, 3),
+    (32, 128, 8, 3),
+    (64, 64, 8, 3),
+    (16, 64, 4, 3),
+    (32, 32, 4, 3),
+]  # (block_m1, block_n1, warps, stages)
+DQ_CANDIDATES = [
+    (64, 64, 4, 3),
+    (64, 32, 4, 3),
+    (64, 64, 4, 4),
+    (64, 32, 4, 4),
+    (128, 64, 8, 3),
+    (128, 32, 8, 3),
+    (128, 64, 4, 3),
+    (32, 32, 4, 3),
+    (64, 16, 4, 3),
+]  # (block_m2, block_n2, warps, stages)
+
+
 def run_tuning(
-    heads: int, n: int, d: int, dtype: torch.dtype, *, device: str = "cuda", results_dir=None
+    heads: int,
+    n: int,
+    d: int,
+    dtype: torch.dtype,
+    *,
+    device: str = "cuda",
+    results_dir=None,
+    install: bool = True,
 ) -> list[dict[str, Any]]:
-    """Time every forward and backward tile candidate (causal) and print them, fastest first."""
+    """Time forward tile candidates, then each backward pass alone over its candidates and both
+    memory paths (TMA descriptors, block pointers); print them fastest first. With install=True the
+    winners become the launcher's configuration for this shape (as the autotuner would)."""
     rows = []
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(1, heads, n, d, device=device, dtype=dtype) for _ in range(4))
     o, lse = launch.flash_fwd(q, k, v, True)
     block_d = max(16, 1 << (d - 1).bit_length())
-    results = []
-    for kind, cands in (
-        ("fwd", launch.fwd_candidates(block_d, dtype)),
-        ("bwd", launch.bwd_candidates(block_d, dtype)),
-    ):
-        for cand in cands:
-            outcome: dict[str, str] = {}
-            with capture_failure(outcome):
-                pin = {"fwd": cand} if kind == "fwd" else {"bwd": cand}
-                with launch.use_configs(**pin):
-                    call = (lambda: launch.flash_fwd(q, k, v, True)) if kind == "fwd" else (
-                        lambda: launch.flash_bwd(do, q, k, v, o, lse, True))  # fmt: skip
-                    call()
-                    st = _bench_all(call, 25, 200)
-            common = dict(problem=LEADERBOARD, name="tuning", impl=repr(cand), mode=kind, dtype=str(dtype).removeprefix("torch."),
-                          x_name="seq_len", x_value=n, config={"heads": heads, "seq_len": n, "d": d, "causal": True})  # fmt: skip
-            if outcome.get("note"):
-                rows.append(failure_row(metric="latency", unit="ms", note=outcome["note"], **common))
-                results.append((kind, math.inf, cand, outcome["note"]))
-            else:
-                rows.append(make_row(metric="latency", unit="ms", stats=st, **common))
-                results.append((kind, st["p50"], cand, ""))
+    tensors, _, tma_ok = launch.prepare_backward(do, q, k, v, o, lse)
+    opts = launch.KernelOptions()
+    use_tma = launch._use_tma(opts, q.device, *tensors[:7])
+    results: list[tuple[str, float, Any, str]] = []
+
+    def time_one(kind: str, cand: Any, call: Callable[[], object]) -> None:
+        outcome: dict[str, str] = {}
+        st = None
+        with capture_failure(outcome):
+            call()
+            st = _bench_all(call, 25, 200)
+        common = dict(problem=LEADERBOARD, name="tuning", impl=repr(cand), mode=kind,
+                      dtype=str(dtype).removeprefix("torch."), x_name="seq_len", x_value=n,
+                      config={"heads": heads, "seq_len": n, "d": d, "causal": True})  # fmt: skip
+        if st is None:
+            rows.append(
+                failure_row(metric="latency", unit="ms", note=outcome.get("note", "failed"), **common)
+            )
+            results.append((kind, math.inf, cand, outcome.get("note", "")))
+        else:
+            rows.append(make_row(metric="latency", unit="ms", stats=st, **common))
+            results.append((kind, st["p50"], cand, ""))
+
+    for cand in launch.fwd_candidates(block_d, dtype):
+        with launch.use_configs(fwd=cand):
+            time_one("fwd", cand, lambda: launch.flash_fwd(q, k, v, True))
+    for bm1, bn1, w, st in DKDV_CANDIDATES:
+        for tma in (True, False):
+            cand = launch.BwdConfig(bm1, bn1, 64, 32, w, st, 4, 3, tma1=tma)
+            time_one(
+                "dkdv",
+                cand,
+                lambda c=cand: launch._bwd_launch(tensors, True, c, opts, use_tma, tma_ok, ("dkdv",)),
+            )
+    for bm2, bn2, w, st in DQ_CANDIDATES:
+        for tma in (True, False):
+            cand = launch.BwdConfig(32, 64, bm2, bn2, 4, 3, w, st, tma2=tma)
+            time_one(
+                "dq",
+                cand,
+                lambda c=cand: launch._bwd_launch(tensors, True, c, opts, use_tma, tma_ok, ("dq",)),
+            )
     print(f"\ntile candidates at {heads} x {n} x {d}, {dtype}, causal")
     for kind, ms, cand, note in sorted(results, key=lambda r: (r[0], r[1])):
-        print(f"{kind:<4}{ms:>9.3f} ms  {cand!r} {note}")
+        print(f"{kind:<5}{ms:>9.3f} ms  {cand!r} {note}")
+    best = {
+        kind: min((r for r in results if r[0] == kind), key=lambda r: r[1])[2]
+        for kind in ("fwd", "dkdv", "dq")
+    }
+    b1, b2 = best["dkdv"], best["dq"]
+    bwd = launch.BwdConfig(b1.block_m1, b1.block_n1, b2.block_m2, b2.block_n2, b1.num_warps1, b1.num_stages1,
+                           b2.num_warps2, b2.num_stages2, tma1=b1.tma1, tma2=b2.tma2)  # fmt: skip
+    print(f"best: {best['fwd']!r}\n      {bwd!r}")
+    if install:
+        launch._tuned[("fwd", *launch.tuning_key(n, n, d, dtype, True))] = best["fwd"]
+        launch._tuned[("bwd", *launch.tuning_key(n, n, d, dtype, True))] = bwd
     append_rows(LEADERBOARD, rows, results_dir)
     return rows
 

@@ -60,7 +60,9 @@ class FwdConfig:
 class BwdConfig:
     """Backward tiles. Pass 1 (dK, dV): block_n1 keys per program, block_m1 queries per step
     (block_n1 % block_m1 == 0). Pass 2 (dQ): block_m2 queries per program, block_n2 keys per step
-    (block_m2 % block_n2 == 0). fused: both passes in one launch (then warps/stages of pass 1)."""
+    (block_m2 % block_n2 == 0). fused: both passes in one launch (then warps/stages of pass 1).
+    tma1 / tma2: memory path of each pass (None: the global choice). streams: run the dQ pass on a
+    side CUDA stream, concurrently with the dK/dV pass (they share inputs, write disjoint outputs)."""
 
     block_m1: int
     block_n1: int
@@ -71,6 +73,9 @@ class BwdConfig:
     num_warps2: int = 4
     num_stages2: int = 3
     fused: bool = False
+    tma1: bool | None = None
+    tma2: bool | None = None
+    streams: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,12 +266,17 @@ def _tma_ok(*tensors4: Tensor) -> bool:
     return True
 
 
+def _tma_possible(device: torch.device, *tensors4: Tensor) -> bool:
+    """Descriptors work on Hopper or newer (and in the interpreter) for aligned layouts."""
+    if not _tma_ok(*tensors4):
+        return False
+    return interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 def _use_tma(options: KernelOptions, device: torch.device, *tensors4: Tensor) -> bool:
     if options.use_tma is not None:
-        return options.use_tma and _tma_ok(*tensors4)
-    if interpreting() or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0) and _tma_ok(*tensors4)
+        return options.use_tma and _tma_possible(device, *tensors4)
+    return not interpreting() and _tma_possible(device, *tensors4)
 
 
 def _set_tma_allocator(device: torch.device) -> None:
@@ -386,7 +396,26 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> tuple
 # ----------------------------------------------------------------------------------------------
 
 
-def _bwd_launch(tensors, is_causal, cfg: BwdConfig, opts: KernelOptions, use_tma: bool) -> None:
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def _bwd_launch(
+    tensors,
+    is_causal,
+    cfg: BwdConfig,
+    opts: KernelOptions,
+    use_tma: bool,
+    tma_ok: bool,
+    passes: tuple[str, ...] = ("dkdv", "dq"),
+) -> None:
+    """Launch the backward passes. use_tma: the global memory path; tma_ok: whether descriptors are
+    possible at all (per-pass overrides in cfg are honoured only then)."""
     q4, k4, v4, do4, dq4, dk4, dv4, lse, delta = tensors
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
@@ -395,7 +424,7 @@ def _bwd_launch(tensors, is_causal, cfg: BwdConfig, opts: KernelOptions, use_tma
     common = dict(
         D=d, BLOCK_D=block_d, PAD_D=block_d != d, is_causal=bool(is_causal),
         SKIP_MASKED_TILES=opts.skip_masked_tiles, SPLIT_DIAGONAL=opts.split_diagonal,
-        USE_TMA=use_tma, DOT_PRECISION=_dot_precision(q4.dtype),
+        DOT_PRECISION=_dot_precision(q4.dtype),
     )  # fmt: skip
     in_strides = (*_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4))
     n_kv_tiles = triton.cdiv(n_k, cfg.block_n1)
@@ -406,29 +435,42 @@ def _bwd_launch(tensors, is_causal, cfg: BwdConfig, opts: KernelOptions, use_tma
             *in_strides, *_strides3(dq4), *_strides3(dk4), *_strides3(dv4),
             heads, n_q, n_k, n_kv_tiles, n_q_tiles, scale,
             BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1, BLOCK_M2=cfg.block_m2, BLOCK_N2=cfg.block_n2,
-            num_warps=cfg.num_warps1, num_stages=cfg.num_stages1, **common,
+            num_warps=cfg.num_warps1, num_stages=cfg.num_stages1, USE_TMA=use_tma, **common,
         )  # fmt: skip
         return
-    kernels.flash_bwd_dkdv_kernel[(batch * heads, n_kv_tiles)](
-        q4, k4, v4, do4, dk4, dv4, lse, delta,
-        *in_strides, *_strides3(dk4), *_strides3(dv4),
-        heads, n_q, n_k, scale,
-        BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, num_warps=cfg.num_warps1, num_stages=cfg.num_stages1, **common,
-    )  # fmt: skip
-    kernels.flash_bwd_dq_kernel[(batch * heads, n_q_tiles)](
-        q4, k4, v4, do4, dq4, lse, delta,
-        *in_strides, *_strides3(dq4),
-        heads, n_q, n_k, scale,
-        BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **common,
-    )  # fmt: skip
+    if "dkdv" in passes:
+        kernels.flash_bwd_dkdv_kernel[(batch * heads, n_kv_tiles)](
+            q4, k4, v4, do4, dk4, dv4, lse, delta,
+            *in_strides, *_strides3(dk4), *_strides3(dv4),
+            heads, n_q, n_k, scale,
+            BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
+            USE_TMA=use_tma if cfg.tma1 is None else cfg.tma1 and tma_ok, **common,
+        )  # fmt: skip
+    if "dq" in passes:
+        side = cfg.streams and q4.is_cuda and "dkdv" in passes
+        main = torch.cuda.current_stream(q4.device) if side else None
+        ctx = torch.cuda.stream(_side_stream(q4.device)) if side else contextlib.nullcontext()
+        if side:
+            _side_stream(q4.device).wait_stream(main)
+        with ctx:
+            kernels.flash_bwd_dq_kernel[(batch * heads, n_q_tiles)](
+                q4, k4, v4, do4, dq4, lse, delta,
+                *in_strides, *_strides3(dq4),
+                heads, n_q, n_k, scale,
+                BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+                USE_TMA=use_tma if cfg.tma2 is None else cfg.tma2 and tma_ok, **common,
+            )  # fmt: skip
+        if side:
+            main.wait_stream(_side_stream(q4.device))  # every later use of dq, and frees, wait for it
 
 
-def flash_bwd(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool = False
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward. do, q, o: (..., N_q, d); k, v: (..., N_k, d); lse: (..., N_q) from flash_fwd.
+def prepare_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor, Tensor], bool]:
+    """Check, allocate dq/dk/dv and run the Delta = rowsum(dO * O) kernel.
 
-    Returns dq, dk, dv shaped like q, k, v (same layouts when those are dense).
+    Returns (the 4-D kernel operands q, k, v, do, dq, dk, dv, lse, delta), (dq, dk, dv) shaped like
+    q, k, v, and whether TMA descriptors are possible for these layouts.
     """
     check_inputs(q, k, v)
     if do.shape != q.shape or o.shape != q.shape or lse.shape != q.shape[:-1]:
@@ -441,7 +483,6 @@ def flash_bwd(
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_4d(t) for t in (q, k, v, o, do, dq, dk, dv))
     batch, heads, n_q, d = q4.shape
-    n_k = k4.shape[2]
     block_d = _block_d(d)
     lse = lse.contiguous().float()
     delta = _empty_f32((batch * heads, n_q), q.device)
@@ -450,24 +491,41 @@ def flash_bwd(
         o4, do4, delta, *_strides3(o4), *_strides3(do4), heads, n_q,
         D=d, BLOCK_D=block_d, PAD_D=block_d != d, BLOCK_M=pre_m,
     )  # fmt: skip
-    opts = _options()
-    use_tma = _use_tma(opts, q.device, q4, k4, v4, do4, dq4, dk4, dv4)
-    if use_tma:
+    tma_ok = _tma_possible(q.device, q4, k4, v4, do4, dq4, dk4, dv4)
+    if tma_ok:
         _set_tma_allocator(q.device)
-    tensors = (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta)
+    return (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta), (dq, dk, dv), tma_ok
+
+
+def flash_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward. do, q, o: (..., N_q, d); k, v: (..., N_k, d); lse: (..., N_q) from flash_fwd.
+
+    Returns dq, dk, dv shaped like q, k, v (same layouts when those are dense).
+    """
+    tensors, grads, tma_ok = prepare_backward(do, q, k, v, o, lse)
+    q4, k4 = tensors[0], tensors[1]
+    _, _, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    block_d = _block_d(d)
+    opts = _options()
+    use_tma = _use_tma(opts, q.device, *tensors[:7])
     key = ("bwd", *tuning_key(n_q, n_k, d, q.dtype, is_causal))
     cfg = _pinned.get("bwd") or _tuned.get(key)
     if cfg is None and _autotune["on"] and q.is_cuda and not interpreting():
         timings = {}
         for cand in bwd_candidates(block_d, q.dtype):
             with contextlib.suppress(triton.runtime.errors.OutOfResources):
-                timings[cand] = _bench(lambda c=cand: _bwd_launch(tensors, is_causal, c, opts, use_tma))
+                timings[cand] = _bench(
+                    lambda c=cand: _bwd_launch(tensors, is_causal, c, opts, use_tma, tma_ok)
+                )
         cfg = _tuned[key] = min(timings, key=timings.get)
     if cfg is None:
         cfg = heuristic_bwd(n_q, n_k, block_d, q.dtype)
     _, used = _launch_with_shrink(
-        lambda c: _bwd_launch(tensors, is_causal, c, opts, use_tma), cfg, _shrink_bwd
+        lambda c: _bwd_launch(tensors, is_causal, c, opts, use_tma, tma_ok), cfg, _shrink_bwd
     )
     if used != cfg and "bwd" not in _pinned:
         _tuned[key] = used
-    return dq, dk, dv
+    return grads
