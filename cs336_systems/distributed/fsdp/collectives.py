@@ -86,9 +86,9 @@ class PendingReduceScatter:
     def wait(self) -> Tensor:
         with torch.profiler.record_function(f"fsdp::wait_reduce_scatter::{self.name}"):
             self._work.wait()
-        if self._out is None:  # gloo fallback: the whole sum arrived, keep our chunk
-            self._out = self._buffer.chunk(self._world_size)[self._rank]
-        self._buffer = None
+        if self._out is None:  # gloo fallback: the whole sum arrived, keep (a copy of) our chunk
+            self._out = self._buffer.chunk(self._world_size)[self._rank].clone()
+        self._buffer = self._work = None  # release the full-size input
         return self._out
 
 

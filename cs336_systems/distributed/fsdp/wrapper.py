@@ -9,15 +9,15 @@ gradients and the optimizer state. The design follows PyTorch FSDP2 (per-paramet
 
 [Note: the life of a sharded weight in one step]
 forward, for each sharded module (a "unit") in execution order:
-  pre-hook:  wait for the unit's all-gather (or issue it now if it was not prefetched), swap the full
-             weight into `module.weight`, prefetch the next unit's all-gather, install the saved-tensor
+  pre-hook:  issue the unit's all-gather unless it was prefetched, issue the next unit's (prefetch),
+             wait for the unit's, swap the full weight into `module.weight`, install the saved-tensor
              hooks below;
   forward:   the module's own forward runs on the full weight (bitwise what the unsharded module does);
   post-hook: swap the shard back and drop the full weight: nothing references it any more, so it is
              freed.
 backward, for each unit whose forward saved (a view of) its weight for backward, in reverse order:
   unpack:    autograd asks for the saved weight; re-gather it (usually already prefetched), prefetch the
-             previous unit's, rebuild the saved view on the new buffer;
+             previous unit's, wait, rebuild the saved view on the new buffer;
   grad:      the unit's full-weight gradient reaches `_Unshard.backward`, which frees the re-gathered
              weight and launches an async reduce-scatter (SUM) of the gradient.
 `finish_gradient_synchronization()` waits for every reduce-scatter and all-reduce, divides by N
@@ -46,6 +46,14 @@ each use's backward delivers a full-weight gradient. They are converted to the r
 locally, in backward order, and the sum is reduce-scattered once, when the last expected use has
 reported: one collective instead of several, and the same additions, in the same order, as the
 single-process gradient accumulation of the weight (so tied weights also train bitwise-equal to it).
+
+[Note: gradient memory]
+A reduce-scatter's input is the full-weight gradient. Keeping every one of them until
+`finish_gradient_synchronization()` would hold a full copy of the model's gradients at the end of
+backward, the very memory FSDP is meant to save. So once more than `max_inflight_reduce_scatters` (2)
+are in flight, the oldest is waited on (on NCCL a stream wait, not a host block), its (S,) chunk is
+averaged into the shard's `.grad` and its full-size input is released. The division by N happens on
+the reduced chunk: the same arithmetic as doing it at the end.
 
 [Note: mixed precision]
 With `compute_dtype` (e.g. torch.bfloat16) each shard is cast BEFORE the all-gather (half the bytes
@@ -235,6 +243,7 @@ class FSDP(nn.Module):
         self._pending_shard_grads: list[tuple[ShardedParam, PendingReduceScatter]] = []
         self._pending_replicated: dict[nn.Parameter, PendingAllReduce] = {}
         self.live_unsharded = _LiveCounter()  # gathered buffers alive (memory-bound checks)
+        self.max_inflight_reduce_scatters = 2  # full-size gradient buffers kept for reduce-scatters
 
     # ----------------------------------------------------------------------------------------------
     # Construction
@@ -308,11 +317,13 @@ class FSDP(nn.Module):
         use = _Use(unit, len(fwd.uses), fwd)
         fwd.uses.append(use)
         pending = self._fwd_prefetch.pop(unit.param, None) or self._gather(unit.param)
-        gathered = pending.wait()
-        full = unit.param.unsharded_view(gathered)
+        # Prefetch before waiting, so the next gather (and its cast) is queued behind this one rather
+        # than behind this unit's compute.
         nxt = self._prev_order[use.pos + 1].param if use.pos + 1 < len(self._prev_order) else None
         if nxt is not None and nxt is not unit.param and nxt not in self._fwd_prefetch:
             self._fwd_prefetch[nxt] = self._gather(nxt)
+        gathered = pending.wait()
+        full = unit.param.unsharded_view(gathered)
         self.live_unsharded.note("forward")
 
         record = torch.is_grad_enabled() and unit.param.shard.requires_grad
@@ -366,10 +377,10 @@ class FSDP(nn.Module):
         use = saved.use
         if use.bwd_gather is None:
             use.bwd_gather = self._gather(use.unit.param)
-        gathered = use.bwd_gather.wait()
         nxt = next((u for u in reversed(use.fwd.uses[: use.pos]) if u.saves_weight and not u.done), None)
         if nxt is not None and nxt.bwd_gather is None:
             nxt.bwd_gather = self._gather(nxt.unit.param)
+        gathered = use.bwd_gather.wait()
         self.live_unsharded.note("backward")
         return gathered.as_strided(saved.size, saved.stride, saved.offset)
 
@@ -389,6 +400,19 @@ class FSDP(nn.Module):
         self._pending_shard_grads.append(
             (param, reduce_scatter_grad(padded, name=param.name, group=self.group))
         )
+        # [Note: gradient memory] retire all but the newest reduce-scatters as backward goes on.
+        while len(self._pending_shard_grads) > self.max_inflight_reduce_scatters:
+            self._retire_reduce_scatter()
+
+    @torch.no_grad()
+    def _retire_reduce_scatter(self) -> None:
+        """Wait for the oldest reduce-scatter, drop its full-size input, add its averaged chunk to .grad."""
+        param, pending = self._pending_shard_grads.pop(0)
+        grad = pending.wait().div_(self.world_size).to(param.shard.dtype)
+        if param.shard.grad is None:
+            param.shard.grad = grad
+        else:
+            param.shard.grad.add_(grad)
 
     def _on_replicated_grad(self, name: str, p: nn.Parameter) -> None:
         if p in self._pending_replicated:
@@ -409,15 +433,10 @@ class FSDP(nn.Module):
                     if param in fwd.accum:
                         self._reduce_scatter(param, fwd.accum.pop(param))
             self._open.clear()
-            for param, pending in self._pending_shard_grads:
-                grad = pending.wait().div_(self.world_size).to(param.shard.dtype)
-                if param.shard.grad is None:
-                    param.shard.grad = grad
-                else:
-                    param.shard.grad.add_(grad)
+            while self._pending_shard_grads:
+                self._retire_reduce_scatter()
             for pending in self._pending_replicated.values():
                 pending.wait().div_(self.world_size)
-        self._pending_shard_grads.clear()
         self._pending_replicated.clear()
 
     # ----------------------------------------------------------------------------------------------
