@@ -75,12 +75,14 @@ if len(tab) and ("forward", "speedup") in tab.columns:
         + (f" The one-off compilation took {first.max() / 1e3:.1f} s (the first call)." if len(first) else "")
     )
 
-# %% [markdown]
-# **(b) Method.** `end_to_end.run_one` with `compile=True` wraps the model in `torch.compile` (whole
-# model, default Inductor backend); compilation happens in the untimed warm-up, so the timed steps
-# are steady state. Context length 512, batch 4, fp32, naive attention, AdamW for the training step.
-# "compile (s)" is Dynamo's own account of the time spent compiling (forward and backward graphs).
-# Sizes that did not fit in the time budget of the GPU session are marked "skipped".
+# %% tags=["remove-input"]
+nb.md(
+    "**(b) Method.** `end_to_end.run_one` with `compile=True` wraps the model in `torch.compile` (whole model, "
+    "default Inductor backend); compilation happens in the untimed warm-up, so the timed steps are steady state. "
+    f"Batch 4, fp32, naive attention, AdamW for the training step; {C.protocol(model) if len(model) else 'not run'}. "
+    '"compile (s)" is Dynamo\'s own account of the time spent compiling (forward and backward graphs). '
+    'Cells that did not fit in the time budget of the GPU session are marked "skipped".'
+)
 
 # %% tags=["remove-input"]
 wm = C.whole_model_table(model)

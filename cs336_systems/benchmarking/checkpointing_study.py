@@ -136,6 +136,7 @@ def run_strategy(strategy: str, group: int | None, cfg: EndToEndConfig) -> list[
     outcome: dict[str, str] = {}
     timer = PhaseTimer(device=cfg.device, enabled=False)
     peak = resident = None
+    work = None
     with capture_failure(outcome):
         work = build_workload(cfg)
         if strategy in ("sub_block", "recursive"):
@@ -151,7 +152,7 @@ def run_strategy(strategy: str, group: int | None, cfg: EndToEndConfig) -> list[
             work.step(timer)
         if cuda:
             peak = torch.cuda.max_memory_allocated() / GIB
-        del work
+    work = None  # also on failure: release the model (and optimizer state) before the next run
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

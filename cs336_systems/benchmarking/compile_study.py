@@ -233,3 +233,15 @@ def whole_model_table(df: pd.DataFrame) -> pd.DataFrame:
         row["compile (s)"] = _fmt(comp.iloc[0]) if len(comp) else ""
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def protocol(df: pd.DataFrame) -> str:
+    """'W warm-up + N timed steps, context T' of the whole-model rows (several if runs differ)."""
+    import json
+
+    seen = set()
+    for c in df["config_json"].dropna():
+        cfg = json.loads(c)
+        if "warmup" in cfg and "steps" in cfg:
+            seen.add((cfg["warmup"], cfg["steps"], cfg.get("context_length")))
+    return "; ".join(f"{w} warm-up + {n} timed steps, context {t}" for w, n, t in sorted(seen)) or "unknown"

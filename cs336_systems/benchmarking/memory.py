@@ -177,6 +177,7 @@ def capture_step(
     cuda = _on_cuda(cfg.device)
     outcome: dict[str, str] = {}
     snapshot, peak, resident, marks = None, None, None, []
+    work = None
     with capture_failure(outcome):
         work = build_workload(cfg)
         timer = _MarkingTimer(device=cfg.device, enabled=False)
@@ -202,7 +203,7 @@ def capture_step(
         else:
             snapshot = _profile_step_cpu(work, timer)
         marks = [*timer.marks, "end"]
-        del work
+    work = None  # also on failure: release the model (and optimizer state) before the next run
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -684,7 +685,7 @@ def block_saved_memory(
         synchronize(device)
         m1 = torch.cuda.memory_allocated()
         dy = torch.randn_like(y)
-        del rec  # the hook record pins saved storages; autograd's own references remain
+        del rec  # metadata only: the saved tensors are held by the autograd graph of y
         synchronize(device)
         m2 = torch.cuda.memory_allocated()
         y.backward(dy)

@@ -235,13 +235,12 @@ def saved_tensors(
     """Run `fn(*args, **kwargs)` and record every tensor autograd packs for backward.
 
     Storages of `module`'s parameters/buffers are kind "parameter"; storages of tensor `args` are
-    kind "input"; everything else is "activation". Returns (fn's output, SavedTensors). The saved
-    tensors stay referenced by the record (as autograd itself would keep them) until it is dropped.
+    kind "input"; everything else is "activation". Returns (fn's output, SavedTensors). The record
+    holds metadata only; the saved tensors live as long as the autograd graph of the output.
     """
     params = _reference_keys([*module.parameters(), *module.buffers()]) if module is not None else set()
     inputs = _reference_keys(a for a in args if isinstance(a, Tensor))
     record = SavedTensors()
-    keep: list[Tensor] = []
 
     def pack(t: Tensor) -> Tensor:
         key = _storage_key(t)
@@ -253,12 +252,10 @@ def saved_tensors(
                 "shape": tuple(t.shape),
                 "dtype": str(t.dtype),
             }
-            keep.append(t)  # pins the storage so its key cannot be reused by a later allocation
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args, **kwargs)
-    record.storages = dict(record.storages)
     return out, record
 
 
