@@ -28,6 +28,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA GPUs"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread_per_worker():
+    # Two xdist workers on two cores: OpenMP spin-waiting otherwise makes small CPU ops 50x slower.
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

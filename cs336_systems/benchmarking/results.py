@@ -173,7 +173,7 @@ def load_results(problem: str, results_dir_: str | os.PathLike | None = None) ->
     if not path.exists():
         return pd.DataFrame(columns=COLUMNS)
     df = pd.read_csv(path, keep_default_na=True)
-    df["note"] = df["note"].fillna("")
+    df["note"] = df["note"].astype("object").fillna("")
     return df
 
 
