@@ -155,9 +155,13 @@ if "forward" in timelines:
     first, rest = big.iloc[0], big.iloc[1:3]
     nb.md(
         f"**(e)** The largest allocations of the forward pass are {first['size_MiB']:.0f} MiB "
-        f"({first['count']} of them), allocated at `{first['source']}` (stack: `{first['stack']}`): "
-        f"in the naive attention these are the {batch} x heads x T x T score and probability tensors. "
-        "The next sizes are "
+        f"({first['count']} of them), allocated at `{first['source']}` (stack: `{first['stack']}`)"
+        + (
+            f": in the naive attention these are the {batch} x heads x T x T score and probability tensors. "
+            if any(k in first["source"] for k in ("attention", "softmax"))
+            else ". "
+        )
+        + "The next sizes are "
         + "; ".join(f"{r.size_MiB:.0f} MiB ({r.count}x) at `{r.source}`" for r in rest.itertuples())
         + "."
     )

@@ -52,10 +52,12 @@ df = df[df.impl == "naive"]
 # and a causal mask applied with `torch.where`), in float32, on random Q, K, V of shape (8, T, d).
 # After 3 warm-up forward+backward passes it times 100 forward passes (`timeit.default_timer()`
 # around each call plus `torch.cuda.synchronize()`), builds one more graph and records
-# `torch.cuda.memory_allocated()` before the backward pass, then times 100 backward passes of that
-# graph (`retain_graph=True`; input gradients reset to `None` between passes). The handout grid is
-# extended by one longer sequence (d = 16, T = 32768) because the whole grid fits in the memory of our
-# 141 GB H200: it shows where the naive implementation stops fitting.
+# `torch.cuda.memory_allocated()` before the backward pass (the table), then times 100 backward
+# passes of that graph (`retain_graph=True`; input gradients reset to `None` between passes). The
+# figure's memory panel shows the increase of allocated memory over that last forward pass: the
+# output plus everything autograd saved. The handout grid is extended by one longer sequence
+# (d = 16, T = 32768), because the accounting below predicts that the whole grid fits in the 141 GB
+# of our H200; the extra point shows where the naive implementation stops fitting.
 
 # %% tags=["remove-input"]
 tab = PA.results_table(df)
@@ -104,7 +106,8 @@ if len(mem):
     exps = {d: PA.scaling_exponent(g["T"], g["measured_MiB"]) for d, g in big.groupby("d")}
     err = (mem["measured_MiB"] / mem["predicted_MiB"] - 1).abs().max()
     nb.md(
-        f"**Scaling.** The memory before backward grows as T^{min(exps.values()):.2f} to T^{max(exps.values()):.2f} "
+        "**Scaling.** The memory the forward pass leaves allocated for backward (the output plus every tensor "
+        f"autograd saved) grows as T^{min(exps.values()):.2f} to T^{max(exps.values()):.2f} "
         f"(least-squares slopes over T >= 1024, per d) and barely depends on d: it is dominated by the three "
         f"saved (8, T, T) tensors, 3 x 8 x T^2 x 4 bytes ({mem['saved_T2_MiB'].max():,.0f} MiB at "
         f"T = {mem['T'].max()}), while Q, K, V and O grow only linearly. The accounting predicts every measured "

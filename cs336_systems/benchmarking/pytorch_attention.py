@@ -57,6 +57,7 @@ METRICS = (
     "forward_time",
     "backward_time",
     "memory_before_backward",
+    "memory_forward_graph",
     "peak_memory_forward",
     "peak_memory_backward",
 )
@@ -228,11 +229,14 @@ def _measure(cfg: AttentionBenchConfig, fn: Callable, budget: TimeBudget | None)
         res["forward"] = fwd
         o = None
         if cuda:
+            synchronize(cfg.device)
+            base = torch.cuda.memory_allocated()  # inputs, dO, library workspaces
             torch.cuda.reset_peak_memory_stats()
         o = fn(q, k, v)
         synchronize(cfg.device)
         if cuda:
             res["memory_before_backward"] = torch.cuda.memory_allocated()
+            res["memory_forward_graph"] = res["memory_before_backward"] - base
             res["peak_memory_forward"] = torch.cuda.max_memory_allocated()
     if outcome:
         res["notes"]["forward"] = outcome["note"]
@@ -273,6 +277,7 @@ def run_attention(
     if cuda:
         metrics += [
             ("memory_before_backward", "MiB"),
+            ("memory_forward_graph", "MiB"),
             ("peak_memory_forward", "MiB"),
             ("peak_memory_backward", "MiB"),
         ]
@@ -300,7 +305,8 @@ def run_attention(
     for metric, unit in metrics:
         phase = (
             "forward"
-            if metric in ("forward_time", "memory_before_backward", "peak_memory_forward")
+            if metric
+            in ("forward_time", "memory_before_backward", "memory_forward_graph", "peak_memory_forward")
             else "backward"
         )
         if fwd_note:
@@ -411,23 +417,25 @@ def results_table(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
 
 
 def memory_vs_accounting(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
-    """Measured memory before backward next to `attention_memory_accounting`'s prediction (MiB)."""
+    """Memory of the forward graph (output O + what autograd saved; allocated after the forward minus
+    allocated before it) next to `attention_memory_accounting`'s prediction, in MiB."""
     from cs336_systems.benchmarking.results import latest_run
 
-    t = latest_run(df[(df.impl == impl) & (df.metric == "memory_before_backward") & (df.note == "")])
+    t = latest_run(df[(df.impl == impl) & (df.metric == "memory_forward_graph") & (df.note == "")])
     rows = []
     for r in t.itertuples():
         cfg = json.loads(r.config_json) if isinstance(r.config_json, str) else {}
         b, d, n = cfg.get("batch_size", BATCH_SIZE), _parse_d(r.name), int(r.x_value)
         acc = attention_memory_accounting(b, n, d)
-        rows.append({"d": d, "T": n, "measured_MiB": r.mean, "predicted_MiB": acc["before_backward"] / MIB,
+        rows.append({"d": d, "T": n, "measured_MiB": r.mean,
+                     "predicted_MiB": (acc["saved_for_backward"] + acc["output O"]) / MIB,
                      "saved_T2_MiB": 3 * b * n * n * 4 / MIB})  # fmt: skip
     return pd.DataFrame(rows).sort_values(["d", "T"]).reset_index(drop=True) if rows else pd.DataFrame()
 
 
 def plot_scaling(df: pd.DataFrame, impl: str = "naive"):
-    """Two panels against T (log-log): forward/backward time per d; memory before backward, measured
-    (markers) against `attention_memory_accounting` (lines). Returns the Figure."""
+    """Two panels against T (log-log): forward/backward time per d; memory of the forward graph (saved
+    for backward + output), measured (markers) against `attention_memory_accounting` (lines)."""
     import matplotlib.pyplot as plt
 
     from cs336_systems.benchmarking.results import latest_run
@@ -448,19 +456,18 @@ def plot_scaling(df: pd.DataFrame, impl: str = "naive"):
                 color=c,
                 label=f"d={d}" if metric == "forward_time" else None,
             )
-        m = sel[sel.metric == "memory_before_backward"].sort_values("x_value")
+        m = sel[sel.metric == "memory_forward_graph"].sort_values("x_value")
         if len(m):
             ax_m.plot(m.x_value, m["mean"], "o", color=c, label=f"d={d} measured")
-            pred = [
-                attention_memory_accounting(BATCH_SIZE, int(n), d)["before_backward"] / MIB for n in m.x_value
-            ]
+            accs = [attention_memory_accounting(BATCH_SIZE, int(n), d) for n in m.x_value]
+            pred = [(a["saved_for_backward"] + a["output O"]) / MIB for a in accs]
             ax_m.plot(m.x_value, pred, "-", color=c, alpha=0.6)
     for ax in (ax_t, ax_m):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length T")
     ax_t.set_ylabel("ms per pass (solid: forward, dashed: backward)")
-    ax_m.set_ylabel("memory before backward (MiB)")
+    ax_m.set_ylabel("saved for backward + output (MiB)")
     ax_t.legend(fontsize=8)
     if ax_m.lines:
         ax_m.legend(fontsize=7, title="lines: accounting", title_fontsize=7)
