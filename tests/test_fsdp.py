@@ -304,6 +304,7 @@ def test_allgather_timing_on_a_synthetic_gpu_trace():
     assert t.loc["w0", "slack_us"] == 5 and t.loc["w0", "lead_us"] == 10 and t.loc["w0", "gather_us"] == 100
     assert t.loc["w1", "slack_us"] == -190 and t.loc["w1", "lead_us"] == 0
     plot_timeline(compact)  # renders without error
+    plot_timeline(compact, zoom_waits=1)  # the zoom ends at the second wait's consumer
 
 
 def test_allgather_timing_on_a_cpu_trace_is_the_blocked_wait():
@@ -314,3 +315,20 @@ def test_allgather_timing_on_a_cpu_trace_is_the_blocked_wait():
     }
     t = allgather_timing(trace)
     assert list(t.slack_us) == [-2.0, -2.0] and t.gather_us.isna().all()
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU host: the official tests' setting (gloo on CUDA tensors) and the benchmarks' (NCCL)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_fsdp_gloo_on_cuda_tensors():
+    """As the official suite runs on a GPU machine: gloo collectives on CUDA tensors (ranks may share a GPU)."""
+    spawn(_ws2_worker, 2, gloo_on_cuda=True)
+
+
+@pytest.mark.multigpu
+def test_fsdp_nccl():
+    """The NCCL path (single-tensor all-gather / reduce-scatter) used by the benchmarks."""
+    spawn(_ws2_worker, 2, backend="nccl")

@@ -28,9 +28,11 @@ gzip'd as `<results_dir>/fsdp_accounting__trace_<variant>.json.gz`. For every wa
 all-gather (`fsdp::wait_all_gather::<weight>`): the all-gather kernel is the one launched in that
 weight's latest `fsdp::all_gather::<weight>` range, the consumer is the first kernel launched after the
 wait, and
-    slack = (end of the compute stream's previous kernel) - (end of the all-gather kernel).
+    slack = (end of the compute stream's previous kernel) - (end of the all-gather kernel),
+    gap   = (start of the consumer kernel) - (end of the all-gather kernel).
 slack >= 0: the weight was there before the compute stream could use it (hidden). slack < 0: the
-compute stream sat idle for about -slack waiting for it. On a CPU (gloo) trace the wait blocks the
+compute stream sat idle for about -slack waiting for it. The gap is never negative on a GPU (the
+compute stream waits on the gather's completion), so it alone cannot tell "just in time" from "late". On a CPU (gloo) trace the wait blocks the
 host, so slack = -(duration of the wait range).
 
 Entry points as in sharding_bench (driver without torchrun, worker under it):
@@ -465,6 +467,10 @@ def gap_rows(compact: dict[str, Any], cfg: FsdpBenchConfig, variant: str) -> lis
         if not math.isnan(r.gather_us):
             rows.append(make_row(metric="allgather_time", unit="us", value=r.gather_us, mode=r.phase,
                                  x_name=f"order:{r.weight}", x_value=r.order, **common))  # fmt: skip
+            # The brief's "gap": compute start - all-gather end (>= 0 on a GPU, where the compute stream
+            # waits for the gather; ~0 when it waited, larger when the weight was early).
+            rows.append(make_row(metric="allgather_gap", unit="us", value=r.lead_us, mode=r.phase,
+                                 x_name=f"order:{r.weight}", x_value=r.order, **common))  # fmt: skip
     for phase, g in t.groupby("phase"):
         rows.append(make_row(metric="allgather_hidden_fraction", unit="fraction",
                              value=float((g.slack_us >= 0).mean()), mode=phase, x_name="waits", x_value=len(g),
@@ -547,11 +553,13 @@ def plot_timeline(compact: dict[str, Any], *, title: str = "", zoom_waits: int =
         ax.set_xlabel("ms since the start of the profiled step")
     if fwd:
         lo = (fwd[0]["ts"] - t0) / 1e3
-        hi = (
-            (waits[zoom_waits]["ts"] - t0) / 1e3
-            if len(waits) > zoom_waits
-            else (fwd[0]["ts"] + fwd[0]["dur"] - t0) / 1e3
-        )
+        fw = timing[timing.phase == "forward"] if "consumer_start" in timing else timing.iloc[0:0]
+        if len(fw) > zoom_waits:  # GPU: end at the consumer of the last shown wait (device time)
+            hi = (fw.consumer_start.iloc[zoom_waits] - t0) / 1e3
+        elif len(waits) > zoom_waits:  # CPU: the host timeline is the timeline
+            hi = (waits[zoom_waits]["ts"] - t0) / 1e3
+        else:
+            hi = (fwd[0]["ts"] + fwd[0]["dur"] - t0) / 1e3
         axes[1].set_xlim(lo, max(hi, lo + 1e-3))
     axes[0].set_title(title or "one FSDP step", fontsize=10)
     axes[1].set_title(
@@ -574,7 +582,7 @@ def run(
     nproc: int = 2,
     results_dir: str | os.PathLike | None = None,
     figures_dir: str | os.PathLike | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = 300.0,
 ) -> pd.DataFrame:
     """Launch the workers (relaunching after a crashed variant), then render the figures."""
     cfg = FsdpBenchConfig(**{**asdict(cfg), "run_id": cfg.run_id or uuid.uuid4().hex[:8]})
@@ -606,7 +614,9 @@ def run(
 def render_figures(df: pd.DataFrame, results_dir=None, figures_dir=None) -> list[str]:
     """The memory comparison and one timeline per saved trace; returns the figure names."""
     from cs336_systems.report.figures import save_figure
+    from cs336_systems.report.style import apply_style
 
+    apply_style()
     names = []
     if not df.empty:
         save_figure(plot_memory(df), f"{PROBLEM}__memory", directory=figures_dir)
@@ -653,6 +663,7 @@ def slack_table(df: pd.DataFrame) -> pd.DataFrame:
     if s.empty:
         return pd.DataFrame()
     gt = df[df.metric == "allgather_time"].groupby(["impl", "mode"])["mean"].median()
+    gap = df[df.metric == "allgather_gap"].groupby(["impl", "mode"])["mean"].median()
     out = s.groupby(["impl", "mode"])["mean"].agg(
         waits="size",
         hidden_share=lambda x: float((x >= 0).mean()),
@@ -660,7 +671,7 @@ def slack_table(df: pd.DataFrame) -> pd.DataFrame:
         median_slack_us="median",
         min_slack_us="min",
     )
-    return out.join(gt.rename("median_gather_us")).round(3)
+    return out.join(gt.rename("median_gather_us")).join(gap.rename("median_gap_us")).round(3)
 
 
 def plot_slack(df: pd.DataFrame):
@@ -735,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     p.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, debug model, 2 steps")
     p.add_argument("--results-dir", default=None)
     p.add_argument("--figures-dir", default=None)
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per torchrun launch")
     args = p.parse_args(argv)
     if args.worker is not None:
         raw = json.loads(args.worker)

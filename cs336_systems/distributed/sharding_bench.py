@@ -342,7 +342,7 @@ def run(
     nproc: int = 2,
     results_dir: str | os.PathLike | None = None,
     figures_dir: str | os.PathLike | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = 240.0,
 ) -> pd.DataFrame:
     """Launch the workers (relaunching after a crashed variant), then render figures; returns the rows."""
     cfg = BenchConfig(**{**asdict(cfg), "run_id": cfg.run_id or uuid.uuid4().hex[:8]})
@@ -367,7 +367,9 @@ def run(
     df = df[df.config_json.str.contains(cfg.run_id)] if not df.empty else df
     if figures_dir is not None and not df.empty:
         from cs336_systems.report.figures import save_figure
+        from cs336_systems.report.style import apply_style
 
+        apply_style()
         save_figure(plot_memory_breakdown(df), f"{PROBLEM}__memory", directory=figures_dir)
         save_figure(plot_step_time(df), f"{PROBLEM}__step_time", directory=figures_dir)
     return df
@@ -402,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     p.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, debug model, 2 steps")
     p.add_argument("--results-dir", default=None)
     p.add_argument("--figures-dir", default=None, help="render the figures here after measuring")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun launch")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per torchrun launch")
     args = p.parse_args(argv)
     if args.worker is not None:
         worker(

@@ -181,7 +181,7 @@ class _Unshard(torch.autograd.Function):
         ctx.fsdp._on_full_grad(ctx.use, grad_full)
         ctx.fsdp = ctx.use = None
         # No gradient flows to the shard through autograd: it arrives through the reduce-scatter and
-        # is written to `shard.grad` by finish_gradient_synchronization().
+        # is added to `shard.grad` when that completes ([Note: gradient memory]).
         return None, None, None, None
 
 
