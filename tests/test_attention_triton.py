@@ -190,6 +190,20 @@ def test_gpu_matches_float64(d, is_causal, dtype, atol, rtol, floor):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_fp32_tf32_matches_float64(d, is_causal):
+    """fp32 at matmul precision "high" (TF32 dots, as in the benchmark sweep) against PyTorch in TF32."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        case = make_case((1, 2), 1025, 1025, d, torch.float32, device="cuda", is_causal=is_causal)
+        check_outputs(run_impl(FlashAttentionTriton.apply, case), case, 2e-2, 2e-2, 2e-3)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("batch", "n_q", "n_k", "d"),
     [((2,), 1, 1, 64), ((1, 3), 17, 17, 64), ((1, 3), 97, 250, 64), ((1, 3), 300, 97, 64), ((2, 2), 4096, 4096, 64),

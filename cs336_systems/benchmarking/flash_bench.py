@@ -61,15 +61,12 @@ from cs336_systems.model import get_attention
 
 PROBLEM = "flash_benchmarking"
 LEADERBOARD = "flash_leaderboard"
-IMPLS = (
-    "flash_triton",
-    "sdpa_flash",
-    "sdpa_cudnn",
-    "naive",
-    "flash_triton_ptbwd",
-    "flash_pytorch",
-    "flash_pytorch_compiled",
-)
+# fmt: off
+IMPLS = ("flash_triton", "sdpa_flash", "sdpa_cudnn", "naive", "flash_pytorch", "flash_pytorch_compiled",
+         "flash_triton_ptbwd")
+# fmt: on
+DEFAULT_IMPLS = IMPLS[:-1]  # the Triton-forward + PyTorch-backward mix is compared at the leaderboard shape
+PYTORCH_IMPLS = ("flash_pytorch", "flash_pytorch_compiled", "flash_triton_ptbwd")
 MODES = ("fwd", "bwd", "fwd_bwd")
 GIB = 2**30
 
@@ -81,7 +78,8 @@ class SweepConfig:
     seq_lens: tuple[int, ...] = tuple(2**i for i in range(7, 17))
     head_dims: tuple[int, ...] = (16, 32, 64, 128)
     dtypes: tuple[str, ...] = ("bfloat16", "float32")
-    impls: tuple[str, ...] = IMPLS
+    impls: tuple[str, ...] = DEFAULT_IMPLS
+    pytorch_head_dims: tuple[int, ...] = (64,)  # torch.compile time per (d, dtype) is the limit
     batch: int = 1
     heads: int = 1
     causal: bool = True
@@ -267,6 +265,12 @@ def run_sweep(cfg: SweepConfig, *, results_dir=None, progress: bool = True) -> l
                         impl, n, d, dtype_name, cfg, budget.skip_note(f"{impl} {dtype_name} d={d} N={n}")
                     )
                     continue
+                if impl in PYTORCH_IMPLS and d not in cfg.pytorch_head_dims:
+                    reason = (
+                        f"{impl} measured at d in {cfg.pytorch_head_dims} only (torch.compile time per d)"
+                    )
+                    rows += _skip_rows(impl, n, d, dtype_name, cfg, reason)
+                    continue
                 if n > cfg.max_n.get(impl, math.inf):
                     rows += _skip_rows(impl, n, d, dtype_name, cfg,
                                        f"{impl} is not run beyond N={cfg.max_n[impl]} (Python tile loop / compile time)")  # fmt: skip
@@ -281,9 +285,9 @@ def run_sweep(cfg: SweepConfig, *, results_dir=None, progress: bool = True) -> l
                 )  # fmt: skip
                 extra = {"wall_s": round(timeit.default_timer() - start, 2)}
                 if impl == "flash_triton" and torch.device(cfg.device).type == "cuda":
-                    extra["tiles"] = repr(
-                        launch.heuristic_fwd(n, n, max(16, 1 << (d - 1).bit_length()), dtype)
-                    )
+                    block_d = max(16, 1 << (d - 1).bit_length())
+                    extra["tiles"] = repr(launch.heuristic_fwd(n, n, block_d, dtype))
+                    extra["bwd_tiles"] = repr(launch.heuristic_bwd(n, n, block_d, dtype))
                 rows += _rows_for_config(impl, n, d, dtype_name, cfg, stats, peak, note, extra)
                 if note.startswith("OOM"):
                     stop_reason = f"skipped: OOM at N={n}"
@@ -610,7 +614,7 @@ def _strs(s: str) -> tuple[str, ...]:
 
 def quick_config(device: str = "cpu") -> SweepConfig:
     """Tiny sizes that run on a CPU in seconds (interpreter for the Triton kernels)."""
-    return SweepConfig(seq_lens=(32, 64), head_dims=(16,), dtypes=("float32",),
+    return SweepConfig(seq_lens=(32, 64), head_dims=(16,), dtypes=("float32",), pytorch_head_dims=(16,),
                        impls=("flash_triton", "naive", "flash_pytorch"), warmup_ms=1, rep_ms=5, device=device)  # fmt: skip
 
 
@@ -635,6 +639,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument(
         "--rep-ms", type=float, default=d.rep_ms, help="do_bench repetition budget per measurement"
+    )
+    p.add_argument(
+        "--pytorch-head-dims", type=_ints, default=d.pytorch_head_dims, help="head dims for the PyTorch impls"
     )
     p.add_argument(
         "--pytorch-max-n",
@@ -680,6 +687,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             cfg = SweepConfig(
                 seq_lens=args.seq_lens, head_dims=args.head_dims, dtypes=args.dtypes, impls=args.impls,
                 warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, call_cap_ms=args.call_cap_ms, budget_s=args.budget_s,
+                pytorch_head_dims=args.pytorch_head_dims,
                 max_n={"flash_pytorch": args.pytorch_max_n, "flash_pytorch_compiled": args.pytorch_max_n,
                        "flash_triton_ptbwd": 16384},
                 device=args.device,

@@ -132,11 +132,12 @@ def heuristic_fwd(n_q: int, n_k: int, block_d: int, dtype: torch.dtype) -> FwdCo
     if interpreting():  # the interpreter's cost is per tile: few, large tiles
         bm = _pow2_clamp(n_q, MIN_BLOCK, 64)
         return FwdConfig(bm, _pow2_clamp(n_k, MIN_BLOCK, bm), 1, 1)
+    # fp32 keeps 4 warps: 8-warp tiles with 3xTF32 dots faulted on Triton 3.6 (OPTIMIZATION_LOG.md)
     wide = dtype == torch.float32
     if block_d <= 64:
-        cfg = FwdConfig(64, 32, 4, 2) if wide else FwdConfig(128, 64, 8, 3)
+        cfg = FwdConfig(64, 32, 4, 2) if wide else FwdConfig(128, 64, 8, 3)  # bf16: tuned on the H100
     elif block_d <= 128:
-        cfg = FwdConfig(64, 32, 8, 2) if wide else FwdConfig(128, 64, 8, 3)
+        cfg = FwdConfig(64, 32, 4, 2) if wide else FwdConfig(128, 64, 8, 3)
     else:
         cfg = FwdConfig(32, 16, 4, 1) if wide else FwdConfig(64, 32, 4, 2)
     bm = _pow2_clamp(n_q, MIN_BLOCK, cfg.block_m)
@@ -151,12 +152,12 @@ def heuristic_bwd(n_q: int, n_k: int, block_d: int, dtype: torch.dtype) -> BwdCo
         bm1, bn2 = min(bn1, _pow2_clamp(n_q, MIN_BLOCK, 64)), min(bm2, _pow2_clamp(n_k, MIN_BLOCK, 64))
         return BwdConfig(bm1, bn1, bm2, bn2, 1, 1, 1, 1)
     wide = dtype == torch.float32
-    if block_d <= 64:
-        cfg = BwdConfig(32, 64, 64, 32, 8, 2, 4, 2) if wide else BwdConfig(32, 128, 128, 32, 8, 3, 8, 3)
+    if block_d <= 64:  # bf16: each pass tuned alone on the H100 (dK/dV 64x64, dQ 128x64, 4 warps, TMA)
+        cfg = BwdConfig(32, 64, 64, 32, 4, 2, 4, 2) if wide else BwdConfig(64, 64, 128, 64, 4, 3, 4, 3)
     elif block_d <= 128:
-        cfg = BwdConfig(16, 64, 64, 16, 8, 2, 4, 1) if wide else BwdConfig(32, 64, 64, 32, 8, 2, 8, 2)
+        cfg = BwdConfig(16, 64, 64, 16, 4, 2, 4, 1) if wide else BwdConfig(32, 64, 64, 64, 4, 3, 4, 2)
     else:
-        cfg = BwdConfig(16, 64, 64, 16, 8, 2, 8, 1)
+        cfg = BwdConfig(16, 32, 32, 16, 4, 1, 4, 1) if wide else BwdConfig(16, 64, 64, 16, 8, 2, 8, 1)
     bn1 = _pow2_clamp(n_k, MIN_BLOCK, cfg.block_n1)
     bm2 = _pow2_clamp(n_q, MIN_BLOCK, cfg.block_m2)
     return dataclasses.replace(
@@ -169,8 +170,8 @@ def fwd_candidates(block_d: int, dtype: torch.dtype) -> list[FwdConfig]:
     if dtype == torch.float32:
         return [
             FwdConfig(64, 32, 4, 2),
-            FwdConfig(64, 32, 8, 2),
-            FwdConfig(128, 64, 8, 2),
+            FwdConfig(64, 64, 4, 2),
+            FwdConfig(128, 32, 4, 2),
             FwdConfig(64, 16, 4, 1),
         ]
     if block_d <= 64:
@@ -188,18 +189,19 @@ def fwd_candidates(block_d: int, dtype: torch.dtype) -> list[FwdConfig]:
 
 def bwd_candidates(block_d: int, dtype: torch.dtype) -> list[BwdConfig]:
     if dtype == torch.float32:
-        return [BwdConfig(32, 64, 64, 32, 8, 2, 4, 2), BwdConfig(16, 64, 64, 16, 4, 2, 4, 2),
-                BwdConfig(32, 128, 128, 32, 8, 2, 8, 2)]  # fmt: skip
+        return [BwdConfig(32, 64, 64, 32, 4, 2, 4, 2), BwdConfig(16, 64, 64, 16, 4, 2, 4, 1),
+                BwdConfig(32, 64, 64, 16, 4, 2, 4, 1)]  # fmt: skip
     if block_d <= 64:
         return [
-            BwdConfig(32, 128, 128, 32, 8, 3, 8, 3), BwdConfig(32, 128, 128, 32, 8, 4, 8, 4),
+            BwdConfig(64, 64, 128, 64, 4, 3, 4, 3), BwdConfig(32, 64, 128, 64, 4, 3, 4, 3),
+            BwdConfig(64, 64, 64, 64, 4, 2, 4, 3), BwdConfig(32, 128, 128, 32, 8, 3, 8, 3),
             BwdConfig(64, 128, 128, 64, 8, 3, 8, 3), BwdConfig(32, 64, 64, 32, 4, 3, 4, 3),
             BwdConfig(32, 128, 128, 64, 8, 3, 8, 3), BwdConfig(32, 128, 64, 32, 8, 3, 4, 3),
             BwdConfig(64, 64, 64, 64, 4, 3, 4, 3), BwdConfig(32, 128, 128, 32, 8, 3, 8, 3, fused=True),
         ]  # fmt: skip
     if block_d <= 128:
         return [
-            BwdConfig(32, 64, 64, 32, 8, 2, 8, 2), BwdConfig(32, 128, 128, 32, 8, 2, 8, 2),
+            BwdConfig(32, 64, 64, 64, 4, 3, 4, 2), BwdConfig(32, 64, 64, 32, 8, 2, 8, 2),
             BwdConfig(64, 64, 64, 64, 8, 2, 8, 2), BwdConfig(16, 64, 64, 16, 4, 2, 4, 2),
             BwdConfig(32, 64, 128, 32, 8, 2, 8, 2),
         ]  # fmt: skip
