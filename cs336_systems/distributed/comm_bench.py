@@ -237,6 +237,19 @@ def tidy(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def summary_table(df: pd.DataFrame, metric: str = "all_reduce_time") -> pd.DataFrame:
+    """Backend x world size (rows) by tensor size (columns): p50 of `metric`; failures show their note."""
+    t = tidy(df[df.metric == metric]).sort_values("timestamp")
+    if t.empty:
+        return pd.DataFrame()
+    t = t.drop_duplicates(subset=["impl", "world_size", "x_value"], keep="last")
+    t["cell"] = [n or f"{v:.4g}" for v, n in zip(t.p50, t.note)]
+    t["size"] = [f"{x:g} MB" for x in t.x_value]
+    out = t.pivot(index=["impl", "world_size"], columns="size", values="cell")
+    cols = sorted(out.columns, key=lambda c: float(c.split()[0]))
+    return out[cols].rename_axis(index=["backend/device", "ranks"], columns=None)
+
+
 def fit_latency_bandwidth(size_bytes: Sequence[float], time_s: Sequence[float]) -> tuple[float, float]:
     """Fit t = o + s / w (alpha-beta model) to all-reduce timings; returns (o seconds, w bytes/s).
 

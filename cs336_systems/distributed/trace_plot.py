@@ -226,7 +226,7 @@ def plot_timeline(trace: Mapping[str, Any], *, ax=None, title: str | None = None
     y_ph = len(rows) + 0.2
     on_gpu = act.row.str.startswith("stream").any()
     for name in PHASES:  # phase spans in device time: the span of the activity launched in the phase
-        sel = act[act.phase == name]
+        sel = act[(act.phase == name) & ((name == "ddp_sync") | ~act.is_comm)]  # comm outlives its phase
         if sel.empty:
             sel = df[(df.row == "phases") & (df.name == name)]
         if sel.empty:

@@ -466,6 +466,50 @@ def run_sweep(
     return failed
 
 
+QUICK = dict(size="debug", context_length=32, global_batch=4, warmup=1, steps=2, backend="gloo")
+
+
+def measured_variants(df: pd.DataFrame, cfg: TrainBenchConfig, world_size: int) -> set[str]:
+    """Variant labels with a successful step_time row for this model/context/batch/world size."""
+    done = set()
+    for row in df[(df.metric == "step_time") & (df.note == "")].itertuples():
+        c = json.loads(row.config_json)
+        same = (c.get("size"), c.get("context_length"), c.get("global_batch"), c.get("world_size"))
+        if same == (cfg.size, cfg.context_length, cfg.global_batch, world_size):
+            done.add(c["variant"])
+    return done
+
+
+def measure(
+    variants: Sequence[str],
+    *,
+    quick: bool = False,
+    results_dir: str | os.PathLike | None = None,
+    trace: Sequence[str] = (),
+    only_missing: bool = True,
+    figures_dir: str | None = None,
+) -> list[str]:
+    """What the DDP notebooks call: run the variants not yet measured (all of them if not only_missing).
+
+    Real runs: the default config (XL, ctx 512, global batch 8, NCCL) on every visible GPU; quick runs:
+    the debug model with gloo on 2 CPU processes. Returns the labels that were run.
+    """
+    from cs336_systems.benchmarking.results import load_results
+
+    labels = [Variant.parse(v).label for v in variants]
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cfg = TrainBenchConfig(**(QUICK if quick else {}), trace=tuple(Variant.parse(t).label for t in trace))
+    nproc = 2 if cfg.backend == "gloo" else max(n_gpus, 1)
+    if only_missing:
+        done = measured_variants(load_results(PROBLEM, results_dir), cfg, nproc)
+        missing_traces = [t for t in cfg.trace if not trace_path(results_dir, t).exists()]
+        labels = [v for v in labels if v not in done or v in missing_traces]
+    if labels:
+        run_sweep(cfg, labels, nproc=nproc, results_dir=None if results_dir is None else str(results_dir),
+                  figures_dir=figures_dir)  # fmt: skip
+    return labels
+
+
 # ------------------------------------------------------------------------------------------------------
 # Analysis helpers used by the notebooks
 # ------------------------------------------------------------------------------------------------------
@@ -486,8 +530,8 @@ def variant_label(row: pd.Series) -> str:
     return {"naive": "naive", "flat": "flat", "overlap": "overlap (per param)"}[v.kind]
 
 
-def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per variant: mean step/phase times (ms), overhead over the no-comm reference, comm share.
+def summary(df: pd.DataFrame, size: str | None = None) -> pd.DataFrame:
+    """One row per variant of one model size (default: that of the newest row): mean step/phase times (ms), overhead over the no-comm reference, comm share.
 
     Columns: variant, kind, bucket_mb, step_ms, step_std_ms, forward_ms, backward_ms, comm_ms,
     optimizer_ms, peak_gib, overhead_ms (step - single step), comm_share (comm_ms / step_ms), note.
@@ -495,6 +539,8 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame()
     df = df.sort_values("timestamp").copy()
+    size = size or df.name.iloc[-1]
+    df = df[df.name == size]
     df["variant"] = [json.loads(c)["variant"] for c in df.config_json]
     df = df.drop_duplicates(subset=["name", "variant", "metric"], keep="last")
     out = []
@@ -515,6 +561,76 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     order = {k: i for i, k in enumerate(KIND_IMPL)}
     s["_o"] = [order[k] for k in s.kind]
     return s.sort_values(["_o", "bucket_mb"]).drop(columns="_o").reset_index(drop=True)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def describe_setup(df: pd.DataFrame) -> str:
+    """One sentence naming the measured configuration (from the newest step_time row's config)."""
+    rows = df[(df.metric == "step_time") & (df.note == "")].sort_values("timestamp")
+    if rows.empty:
+        return "no successful measurement"
+    row = rows.iloc[-1]
+    c = json.loads(row.config_json)
+    m = c["model"]
+    device = row.gpu_name if c.get("device") == "cuda" else "CPU processes"
+    return (
+        f"model `{c['size']}` (d_model {m['d_model']}, {m['num_layers']} layers, d_ff {m['d_ff']}, "
+        f"{_count(c['num_params'])} parameters), fp32 weights and compute, the project's AdamW, "
+        f"{c['attention']} attention, random tokens; context length {c['context_length']}, global batch "
+        f"{c['global_batch']} = {c['per_rank_batch']} sequences per rank on {c['world_size']} x {device} "
+        f"({c['backend']}); {c['warmup']} warm-up and {c['steps']} timed steps per variant"
+    )
+
+
+def summary_table(summ: pd.DataFrame, variants: Sequence[str] | None = None) -> pd.DataFrame:
+    """Display version of `summary`: ms per phase, overhead over 1 GPU, communication share, memory."""
+    s = summ if variants is None else summ[summ.variant.isin(variants)]
+    fmt = lambda x, spec=".1f": (
+        "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    )
+    out = pd.DataFrame({
+        "variant": s.label,
+        "step (ms)": [f"{fmt(m)} +- {fmt(sd)}" if not math.isnan(m) else n for m, sd, n in zip(s.step_ms, s.step_std_ms, s.note)],
+        "forward": [fmt(x) for x in s.forward_ms],
+        "backward": [fmt(x) for x in s.backward_ms],
+        "grad sync": [fmt(x) for x in s.comm_ms],
+        "optimizer": [fmt(x) for x in s.optimizer_ms],
+        "vs 1 GPU": [fmt(x, "+.1f") for x in s.overhead_ms],
+        "sync share": [fmt(100 * x, ".1f") + (" %" if not math.isnan(x) else "") for x in s.comm_share],
+        "peak GiB": [fmt(x) for x in s.peak_gib],
+    })  # fmt: skip
+    return out.reset_index(drop=True)
+
+
+def row_of(summ: pd.DataFrame, variant: str) -> pd.Series | None:
+    """The summary row of one variant label (None when it was not measured)."""
+    sel = summ[summ.variant == Variant.parse(variant).label] if len(summ) else summ
+    return None if len(sel) == 0 else sel.iloc[0]
+
+
+def bucket_table(summ: pd.DataFrame) -> pd.DataFrame:
+    """Bucket size (rows) -> DDPBucketed vs PyTorch DDP step time, their ratio, buckets, exposed sync."""
+    b = summ[summ.kind == "bucketed"].set_index("bucket_mb")
+    t = summ[summ.kind == "torch"].set_index("bucket_mb")
+    sizes = sorted(set(b.index) | set(t.index))
+    rows = []
+    for mb in sizes:
+        rb = b.loc[mb] if mb in b.index else None
+        rt = t.loc[mb] if mb in t.index else None
+        step_b = rb.step_ms if rb is not None else math.nan
+        step_t = rt.step_ms if rt is not None else math.nan
+        rows.append({
+            "bucket (MB)": "one bucket" if math.isinf(mb) else (f"{mb:g} (torch default)" if mb == TORCH_DEFAULT_BUCKET_MB else f"{mb:g}"),
+            "DDPBucketed step (ms)": step_b,
+            "exposed sync (ms)": rb.comm_ms if rb is not None else math.nan,
+            "PyTorch DDP step (ms)": step_t,
+            "ours / PyTorch": step_b / step_t,
+            "_mb": mb,
+        })  # fmt: skip
+    return pd.DataFrame(rows).sort_values("_mb").drop(columns="_mb").reset_index(drop=True)
 
 
 def bucket_model(
