@@ -639,7 +639,7 @@ def _done_variants(run_id: str, results_dir) -> set[str]:
     return set(df.impl.unique())
 
 
-def memory_table(df: pd.DataFrame, rank: int = 0) -> pd.DataFrame:
+def memory_table(df: pd.DataFrame, rank: int = 0, digits: int | None = 2) -> pd.DataFrame:
     m = df[(df.unit == "GiB") & (df.note == "") & (df.x_name == "rank")]
     m = m[m.x_value.astype(float) == rank]
     if m.empty:
@@ -647,7 +647,7 @@ def memory_table(df: pd.DataFrame, rank: int = 0) -> pd.DataFrame:
     t = m.pivot_table(index=["impl", "mode"], columns="metric", values="mean", aggfunc="last")
     order = [c for c in ("allocated", "iteration_peak", "params", "expected_params", "grads", "expected_grads",
                          "optimizer_state", "expected_optimizer_state", "other", "expected_state") if c in t]  # fmt: skip
-    return t[order].round(2)
+    return t[order].round(digits) if digits is not None else t[order]
 
 
 def saving_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -699,7 +699,7 @@ def plot_memory(df: pd.DataFrame):
     """Peak of a steady iteration and the steady-state breakdown, per variant (rank 0)."""
     import matplotlib.pyplot as plt
 
-    t = memory_table(df)
+    t = memory_table(df, digits=None)
     fig, ax = plt.subplots(figsize=(7, 3.4))
     if t.empty:
         ax.text(0.5, 0.5, "no memory rows (CPU run?)", ha="center", va="center", transform=ax.transAxes)

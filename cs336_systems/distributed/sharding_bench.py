@@ -458,7 +458,7 @@ def value(
     return float(m.sort_values("timestamp")["mean"].iloc[-1]) if len(m) else math.nan
 
 
-def memory_table(df: pd.DataFrame, rank: int | None = 0) -> pd.DataFrame:
+def memory_table(df: pd.DataFrame, rank: int | None = 0, digits: int | None = 3) -> pd.DataFrame:
     """GiB per (variant, point): measured allocated / peak and each component next to its expectation."""
     m = df[(df.unit == "GiB") & (df.note == "")]
     if rank is not None:
@@ -470,7 +470,7 @@ def memory_table(df: pd.DataFrame, rank: int | None = 0) -> pd.DataFrame:
                          "expected_grads", "optimizer_state", "expected_optimizer_state", "other") if c in t]  # fmt: skip
     t = t[order]
     t = t.reindex(sorted(t.index, key=lambda ix: (list(IMPL.values()).index(ix[0]), POINTS.index(ix[1]))))
-    return t.round(3)
+    return t.round(digits) if digits is not None else t
 
 
 def time_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -487,7 +487,7 @@ def plot_memory_breakdown(df: pd.DataFrame, rank: int = 0):
 
     from cs336_systems.report.style import impl_color
 
-    t = memory_table(df, rank)
+    t = memory_table(df, rank, digits=None)
     fig, ax = plt.subplots(figsize=(10, 4.2))
     if t.empty:
         ax.text(0.5, 0.5, "no memory rows (CPU run?)", ha="center", va="center", transform=ax.transAxes)
@@ -509,8 +509,8 @@ def plot_memory_breakdown(df: pd.DataFrame, rank: int = 0):
         ax.axvspan(i - 0.45, i + 0.45, ymin=0, ymax=0.015, color=impl_color(impl))
     ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
     ax.set_ylabel(f"GiB allocated (rank {rank})")
-    ax.set_title("Memory with and without optimizer-state sharding")
-    ax.legend(fontsize=8, ncols=5, loc="upper left")
+    ax.set_title("Memory with and without optimizer-state sharding", pad=24)
+    ax.legend(fontsize=8, ncols=5, loc="lower left", bbox_to_anchor=(0, 1.06), frameon=False)
     fig.tight_layout()
     return fig
 
