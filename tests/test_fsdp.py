@@ -227,6 +227,19 @@ def _ws2_worker(rank, world_size, device):
     for dtype in (None, torch.float16):
         _gradient_sync_check(rank, world_size, device, ToyFSDPModel, dtype)
     _gradient_sync_check(rank, world_size, device, TorchNNTiedModel, torch.float16)
+    _inference_check(rank, world_size, device)
+
+
+def _inference_check(rank, world_size, device):
+    """Forward under no_grad (no graph, no saved weights) is bitwise the unsharded model's, and frees everything."""
+    torch.manual_seed(42)
+    base = TorchNNTiedModel().to(device)
+    fsdp = FSDP(copy.deepcopy(base))
+    x = torch.randint(0, VOCAB, (3, 8), device=device)
+    with torch.no_grad():
+        assert torch.equal(fsdp(x), base(x))
+        assert torch.equal(fsdp(x), base(x))  # the second call prefetches in the recorded order
+    assert fsdp.live_unsharded.now == 0 and all(sp.shard.grad is None for sp in fsdp.sharded_params)
 
 
 def _ws3_worker(rank, world_size, device):

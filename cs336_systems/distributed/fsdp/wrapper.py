@@ -392,7 +392,7 @@ class FSDP(nn.Module):
         # [Note: tied weights] sum every use's gradient locally, then reduce-scatter once.
         fwd.accum[param] = grad if param not in fwd.accum else fwd.accum[param] + grad
         fwd.expected[param] -= 1
-        if fwd.expected[param] == 0:
+        if fwd.expected[param] <= 0:  # < 0: a second backward through the same graph (retain_graph)
             self._reduce_scatter(param, fwd.accum.pop(param))
 
     def _reduce_scatter(self, param: ShardedParam, grad: Tensor) -> None:
