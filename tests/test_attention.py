@@ -113,6 +113,14 @@ def test_pytorch_tile_sizes(tile_q, tile_k):
     check_outputs(ours, case, 1e-4, 1e-4, 2e-5)
 
 
+@pytest.mark.slow
+def test_pytorch_compiled_tile_steps_and_backward():
+    """compiled=True: every tile step and the backward chunks through torch.compile (Inductor, ~20 s on a CPU)."""
+    case = make_case((1, 2), 40, 40, 16, torch.float32, is_causal=True)
+    ours = run_impl(FlashAttentionPytorch.apply, case, True, 16, 16)
+    check_outputs(ours, case, 1e-4, 1e-4, 2e-5)
+
+
 def test_pytorch_rejects_tiles_below_16():
     q = torch.randn(1, 32, 16)
     with pytest.raises(ValueError, match="at least 16"):

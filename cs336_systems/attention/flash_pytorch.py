@@ -100,10 +100,15 @@ def flash_forward_pytorch(
             keep = None
             if is_causal and ke - 1 > qs:  # the tile reaches past the first query row: mask it
                 keep = idx[qs:qe, None] >= idx[None, ks:ke]
-            step = _compiled_step((acc_dtype, d, keep is not None)) if compiled else _tile_step
-            m, l, acc = step(
-                q_i, k[..., ks:ke, :].to(acc_dtype), v[..., ks:ke, :].to(acc_dtype), m, l, acc, keep
-            )
+            k_j, v_j = k[..., ks:ke, :].to(acc_dtype), v[..., ks:ke, :].to(acc_dtype)
+            if compiled:
+                # Contiguous tiles: views of an fp32 input carry N-dependent strides, and every new
+                # stride pattern would recompile the step (Dynamo stops at its recompile limit of 8).
+                step = _compiled_step((acc_dtype, d, keep is not None))
+                k_j, v_j = k_j.contiguous(), v_j.contiguous()
+            else:
+                step = _tile_step
+            m, l, acc = step(q_i, k_j, v_j, m, l, acc, keep)
         o[..., qs:qe, :] = (acc / l.unsqueeze(-1)).to(q.dtype)
         lse[..., qs:qe] = m + torch.log(l)
     return o, lse
