@@ -35,12 +35,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import math
+import re
 import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -54,6 +58,7 @@ from cs336_systems.benchmarking.results import (
     capture_failure,
     device_name,
     failure_row,
+    latest_run,
     make_row,
 )
 from cs336_systems.benchmarking.timing import kernel_time, synchronize
@@ -140,7 +145,7 @@ def attention_fn(impl: str, device: str = "cuda") -> Callable:
 def _failure_note(note: str) -> str:
     """SDPA backends that reject an input say so with 'No available kernel' (plus warnings)."""
     low = note.lower()
-    if "no available kernel" in low or "not supported" in low or "unsupported" in low:
+    if any(k in low for k in ("no available kernel", "no viable backend", "not supported", "unsupported")):
         return "unsupported: " + note.removeprefix("error: ")
     return note
 
@@ -318,6 +323,8 @@ class LeaderboardConfig:
     rep_ms: float = 10000.0
     warmup_ms: float = 1000.0
     impls: tuple[str, ...] = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
+    dtype: str = "bfloat16"  # the protocol's; quick CPU runs use float32 (the interpreter cannot do bf16)
+    matmul_n: int = 8192  # size of the matmul whose rate is the "measured peak"
     device: str = "cuda"
 
 
@@ -342,17 +349,13 @@ def _leaderboard_fn(impl: str, x: torch.Tensor) -> Callable[[], None]:
 def _bench_all(
     fn: Callable[[], object], warmup_ms: float, rep_ms: float, grad_to_none=None
 ) -> dict[str, float]:
-    import triton.testing
-
-    from cs336_systems.benchmarking.results import summarize
-
-    return summarize(list(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
-                                                   return_mode="all")))  # fmt: skip
+    """do_bench statistics of every repetition on a GPU (a host-timer loop on a CPU)."""
+    return kernel_time(fn, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=grad_to_none)
 
 
-def matmul_peak_tflops(device: str = "cuda", n: int = 8192) -> float:
-    """Measured bf16 matmul rate of this GPU (random data, do_bench median)."""
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+def matmul_peak_tflops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Measured matmul rate of this device (random n x n operands, do_bench median)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     ms = _bench_all(lambda: a @ b, 25, 200)["p50"]
     return tflops(2.0 * n**3, ms)
 
@@ -362,7 +365,6 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
     gpu = device_name(cfg.device)
     rows: list[dict[str, Any]] = []
     config = dataclasses.asdict(cfg) | {
-        "dtype": "bfloat16",
         "causal": True,
         "timed": "o = flash(q, k, v, True); o.sum().backward()",
     }
@@ -370,14 +372,20 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
     for impl in cfg.impls:
         torch.manual_seed(0)
         x = torch.randn(
-            3, cfg.heads, cfg.seq_len, cfg.d, device=cfg.device, dtype=torch.bfloat16, requires_grad=True
+            3,
+            cfg.heads,
+            cfg.seq_len,
+            cfg.d,
+            device=cfg.device,
+            dtype=getattr(torch, cfg.dtype),
+            requires_grad=True,
         )
         outcome: dict[str, str] = {}
         with capture_failure(outcome):
             step = _leaderboard_fn(impl, x)
             step()  # compile outside the timed region (do_bench's warm-up would also absorb it)
             results[impl] = _bench_all(step, cfg.warmup_ms, cfg.rep_ms)
-        common = dict(problem=LEADERBOARD, name="protocol", impl=impl, mode="fwd_bwd", dtype="bfloat16",
+        common = dict(problem=LEADERBOARD, name="protocol", impl=impl, mode="fwd_bwd", dtype=cfg.dtype,
                       x_name="seq_len", x_value=cfg.seq_len, config=config)  # fmt: skip
         if impl in results:
             rows.append(make_row(metric="latency", unit="ms", stats=results[impl], **common))
@@ -409,19 +417,19 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
 def _leaderboard_split(cfg: LeaderboardConfig, config: dict[str, Any]) -> list[dict[str, Any]]:
     """Forward-only and backward-only times at the protocol shape, and the bf16 matmul peak."""
     rows = []
-    peak = matmul_peak_tflops(cfg.device)
-    rows.append(make_row(problem=LEADERBOARD, name="matmul_peak", impl="torch.matmul", mode="", dtype="bfloat16",
-                         metric="throughput", unit="TFLOP/s", value=peak, config={"shape": "8192^3"}))  # fmt: skip
-    print(f"\nmeasured bf16 matmul peak: {peak:.0f} TFLOP/s")
+    peak = matmul_peak_tflops(cfg.device, cfg.matmul_n, getattr(torch, cfg.dtype))
+    rows.append(make_row(problem=LEADERBOARD, name="matmul_peak", impl="torch.matmul", mode="", dtype=cfg.dtype,
+                         metric="throughput", unit="TFLOP/s", value=peak, config={"shape": f"{cfg.matmul_n}^3"}))  # fmt: skip
+    print(f"\nmeasured {cfg.dtype} matmul peak: {peak:.1f} TFLOP/s")
     print(f"{'impl':<16}{'mode':<9}{'median ms':>11}{'TFLOP/s':>9}{'of peak':>9}")
     for impl in cfg.impls:
         fn = attention_fn(impl, cfg.device)
         stats, _, note = measure_config(
-            fn, batch=1, heads=cfg.heads, n=cfg.seq_len, d=cfg.d, dtype=torch.bfloat16, causal=True,
-            device=cfg.device, warmup_ms=100, rep_ms=1000, modes=("fwd", "bwd"),
+            fn, batch=1, heads=cfg.heads, n=cfg.seq_len, d=cfg.d, dtype=getattr(torch, cfg.dtype), causal=True,
+            device=cfg.device, warmup_ms=cfg.warmup_ms / 10, rep_ms=cfg.rep_ms / 10, modes=("fwd", "bwd"),
         )  # fmt: skip
         for mode in ("fwd", "bwd"):
-            common = dict(problem=LEADERBOARD, name="split", impl=impl, mode=mode, dtype="bfloat16",
+            common = dict(problem=LEADERBOARD, name="split", impl=impl, mode=mode, dtype=cfg.dtype,
                           x_name="seq_len", x_value=cfg.seq_len, config=config)  # fmt: skip
             if mode not in stats:
                 rows.append(failure_row(metric="latency", unit="ms", note=note or "not measured", **common))
@@ -597,6 +605,256 @@ def run_tuning(
         launch._tuned[("bwd", *launch.tuning_key(n, n, d, dtype, True))] = bwd
     append_rows(LEADERBOARD, rows, results_dir)
     return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Report helpers (notebooks 10_flash_benchmarking and 11_flash_leaderboard)
+# ------------------------------------------------------------------------------------------------
+
+IMPL_ORDER = ("flash_triton", "sdpa_flash", "sdpa_cudnn", "naive", "flash_pytorch", "flash_pytorch_compiled",
+              "flash_triton_ptbwd")  # fmt: skip
+VARIANT_NOTES = {
+    # variant: (what changed, prediction written before the measurement; OPTIMIZATION_LOG.md has the reasons)
+    "v0_mask_all_tiles": (
+        "every key tile visited and masked (handout baseline, exp2 already)",
+        "~2x v1: twice the tiles",
+    ),
+    "v1_skip_masked_tiles": ("+ skip tiles above the causal diagonal", "~0.5x v0"),
+    "v2_split_diagonal": ("+ mask only the diagonal tiles", "5-10% below v1"),
+    "v3_tma": ("+ TMA tensor descriptors (same tiles)", "10-30% below v2 (no spills, 2-3 CTAs/SM)"),
+    "v4_tma_fused_bwd": ("+ both backward passes in one launch", "3-5% below v3 (fewer idle SMs)"),
+    "v5_tuned_tiles": (
+        "tiles tuned per pass (bwd 4 warps, dK/dV 64x64, dQ 128x64)",
+        "bwd toward the 4.0 ms of the tuning",
+    ),
+    "v6_tuned_dq_side_stream": ("+ dQ pass on a second CUDA stream", "~2% below v5 (tail overlap)"),
+    "pytorch_compiled_bwd": ("Triton forward + torch.compile'd PyTorch backward", "10-30x slower backward"),
+}
+
+
+def _note_label(note: str) -> str:
+    note = str(note or "")
+    if note.startswith("OOM"):
+        return "OOM"
+    if note.startswith("unsupported"):
+        return "unsupported"
+    if note.startswith("skipped"):
+        return "skipped"
+    return "failed" if note else ""
+
+
+def sweep_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """Latest row per (impl, d, dtype, N, mode, metric) with integer columns d and N."""
+    if df.empty:
+        return df.assign(d=pd.Series(dtype=int), N=pd.Series(dtype=int))
+    out = latest_run(df, keys=("name", "impl", "mode", "dtype", "x_value", "metric"))
+    return out.assign(
+        d=out["name"].str.removeprefix("d").astype(int), N=out["x_value"].astype(float).astype(int)
+    )
+
+
+def _cell(row: pd.Series, digits: int = 3) -> object:
+    return round(float(row["p50"]), digits) if pd.notna(row["p50"]) else _note_label(row["note"])
+
+
+def latency_table(
+    df: pd.DataFrame, dtype: str, impls: Sequence[str] = ("flash_triton", "naive")
+) -> pd.DataFrame:
+    """Median ms of forward, backward and forward+backward: rows (d, N), columns '<impl> <mode>'."""
+    lat = df[(df.metric == "latency") & (df.dtype == dtype) & df.impl.isin(impls)]
+    if lat.empty:
+        return pd.DataFrame()
+    lat = lat.assign(col=lat.impl + " " + lat["mode"], val=lat.apply(_cell, axis=1))
+    tab = lat.pivot_table(index=["d", "N"], columns="col", values="val", aggfunc="first")
+    cols = [f"{i} {m}" for i in impls for m in MODES if f"{i} {m}" in tab.columns]
+    return tab[cols].reset_index()
+
+
+def impl_table(
+    df: pd.DataFrame, dtype: str, d: int, mode: str = "fwd_bwd", metric: str = "latency"
+) -> pd.DataFrame:
+    """One (dtype, d, mode): rows N, one column per implementation (ms, or the failure label)."""
+    sel = df[(df.metric == metric) & (df.dtype == dtype) & (df.d == d) & (df["mode"] == mode)]
+    if sel.empty:
+        return pd.DataFrame()
+    sel = sel.assign(val=sel.apply(_cell, axis=1))
+    tab = sel.pivot_table(index="N", columns="impl", values="val", aggfunc="first")
+    return tab[[i for i in IMPL_ORDER if i in tab.columns]].reset_index()
+
+
+def plot_vs_n(df: pd.DataFrame, metric: str, mode: str, dtype: str, *, ylabel: str, logy: bool = True):
+    """One panel per head dim: `metric` (p50) against N for every implementation."""
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.report import impl_color
+
+    sel = df[(df.metric == metric) & (df["mode"] == mode) & (df.dtype == dtype) & df.p50.notna()]
+    dims = sorted(sel.d.unique())
+    fig, axes = plt.subplots(
+        1, max(len(dims), 1), figsize=(3.0 * max(len(dims), 1), 3.0), sharey=True, squeeze=False
+    )
+    for ax, d in zip(axes[0], dims):
+        for impl in [i for i in IMPL_ORDER if i in set(sel.impl)]:
+            g = sel[(sel.d == d) & (sel.impl == impl)].sort_values("N")
+            if len(g):
+                ax.plot(g.N, g.p50, marker="o", ms=3, label=impl, color=impl_color(impl))
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(f"d = {d}")
+        ax.set_xlabel("sequence length N")
+    axes[0][0].set_ylabel(ylabel)
+    by_label: dict[str, Any] = {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            by_label.setdefault(lab, h)
+    labels = [i for i in IMPL_ORDER if i in by_label]
+    handles = [by_label[i] for i in labels]
+    if handles:
+        fig.legend(
+            handles,
+            labels,
+            loc="lower center",
+            ncol=min(len(labels), 4),
+            frameon=False,
+            bbox_to_anchor=(0.5, -0.12),
+        )
+    fig.suptitle(f"{mode.replace('_', '+')}, {dtype}, batch 1, causal")
+    fig.tight_layout()
+    return fig
+
+
+def scaling_exponent(n: Sequence[float], y: Sequence[float]) -> float:
+    """Least-squares slope of log y against log n."""
+    ln, ly = np.log(np.asarray(n, dtype=float)), np.log(np.asarray(y, dtype=float))
+    return float(np.polyfit(ln, ly, 1)[0])
+
+
+def memory_exponents(df: pd.DataFrame, dtype: str, d: int, min_n: int = 2048) -> dict[str, float]:
+    """Peak-memory growth exponent per implementation over N >= min_n (at least 3 measured points)."""
+    sel = df[
+        (df.metric == "peak_memory") & (df.dtype == dtype) & (df.d == d) & (min_n <= df.N) & df.p50.notna()
+    ]
+    return {
+        impl: scaling_exponent(g.N, g.p50)
+        for impl, g in sel.groupby("impl")
+        if len(g) >= 3 and (g.p50 > 0).all()
+    }
+
+
+def leaderboard_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The protocol's latest result per implementation, with TFLOP/s and the ratio to SDPA-flash."""
+    lb = latest_run(df[(df.name == "protocol") & (df.metric == "latency")], keys=("name", "impl", "metric"))
+    if lb.empty:
+        return pd.DataFrame()
+    cfg = json.loads(lb.config_json.iloc[-1])
+    flops = attention_flops(
+        1, cfg["heads"], cfg["seq_len"], cfg["seq_len"], cfg["d"], causal=True, mode="fwd_bwd"
+    )
+    base = lb.set_index("impl").p50.get("sdpa_flash", math.nan)
+    out = pd.DataFrame({
+        "impl": lb.impl, "median ms": lb.p50, "mean ms": lb["mean"], "p20 ms": lb.p20, "p80 ms": lb.p80,
+        "TFLOP/s": [tflops(flops, ms) if pd.notna(ms) else math.nan for ms in lb.p50],
+        "vs sdpa_flash": lb.p50 / base, "note": lb.note,
+    })  # fmt: skip
+    order = {i: k for k, i in enumerate(IMPL_ORDER)}
+    out = out.sort_values("impl", key=lambda s: s.map(order)).reset_index(drop=True)
+    out.attrs["source"] = lb  # the rows behind the table (provenance)
+    return out
+
+
+def split_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Forward-only and backward-only TFLOP/s at the protocol shape, against the measured matmul peak."""
+    sp = latest_run(df[df.name == "split"], keys=("name", "impl", "mode", "metric"))
+    peak_rows = latest_run(df[df.name == "matmul_peak"], keys=("name", "metric"))
+    if sp.empty or peak_rows.empty:
+        return pd.DataFrame()
+    peak = float(peak_rows.p50.iloc[-1])
+    lat = sp[sp.metric == "latency"].set_index(["impl", "mode"]).p50
+    thr = sp[sp.metric == "throughput"].set_index(["impl", "mode"]).p50
+    out = pd.DataFrame({"median ms": lat, "TFLOP/s": thr}).reset_index()
+    out["of measured matmul peak"] = out["TFLOP/s"] / peak
+    out.attrs["peak"] = peak
+    out.attrs["source"] = pd.concat([sp, peak_rows])
+    return out
+
+
+def variants_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The optimisation log's versions: latest fwd / bwd / fwd+bwd medians with change and prediction."""
+    var = latest_run(
+        df[(df.name == "variant") & (df.metric == "latency")], keys=("name", "impl", "mode", "metric")
+    )
+    if var.empty:
+        return pd.DataFrame()
+    tab = var.pivot_table(index="impl", columns="mode", values="p50", aggfunc="first")
+    tab = tab.reindex([v for v in VARIANT_NOTES if v in tab.index])
+    tab = tab.rename(columns={"fwd": "fwd ms", "bwd": "bwd ms", "fwd_bwd": "fwd+bwd ms"}).reset_index(
+        names="version"
+    )
+    tab = tab[["version", *[c for c in ("fwd ms", "bwd ms", "fwd+bwd ms") if c in tab.columns]]]
+    tab["change"] = [VARIANT_NOTES[v][0] for v in tab.version]
+    tab["prediction"] = [VARIANT_NOTES[v][1] for v in tab.version]
+    tab.attrs["source"] = var
+    return tab
+
+
+def _short_config(kernel: str, text: str) -> str:
+    """'FwdConfig(block_m=128, ...)' / 'BwdConfig(...)' -> '128x64, 8 warps, 3 stages[, TMA|block ptr]'."""
+    f = dict(re.findall(r"(\w+)=([\w.]+)", text))
+    suffix = {"1": "1", "2": "2"}.get({"dkdv": "1", "dq": "2"}.get(kernel, ""), "")
+    if kernel == "fwd":
+        rows, w, st, tma = f"{f['block_m']}x{f['block_n']}", f["num_warps"], f["num_stages"], "None"
+    else:
+        rows = f"{f['block_m' + suffix]}x{f['block_n' + suffix]}"
+        w, st, tma = f["num_warps" + suffix], f["num_stages" + suffix], f.get("tma" + suffix, "None")
+    path = {"True": ", TMA", "False": ", block pointers"}.get(tma, "")
+    return f"{rows}, {w} warps, {st} stages{path}"
+
+
+def tuning_table(df: pd.DataFrame, top: int = 3) -> pd.DataFrame:
+    """The fastest tile candidates per kernel (latest tuning run of each candidate)."""
+    tun = latest_run(
+        df[(df.name == "tuning") & (df.metric == "latency")], keys=("name", "impl", "mode", "metric")
+    )
+    tun = tun[tun.p50.notna() & tun["mode"].isin(["fwd", "dkdv", "dq"])]
+    if tun.empty:
+        return pd.DataFrame()
+    best = tun.sort_values("p50").groupby("mode", sort=False).head(top)
+    out = pd.DataFrame({
+        "kernel": best["mode"].values,
+        "tiles (rows x rows), warps, stages, memory path": [_short_config(k, c) for k, c in zip(best["mode"], best.impl)],
+        "median ms": best.p50.values,
+    })  # fmt: skip
+    out.attrs["source"] = best
+    return out
+
+
+def plot_leaderboard(protocol: pd.DataFrame, variants: pd.DataFrame, target: float = 0.72):
+    """Left: protocol medians with the target (target x SDPA-flash). Right: forward and backward time
+    of every kernel version of the optimisation log."""
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.report import impl_color
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.4), gridspec_kw={"width_ratios": [1, 2.2]})
+    ok = protocol[protocol["median ms"].notna()]
+    ax1.bar(ok.impl, ok["median ms"], color=[impl_color(i) for i in ok.impl])
+    base = ok.set_index("impl")["median ms"].get("sdpa_flash")
+    if base is not None and not math.isnan(base):
+        ax1.axhline(target * base, color="k", ls="--", lw=1, label=f"goal: {target:g} x sdpa_flash")
+        ax1.legend(frameon=False, fontsize=8)
+    ax1.set_ylabel("fwd+bwd median ms")
+    ax1.set_title("leaderboard protocol")
+    ax1.tick_params(axis="x", rotation=30)
+    if len(variants):
+        v = variants[variants.version != "pytorch_compiled_bwd"]
+        ax2.bar(v.version, v["fwd ms"], label="forward", color="#1f77b4")
+        ax2.bar(v.version, v["bwd ms"], bottom=v["fwd ms"], label="backward", color="#aec7e8")
+        ax2.set_title("kernel versions (same shape, separate timings)")
+        ax2.tick_params(axis="x", rotation=35, labelsize=7)
+        ax2.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 # ------------------------------------------------------------------------------------------------

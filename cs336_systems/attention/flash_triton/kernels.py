@@ -33,8 +33,14 @@ Caveats: d <= 256 (register/shared-memory limits; the launcher checks); the inte
 (TRITON_INTERPRET=1) computes bf16 arithmetic wrongly, so CPU tests use float32/float16.
 """
 
+import warnings
+
 import triton
 import triton.language as tl
+
+# Block pointers are the handout's prescribed API and our fallback where TMA descriptors cannot be
+# used (pre-Hopper GPUs, misaligned strides); Triton >= 3.7 deprecates them in favour of descriptors.
+warnings.filterwarnings("ignore", message="tl.make_block_ptr is deprecated", category=UserWarning)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): ln(x) = log2(x) * LN2
