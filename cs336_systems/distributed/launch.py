@@ -8,7 +8,9 @@ environment, and a failed rank's traceback surfaced in the raised error.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -56,17 +58,62 @@ def run_torchrun(
         OMP_NUM_THREADS=full_env.get("OMP_NUM_THREADS", "1"),
     )
     full_env.update(env or {})
+    # On a timeout (or an interrupt) the ranks must die with the job: torchrun starts each worker in a
+    # session of its own, so killing the agent alone would orphan ranks that keep running (and keep
+    # their GPU memory) after the job was declared dead. See _terminate.
+    proc = subprocess.Popen(
+        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
-        proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        raise TorchrunError(f"torchrun {module} timed out after {timeout_s:.0f} s\n{_tail(out)}") from None
-    output = proc.stdout + proc.stderr
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _terminate(proc)
+        stdout, stderr = proc.communicate()
+        raise TorchrunError(f"torchrun {module} timed out after {timeout_s:.0f} s\n{_tail(stdout + stderr)}") from None
+    except BaseException:  # e.g. KeyboardInterrupt in a notebook
+        _terminate(proc)
+        raise
+    output = stdout + stderr
     if echo:
-        print(proc.stdout, end="")
+        print(stdout, end="")
     if proc.returncode != 0:
         raise TorchrunError(f"torchrun {module} {' '.join(map(str, args))} failed (exit {proc.returncode}):\n{_tail(output)}")
     return output
+
+
+def _descendants(pid: int) -> list[int]:
+    """All live descendant process ids of `pid` (Linux /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [c for p in frontier for c in children.get(p, [])]
+        out += kids
+        frontier = kids
+    return out
+
+
+def _terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a torchrun job and every rank it started: SIGTERM to the agent (which stops its workers),
+    then SIGKILL to whatever of the job is still alive after `grace_s`."""
+    pids = _descendants(proc.pid) if os.path.isdir("/proc") else []
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    for pid in [proc.pid, *pids]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _tail(text: str, lines: int = 80) -> str:
