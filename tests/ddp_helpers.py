@@ -22,9 +22,9 @@ multiprocessing.set_forkserver_preload(
 )
 
 
-def spawn_workers(fn, world_size: int, *args, timeout_s: float = 60.0) -> None:
-    """`process_group.spawn` with gloo on CPU, through the forkserver."""
-    spawn(fn, world_size, *args, timeout_s=timeout_s, start_method="forkserver")
+def spawn_workers(fn, world_size: int, *args, timeout_s: float = 60.0, **kwargs) -> None:
+    """`process_group.spawn` (gloo on CPU unless kwargs say otherwise), through the forkserver."""
+    spawn(fn, world_size, *args, timeout_s=timeout_s, start_method="forkserver", **kwargs)
 
 
 class _FC2(nn.Module):

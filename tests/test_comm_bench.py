@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -59,3 +61,14 @@ def test_gloo_grid_through_torchrun(tmp_path):
         assert len(json.loads(t.config_json)["per_rank_mean_ms"]) == 2
     nccl = df[df.backend == "nccl"]  # more GPUs than visible: failure rows, not a crash
     assert len(nccl) == 6 and nccl.note.str.contains("not run").all() and nccl.p50.isna().all()
+
+
+def test_timed_out_job_leaves_no_workers(tmp_path):
+    """A job over its time limit becomes failure rows and its ranks are killed, not orphaned."""
+    comm_bench.run_grid(gloo_procs=[2], nccl_procs=[], sizes_mb=[200], warmup=1, max_iters=500, budget_s=123.25,
+                        results_dir=str(tmp_path), timeout_s=8)  # fmt: skip
+    df = load_results(comm_bench.PROBLEM, tmp_path)
+    assert len(df) == 3 and df.note.str.contains("timed out").all()
+    time.sleep(0.5)
+    running = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "--budget-s 123.25" not in running

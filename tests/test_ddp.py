@@ -110,14 +110,14 @@ def _train_and_compare(rank, world_size, device, variant, n_examples=20, steps=4
     torch.set_num_threads(1)
     for model_name, model_class in MODELS.items():
         torch.manual_seed(rank)
-        reference = model_class()
+        reference = model_class().to(device)
         ddp = VARIANTS[variant](copy.deepcopy(reference))
         with torch.no_grad():
             for p in reference.parameters():  # the single-process run starts from rank 0's weights too
                 dist.broadcast(p, src=0)
         if variant in EXPECTED_BUCKETS:
             assert ddp.num_buckets == EXPECTED_BUCKETS[variant][model_name]
-        x, y = fixture_data(n_examples)
+        x, y = (t.to(device) for t in fixture_data(n_examples))
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
         ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
         for step in range(steps):
@@ -270,6 +270,19 @@ def test_parameters_without_gradient():
 
 def test_world_size_3():
     spawn_workers(_larger_world, 3)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_nccl_on_two_gpus(variant):
+    spawn_workers(_train_and_compare, 2, variant, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("kind", "bucket_size_mb"), [("individual", None), ("bucketed", 0.0016)])
+def test_official_flow_gloo_on_cuda_tensors(kind, bucket_size_mb):
+    """What the official suite does on a GPU machine: gloo collectives on CUDA tensors."""
+    spawn_workers(_official_flow, 2, kind, bucket_size_mb, gloo_on_cuda=True)
 
 
 # ----------------------------------------------------------------------------------------------------

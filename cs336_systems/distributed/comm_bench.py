@@ -41,7 +41,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from cs336_systems.benchmarking.results import append_rows, failure_row, make_row
+from cs336_systems.benchmarking.results import append_rows, failure_row, load_results, make_row
 from cs336_systems.benchmarking.timing import synchronize
 from cs336_systems.distributed.launch import TorchrunError, run_torchrun
 from cs336_systems.distributed.process_group import cleanup_process_group, rank0_print, setup_process_group
@@ -212,13 +212,19 @@ def run_grid(
             continue
         args = ["--backend", backend, "--sizes-mb", *map(str, sizes), "--warmup", str(warmup),
                 "--max-iters", str(max_iters), "--budget-s", str(budget_s)]  # fmt: skip
+        rows_before = len(load_results(PROBLEM, results_dir))
         try:
             run_torchrun(MODULE, args, nproc, timeout_s=timeout_s, results_dir_=results_dir)
         except TorchrunError as exc:
             first = str(exc).splitlines()[0][:160]
             note = "OOM" if "out of memory" in str(exc).lower() else f"launch failed: {first}"
-            append_rows(PROBLEM, failure_rows(backend, nproc, sizes, note), results_dir)
-            print(f"[comm_bench] {backend} x{nproc} failed:\n{exc}")
+            new = load_results(PROBLEM, results_dir).iloc[rows_before:]
+            done = set(
+                new[new["mode"] == f"world{nproc}"].x_value.astype(float)
+            )  # sizes finished before it died
+            left = [s for s in sizes if float(s) not in done]
+            append_rows(PROBLEM, failure_rows(backend, nproc, left, note), results_dir)
+            print(f"[comm_bench] {backend} x{nproc} failed after {len(sizes) - len(left)} sizes:\n{exc}")
 
 
 # ------------------------------------------------------------------------------------------------------
