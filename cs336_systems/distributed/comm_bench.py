@@ -40,6 +40,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from cs336_systems.benchmarking.results import append_rows, failure_row, load_results, make_row
 from cs336_systems.benchmarking.timing import synchronize
@@ -202,7 +203,7 @@ def run_grid(
         nccl_procs = [n_gpus] if n_gpus >= 1 else []
     jobs = [("gloo", n, [s for s in sizes_mb if s <= gloo_max_mb]) for n in gloo_procs]
     jobs += [("nccl", n, list(sizes_mb)) for n in nccl_procs]
-    for backend, nproc, sizes in jobs:
+    for backend, nproc, sizes in tqdm(jobs, desc="all-reduce grid", unit="job"):
         if not sizes:
             continue
         if backend == "nccl" and nproc > n_gpus:

@@ -43,8 +43,9 @@ ones, then renders the figures:
     python -m cs336_systems.distributed.train_bench --size debug --context-length 64 --backend gloo \\
         --variants single naive overlap --steps 2                                    # CPU smoke run
 
-Profiler traces (one extra, untimed step after the timed ones) of the variants in `--trace` are
-compacted and saved by rank 0 as `<results_dir>/ddp_training__trace_<variant>.json.gz`.
+Profiler traces (one extra, untimed step after the timed ones) of the variants in `--trace` (default
+naive, overlap, bucketed:100) are compacted and saved by rank 0 as
+`<results_dir>/ddp_training__trace_<variant>.json.gz` (trace_plot.py draws them).
 """
 
 from __future__ import annotations
