@@ -106,6 +106,10 @@ def test_budget_skips_are_recorded_not_dropped(tmp_path):
     assert df.note.str.startswith("skipped: time budget").all()
     assert S.Budget(60.0).skip_reason(predicted_s=120.0).startswith("skipped: predicted 120 s")
     assert S.Budget(None).skip_reason(1e9) is None
+    # Unbounded runs (the notebook path) must give child processes no timeout rather than inf,
+    # which subprocess cannot wait for (seen failing on the GPU host).
+    assert S.Budget(None).subprocess_timeout() is None
+    assert S.Budget(5.0).subprocess_timeout(floor_s=30.0) == 30.0
 
 
 def test_driver_quick_stages(tmp_path):

@@ -118,6 +118,10 @@ class Budget:
     def remaining(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
+    def subprocess_timeout(self, floor_s: float = 30.0) -> float | None:
+        """A timeout for a child process: None when unbounded (subprocess cannot wait for inf)."""
+        return None if self.deadline is None else max(self.remaining(), floor_s)
+
     def skip_reason(self, predicted_s: float = 0.0) -> str | None:
         left = self.remaining()
         if left <= 0:
@@ -220,7 +224,7 @@ def run_warmup_ablation(plan: Plan, results_dir=None, budget: Budget | None = No
             env = {**os.environ, "CS336_GIT_SHA": os.environ.get("CS336_GIT_SHA", _git_sha())}
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT,
-                                      timeout=max(budget.remaining(), 30.0))  # fmt: skip
+                                      timeout=budget.subprocess_timeout())  # fmt: skip
                 reason = (
                     None
                     if proc.returncode == 0
