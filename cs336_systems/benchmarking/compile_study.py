@@ -173,7 +173,10 @@ def torch_compile_study(
 
 
 def _fmt(r: pd.Series) -> str:
-    return r["note"] if r["note"] and not r["n"] else f"{r['mean']:.3g}"
+    """The failure note, or the mean to 3 significant digits (no exponent: 1100, not 1.1e+03)."""
+    if r["note"] and not r["n"]:
+        return r["note"]
+    return f"{r['mean']:.3g}" if abs(r["mean"]) < 1000 else f"{r['mean']:.0f}"
 
 
 def attention_speedup_table(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.DataFrame:
