@@ -28,6 +28,8 @@ quick = False  # debug model on the CPU in seconds; results go to a scratch dir
 context_length = 512  # the context of the per-size tables and of the class-share figure
 
 # %% tags=["remove-input"]
+import re
+
 from cs336_systems.benchmarking import profile as P
 from cs336_systems.benchmarking import section1_analysis as A
 from cs336_systems.benchmarking import section1_gpu_a as S
@@ -46,6 +48,22 @@ f = P.profile_frame(latest_run(df))
 bench = A.timing_stats(load_results("benchmarking_script", results_dir))
 trace_path = results_dir / plan.trace_name
 device = "the CPU (quick run: aten ops stand in for kernels)" if quick else "the GPU"
+_rank = {s: k for k, s in enumerate(A.SIZE_ORDER)}
+
+
+def by_size(t):
+    """Rows in handout size order (small ... 2.7B), then by the other index levels."""
+    return t.sort_index(key=lambda i: i.map(lambda s: _rank.get(s, len(_rank))) if i.name == "size" else i)
+
+
+def compact(kernel: str) -> str:
+    """A GEMM kernel as family, operand layout and tile (the rest of the name is the same for all)."""
+    m = re.search(r"xmma_gemm_\w*?_(nn|nt|tn|tt)_n_tilesize(\d+x\d+x\d+)", kernel)
+    if m:
+        return f"xmma_gemm {m[1]} {m[2]}"
+    m = re.search(r"simt_sgemm_(\d+x\d+)_\w*?_(nn|nt|tn|tt)_", kernel)
+    return f"simt_sgemm {m[2]} {m[1]}" if m else kernel
+
 
 # %% [markdown]
 # **Which tool produced the numbers.** Nsight Systems is not installed on the lent GPU hosts, so
@@ -75,9 +93,11 @@ measured = ctx in set(f.loc[f.note == "", "context_length"])  # answers quote co
 # %% tags=["remove-input"]
 if measured:
     rs = P.range_summary(f)
-    fwd = rs.xs("inference/forward", level="range")[
-        ["gpu_span_ms", "kernel_ms", "cpu_ms", "python_ms"]
-    ].copy()
+    fwd = (
+        by_size(rs)
+        .xs("inference/forward", level="range")[["gpu_span_ms", "kernel_ms", "cpu_ms", "python_ms"]]
+        .copy()
+    )
     ref = bench[(bench["mode"] == "forward") & (bench.metric == "forward_time") & (bench.note == "")]
     fwd["benchmark_ms"] = (
         ref.assign(x=ref.x.astype(int)).set_index(["size", "x"])["mean"].rename_axis(fwd.index.names)
@@ -114,13 +134,29 @@ if measured:
 
 # %% tags=["remove-input"]
 if measured:
-    topf = P.top_kernels(f, "inference/forward")
-    tops = P.top_kernels(f, "train/step")
-    both = topf[["kernel", "class", "calls", "share"]].join(
-        tops[["kernel", "calls", "share"]].add_suffix(" (train step)")
+    topf = by_size(P.top_kernels(f, "inference/forward"))
+    tops = by_size(P.top_kernels(f, "train/step"))
+    cols = {"kernel": "kernel", "calls": "calls", "share": "share"}
+    both = (
+        topf[list(cols)].assign(kernel=topf.kernel.map(compact)).add_prefix("fwd ")
+        .join(tops[list(cols)].assign(kernel=tops.kernel.map(compact)).add_prefix("step "))
+        .rename_axis(["size", "ctx"])
+    )  # fmt: skip
+    show_table(
+        both.reset_index(),
+        caption="(b) The kernel with the most GPU time: inference forward (fwd) vs a whole training step "
+        "(step); calls per step and share of the range's kernel time",
+        provenance_from=df,
+        formats={
+            "fwd share": "{:.0%}",
+            "step share": "{:.0%}",
+            "fwd calls": "{:.0f}",
+            "step calls": "{:.0f}",
+        },
+        note="GEMM kernels are named by family, operand layout and tile: xmma_gemm tn 128x128x8 is "
+        "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_..., simt_sgemm nn 256x128 is "
+        "Kernel2[cutlass_80_simt_sgemm_256x128_8x4_nn_align1]",
     )
-    show_table(both.reset_index(), caption="(b) The kernel with the most GPU time: inference forward vs a whole "
-               "training step (calls per step; share of the range's kernel time)", provenance_from=df)  # fmt: skip
 
 # %% tags=["remove-input"]
 if measured:
@@ -131,12 +167,12 @@ if measured:
     nb.md(
         f"**(b)** At context {ctx} the forward pass's largest kernel is "
         + "; ".join(
-            f"`{r.kernel}` for {s} ({r['class']}, {r.calls:.0f} launches, {r.share:.0%})"
+            f"`{compact(r.kernel)}` for {s} ({r['class']}, {r.calls:.0f} launches, {r.share:.0%})"
             for s, r in b.iterrows()
         )
         + f". Over a whole training step the top kernel is the same one for {same:.0%} of the sizes and a "
         f"matmul kernel for {gemm:.0%} of them ("
-        + "; ".join(f"{s}: `{r.kernel}`, {r.calls:.0f} launches" for s, r in bt.iterrows())
+        + "; ".join(f"{s}: `{compact(r.kernel)}`, {r.calls:.0f} launches" for s, r in bt.iterrows())
         + "). The backward pass runs two matmuls per forward matmul on the same shapes (transposed), so the "
         "GEMM kernels that dominate the forward also dominate the step, unless cuBLAS picks another variant "
         "for the transposed operands."
@@ -147,8 +183,9 @@ if measured:
 if measured:
     rank = P.kernel_ranking(f, "inference/forward")
     nonmm = rank[(rank["class"] != "matmul") & (rank.context_length == ctx)]
-    shares = P.class_shares(f, modes=("inference/forward",))
-    show_table(nonmm.drop(columns="context_length").reset_index(drop=True), caption=f"(c) Non-matmul kernels among the top kernels of the "
+    shares = by_size(P.class_shares(f, modes=("inference/forward",)))
+    nonmm = nonmm.assign(_r=nonmm["size"].map(lambda s: _rank.get(s, len(_rank)))).sort_values(["_r", "rank"])
+    show_table(nonmm.drop(columns=["context_length", "_r"]).reset_index(drop=True), caption=f"(c) Non-matmul kernels among the top kernels of the "
                f"inference forward pass, context {ctx}", provenance_from=df)  # fmt: skip
     show_table(
         shares.reset_index(), caption="Kernel-class shares of the inference forward pass", provenance_from=df
@@ -171,7 +208,7 @@ if measured:
 
 # %% tags=["remove-input"]
 if measured:
-    cs = P.class_shares(f, modes=("inference/step", "train/step"))
+    cs = by_size(P.class_shares(f, modes=("inference/step", "train/step")))
     save_figure(A.plot_class_shares(f, ctx), "nsys_profile__class_shares")
     show_table(cs.reset_index(), caption="(d) Kernel-class shares: inference forward vs training step",
                provenance_from=df)  # fmt: skip
@@ -196,8 +233,9 @@ if measured:
         + ", ".join(f"{inf.matmul[s]:.0%} to {trn.matmul[s]:.0%} ({s})" for s in sizes)
         + " between inference and a full training step. The backward pass alone is "
         f"{bwd.matmul.min():.0%} to {bwd.matmul.max():.0%} matmul. The AdamW step takes {opt.min():.0%} to "
-        f"{opt.max():.0%} of the step's kernel time and is {ew:.0%} "
-        "or more elementwise kernels: the optimizer is written with per-parameter tensor ops, about ten passes "
+        f"{opt.max():.0%} of the step's kernel time and "
+        + ("consists entirely of" if ew > 0.9995 else f"is {ew:.0%} or more")
+        + " elementwise kernels: the optimizer is written with per-parameter tensor ops, about ten passes "
         "over every parameter, gradient and moment buffer at memory speed, with no matmul at all. Together "
         "with the backward's elementwise gradients (softmax, RMSNorm, SwiGLU) this is what lowers the matmul "
         "fraction of a training step."
@@ -206,9 +244,12 @@ if measured:
 
 # %% tags=["remove-input"]
 if measured:
-    att = P.attention_ratio(f, "inference")
-    show_table(att.reset_index(), caption="(e) Inside attention (inference forward, all layers): softmax vs the "
-               "two matmuls (QK^T and PV), time and FLOPs", provenance_from=df)  # fmt: skip
+    att = by_size(P.attention_ratio(f, "inference"))
+    att_cols = {"softmax_ms": "softmax ms", "matmul_ms": "matmul ms", "scale_mask_ms": "mask ms",
+                "softmax_gflop": "softmax GFLOP", "matmul_gflop": "matmul GFLOP", "time_ratio": "time ratio",
+                "flop_ratio": "FLOP ratio"}  # fmt: skip
+    show_table(att.rename(columns=att_cols).rename_axis(["size", "ctx"]).reset_index(), caption="(e) Inside attention (inference forward, all layers): softmax vs the "
+               "two matmuls (QK^T and PV), time and FLOPs; mask ms: scaling and causal mask of the scores", provenance_from=df)  # fmt: skip
 
 # %% tags=["remove-input"]
 if measured:
