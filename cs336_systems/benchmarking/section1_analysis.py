@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker as mticker
 import numpy as np
 import pandas as pd
 
@@ -108,14 +109,21 @@ def plot_ablation(steps: pd.DataFrame):
         zip(sorted(steps.warmup.unique()), plt.cm.viridis(np.linspace(0, 0.85, steps.warmup.nunique())))
     )
     for ax, size in zip(axes[0], sizes):
-        for w, g in steps[steps["size"] == size].groupby("warmup"):
+        sub = steps[steps["size"] == size]
+        for w, g in sub.groupby("warmup"):
             ax.plot(g.step, g.ms, marker="o", ms=3, color=colors[w], label=f"{w} warm-up")
-        ax.set_yscale("log")
+        if sub.ms.max() > 3 * sub.ms.min():  # a cold first step: log scale keeps the warm steps apart
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(mticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_minor_formatter(mticker.NullFormatter())
+        ax.yaxis.set_major_formatter(mticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_major_locator(mticker.MaxNLocator(integer=True))
         ax.set_title(size)
         ax.set_xlabel("measured step")
     axes[0][0].set_ylabel("train step (ms)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7, bbox_to_anchor=(0.5, -0.02))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
 
 
