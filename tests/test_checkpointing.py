@@ -35,12 +35,6 @@ STRATEGIES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _loss_and_grads(runner=None, group=None):

@@ -12,15 +12,6 @@ from cs336_systems.benchmarking import section1_gpu_a as S
 from cs336_systems.benchmarking.results import COLUMNS, load_results
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two xdist workers on two cores: more intra-op threads than cores makes OpenMP spin for seconds.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_cli_writes_schema_rows_with_every_step(tmp_path):
     E.main(["--size", "debug", "--context-length", "16", "--mode", "forward", "train", "--warmup", "1",
             "--steps", "3", "--device", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip

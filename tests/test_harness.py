@@ -25,7 +25,7 @@ from cs336_systems.benchmarking.timing import PhaseTimer, kernel_time, time_step
 def test_summarize_statistics():
     s = summarize([1.0, 2.0, 3.0, 4.0, 10.0])
     assert s["p50"] == 3.0 and s["mean"] == 4.0 and s["n"] == 5
-    assert s["std"] == pytest.approx(math.sqrt(((9 + 4 + 1 + 0 + 36) / 5)))
+    assert s["std"] == pytest.approx(math.sqrt((9 + 4 + 1 + 0 + 36) / 5))
     assert s["p20"] <= s["p50"] <= s["p80"]
     assert math.isnan(summarize([])["mean"])
 

@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from matplotlib.figure import Figure
 
 from cs336_systems.benchmarking import memory as mem
@@ -21,12 +20,6 @@ BLOCK = {"filename": "/repo/cs336_systems/model/transformer.py", "line": 44, "na
 CALL = {"filename": "/venv/lib/torch/nn/modules/module.py", "line": 1782, "name": "_call_impl"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _marker(phase: str, addr: int) -> list[dict]:

@@ -13,13 +13,13 @@ from cs336_systems.model import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    causal_mask,
+    clip_gradient,
     cross_entropy,
     get_config,
     get_cosine_lr,
-    clip_gradient,
     random_batch,
     scaled_dot_product_attention,
-    causal_mask,
 )
 
 STAFF_NAMES = {

@@ -16,16 +16,6 @@ from cs336_systems.benchmarking.annotations import ATTENTION_RANGES, naive_annot
 from cs336_systems.benchmarking.results import COLUMNS, append_rows, load_results
 from cs336_systems.model import get_attention, get_config
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two xdist workers on two cores: more intra-op threads than cores makes OpenMP spin for seconds.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # --------------------------------------------------------------------------------------------------
 # Classification and names
 # --------------------------------------------------------------------------------------------------

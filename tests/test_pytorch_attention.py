@@ -15,14 +15,6 @@ from cs336_systems.benchmarking.results import load_results
 from cs336_systems.model.checkpointing import saved_tensors
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_accounting_against_hand_computation():
     # batch 8, T = 256, d = 16, fp32: three (8, 256, 256) float tensors saved (masked scores, exp, P)
     acc = pa.attention_memory_accounting(8, 256, 16)

@@ -13,6 +13,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from ddp_helpers import ToyModel, ToyModelWithTiedWeights
 from torch import nn
 
 from cs336_systems.distributed import ShardedOptimizer
@@ -20,55 +21,6 @@ from cs336_systems.distributed.process_group import spawn
 from cs336_systems.model import AdamW as BasicsAdamW
 
 pytestmark = pytest.mark.timeout(120)
-
-
-# ------------------------------------------------------------------------------------------------
-# The official suite's toy models (tests/common.py semantics, rewritten)
-# ------------------------------------------------------------------------------------------------
-
-
-class _BiasFrozenLinear(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(10, 50, bias=True)
-        self.fc.bias.requires_grad = False
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class ToyModel(nn.Module):
-    """fc1 (10->10) -> relu -> fc2 (10->50, frozen bias) -> relu -> fc3 (50->5), plus a frozen parameter."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(10, 10, bias=False)
-        self.fc2 = _BiasFrozenLinear()
-        self.fc3 = nn.Linear(50, 5, bias=False)
-        self.relu = nn.ReLU()
-        self.no_grad_fixed_param = nn.Parameter(torch.tensor([2.0, 2.0]), requires_grad=False)
-
-    def forward(self, x):
-        return self.fc3(self.relu(self.fc2(self.relu(self.fc1(x)))))
-
-
-class ToyModelWithTiedWeights(nn.Module):
-    """Five bias-free linears with fc4.weight tied to fc2.weight (four unique tensors)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(10, 10, bias=False)
-        self.fc2 = nn.Linear(10, 50, bias=False)
-        self.fc3 = nn.Linear(50, 10, bias=False)
-        self.fc4 = nn.Linear(10, 50, bias=False)
-        self.fc5 = nn.Linear(50, 5, bias=False)
-        self.fc4.weight = self.fc2.weight
-        self.relu = nn.ReLU()
-
-    def forward(self, x):
-        for fc in (self.fc1, self.fc2, self.fc3, self.fc4):
-            x = self.relu(fc(x))
-        return self.fc5(x)
 
 
 MODELS = {"ToyModel": ToyModel, "ToyModelWithTiedWeights": ToyModelWithTiedWeights}

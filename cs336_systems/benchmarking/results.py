@@ -211,7 +211,7 @@ def capture_failure(outcome: dict[str, str]) -> Iterator[None]:
     """
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded row
+    except Exception as exc:
         if is_oom(exc):
             outcome["note"] = "OOM"
         else:

@@ -9,7 +9,16 @@ from cs336_systems.model.attention import (
     scaled_dot_product_attention,
 )
 from cs336_systems.model.config import MODEL_SIZES, SIZES_2025, ModelConfig, get_config
-from cs336_systems.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, log_softmax, silu, softmax
+from cs336_systems.model.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    log_softmax,
+    silu,
+    softmax,
+)
 from cs336_systems.model.loss import cross_entropy, random_batch
 from cs336_systems.model.optim import AdamW, clip_gradient, get_cosine_lr
 from cs336_systems.model.transformer import BasicsTransformerLM, TransformerBlock
