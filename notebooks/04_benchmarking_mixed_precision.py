@@ -50,7 +50,7 @@ if nb.have_results(dtypes, "the toy model's dtypes"):
         caption=f"(a) dtypes observed in one training step of the toy model under {dtypes.attrs['autocast_dtype']} "
         f"autocast on {dtypes.attrs['gpu_name']}",
         provenance_from=df[df["name"] == "toy_model"],
-        note="read off the run: forward hooks (module outputs), a TorchDispatchMode (matmul operands), "
+        note="Read off the run: forward hooks (module outputs), a TorchDispatchMode (matmul operands), "
         "the loss tensor and the parameters' .grad",
     )
 
@@ -113,13 +113,17 @@ nb.md(
 table = A.mixed_table(stats)
 if nb.have_results(stats, "the fp32 vs bf16 timings"):
     save_figure(A.plot_mixed(table), "benchmarking_mixed_precision__speedup")
+    long = pd.concat(
+        {phase: table[phase] for phase in table.columns.get_level_values(0).unique()}, names=["phase"]
+    )
     show_table(
-        table.reset_index(),
+        long.rename(columns={"fp32": "fp32 (ms)", "bf16": "bf16 autocast (ms)"}).reset_index(),
         caption=f"(c) Milliseconds per step (mean of {plan.steps} after {plan.warmup} warm-up steps, context "
         f"{plan.context_length}, batch 4): fp32 vs bf16 autocast, and the speed-up",
         provenance_from=df[df["name"] != "toy_model"],
-        note="fp32 and bf16 come from the same run (the GPU driver reuses its benchmarking_script fp32 "
-        "measurements); forward (no_grad) is --mode forward, the other columns are the phases of --mode train",
+        note="fp32 and bf16 come from the same GPU session (the driver reused that session's benchmarking_script "
+        "fp32 measurements; the benchmarking_script section shows its latest run, whose fp32 times can differ "
+        "slightly); forward (no_grad) is --mode forward, the other phases are those of --mode train",
     )
 
 # %% tags=["remove-input"]

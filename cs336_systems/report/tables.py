@@ -55,7 +55,10 @@ _LATEX_SPECIAL = {
 
 
 def latex_escape(text: object) -> str:
-    return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in str(text))
+    out = "".join(_LATEX_SPECIAL.get(ch, ch) for ch in str(text))
+    while "--" in out:  # a command-line flag such as --mode must not become an en dash
+        out = out.replace("--", "-{}-")
+    return out
 
 
 def format_number(x: object, digits: int = 4) -> str:
