@@ -146,9 +146,22 @@ nb.md(
 # %% tags=["remove-input"]
 if "forward" in timelines:
     big = M.largest_allocations(timelines["forward"], top=8)
+    shown = big.assign(
+        source=big["source"].str.replace("model/", "", regex=False),
+        **{
+            "called from": big["stack"]
+            .str.split(" <- ")
+            .str[1]
+            .fillna("")
+            .str.replace("model/", "", regex=False)
+        },
+    ).drop(columns="stack")
+    if shown["phase"].nunique() == 1:
+        shown = shown.drop(columns="phase")
     show_table(
-        big,
-        caption=f"Largest allocations of the forward pass ({size}, context {ctx}, fp32), grouped by size and source",
+        shown,
+        caption=f"Largest allocations of the forward pass ({size}, context {ctx}, fp32), grouped by size and source "
+        "(the allocating line and its caller, files under cs336_systems/model/)",
         provenance_from=df[df.metric == "peak_memory"],
         formats={"size_MiB": "{:.2f}"},
     )
@@ -161,7 +174,7 @@ if "forward" in timelines:
             if any(k in first["source"] for k in ("attention", "softmax"))
             else ". "
         )
-        + "The next sizes are "
+        + "Next in the list are "
         + "; ".join(f"{r.size_MiB:.0f} MiB ({r.count}x) at `{r.source}`" for r in rest.itertuples())
         + "."
     )
@@ -188,10 +201,20 @@ for t, res in results_f.items():
 
 # %% tags=["remove-input"]
 gpu_f = latest_run(df[df.metric.str.startswith("block_")])
+BLOCK_COLUMNS = {
+    "block_saved_activation_allocator": "saved (allocator)",
+    "block_saved_activation_hooks": "saved (hooks)",
+    "block_backward_memory_delta": "backward change",
+    "block_param_grad_expected": "grads expected",
+    "block_param_grad_measured": "grads measured",
+}
 if "block_param_grad_measured" in set(gpu_f.metric):
     show_table(
-        gpu_f.pivot_table(index="x_value", columns="metric", values="mean").rename_axis("context length"),
-        caption="One block on the GPU (MiB): saved activations by hooks and by the allocator; gradient memory",
+        gpu_f.pivot_table(index="x_value", columns="metric", values="mean")
+        .rename(columns=lambda c: BLOCK_COLUMNS.get(c, c))
+        .rename_axis("context length"),
+        caption="One block on the GPU (MiB): activations saved for backward, counted by the allocator and by the "
+        "hooks; change of allocated memory over the block's backward; parameter gradients, expected and measured",
         provenance_from=gpu_f,
     )
 
