@@ -111,8 +111,8 @@ if len(mem):
         f"(least-squares slopes over T >= 1024, per d) and barely depends on d: it is dominated by the three "
         f"saved (8, T, T) tensors, 3 x 8 x T^2 x 4 bytes ({mem['saved_T2_MiB'].max():,.0f} MiB at "
         f"T = {mem['T'].max()}), while Q, K, V and O grow only linearly. The accounting predicts every measured "
-        f"value within {err:.1%}. "
-        "**Removing the cost:** never materialise the T x T matrices. FlashAttention tiles Q, K and V into blocks "
+        + (f"value to within {err:.2%}. " if err > 0 else "value exactly (to the allocator's byte count). ")
+        + "**Removing the cost:** never materialise the T x T matrices. FlashAttention tiles Q, K and V into blocks "
         "that fit in on-chip SRAM, computes the softmax online (a running row maximum and row sum per query "
         "block), saves only O and the per-row log-sum-exp L (8 x T floats), and recomputes the score tiles from "
         "Q, K and L during the backward pass, so the memory saved for backward becomes O(T d) instead of O(T^2)."
