@@ -68,8 +68,11 @@ for dtype in [t for t in dtypes if t in set(df.dtype)]:
     tab = FB.latency_table(df, dtype)
     if nb.have_results(tab, f"flash_benchmarking ({dtype})"):
         show_table(
-            tab,
-            caption=f"Triton FlashAttention-2 vs naive PyTorch attention, {dtype}, causal, batch 1: median ms",
+            tab.rename(
+                columns=lambda c: str(c).replace("flash_triton", "triton").replace("fwd_bwd", "fwd+bwd")
+            ),
+            caption=f"Triton FlashAttention-2 (triton) vs naive PyTorch attention, {dtype}, causal, batch 1: "
+            "median ms",
             provenance_from=df[df.dtype == dtype],
             formats={"d": "{:d}", "N": "{:d}"},
         )
