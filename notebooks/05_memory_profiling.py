@@ -77,7 +77,7 @@ if "train" in timelines:
     nb.md(
         f"**(a)** Yes. In the training step memory starts at {peaks.loc['forward', 'start_GiB']:.1f} GiB "
         f"(parameters and AdamW state), climbs steadily through the forward pass as every block's activations "
-        f"are kept for backward, peaks at {peaks['peak_GiB'].max():.1f} GiB in the **{top}** phase, then falls "
+        f"are kept for backward, peaks at {peaks['peak_GiB'].max():.1f} GiB of active memory in the **{top}** phase, then falls "
         f"in a staircase through the backward pass as each block's saved activations are released (gradient "
         f"buffers appear as the activations go), and the optimizer step shows only small, short-lived "
         f"temporaries on a flat base ({peaks.loc['optimizer', 'peak_GiB']:.1f} GiB at most)."
