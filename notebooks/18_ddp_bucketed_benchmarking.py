@@ -105,10 +105,15 @@ if len(bk):
             f"many times, one huge bucket cannot start until backward is over. The measured spread is "
             f"{worst.step_ms - best.step_ms:.0f} ms on a {single.step_ms:.0f} ms compute-only step: "
         )
+        fastest_bwd = bk.loc[bk.backward_ms.idxmin()] if bk.backward_ms.notna().any() else best
         parts[-1] += (
             "small, because with fp32 compute the backward pass is long compared with the all-reduce of the "
-            "gradients, so almost any bucketing hides most of the communication and what remains is the last "
-            "bucket's all-reduce after backward (largest for the largest buckets)."
+            "gradients, so every bucket size hides almost all of the communication "
+            f"({bk.comm_ms.min():.1f} to {bk.comm_ms.max():.1f} ms exposed after backward). The step times differ "
+            "mostly through the backward pass itself: with all-reduces running beside it, it takes "
+            f"{bk.backward_ms.min():.0f} to {bk.backward_ms.max():.0f} ms against {single.backward_ms:.0f} ms "
+            "without communication (NCCL kernels share the SMs and memory bandwidth with the compute kernels), "
+            f"and the least with {fastest_bwd.label.removeprefix('bucketed ')} buckets, the fewest all-reduce calls."
             if (worst.step_ms - best.step_ms) < 0.1 * single.step_ms
             else "large enough that the bucket size matters; the profile below shows where the exposed time goes."
         )
@@ -165,6 +170,10 @@ if model is not None:
     best_meas = meas.loc[meas.measured_comm_ms.idxmin()] if len(meas) else None
     curve = model["curve"]
     sim_best = curve.loc[curve.simulated_ms.idxmin()]
+    sim_tol_ms = 0.5  # "flat" = within this of the simulated minimum
+    above = curve.sort_values("bucket_mb").simulated_ms > sim_best.simulated_ms + sim_tol_ms
+    flat = curve.sort_values("bucket_mb").bucket_mb[~above.cummax()]
+    sim_flat_mb = flat.max() if len(flat) else sim_best.bucket_mb
     text = (
         f"Fitting $t = o + \\text{{bytes}}/w$ to the {model['impl']} all-reduce times with {model['world_size']} ranks "
         f"gives o = {model['o_s'] * 1e6:.0f} us and w = {model['w_Bps'] / 1e9:.1f} GB/s; with s = "
@@ -187,8 +196,10 @@ if model is not None:
             if ratio > 2
             else ", close to the model's assumption. "
         )
-        + f"The pipeline simulation (measured backward time, real bucket boundaries, fitted o and w) puts the optimum "
-        f"near {sim_best.bucket_mb:.2g} MB. "
+        + "The pipeline simulation (measured backward time, real bucket boundaries, fitted o and w) stays within "
+        f"{sim_tol_ms:g} ms of its minimum ({sim_best.simulated_ms:.2f} ms: only the last, small bucket's "
+        f"all-reduce is left) for every bucket size up to {sim_flat_mb:.3g} MB, and grows beyond, where the last "
+        "buckets are large. "
         + (
             "The measured exposed time grows with the bucket size, as a long backward predicts: "
             "the last bucket's all-reduce is what is left."

@@ -119,6 +119,8 @@ if len(block):
     best = block.idxmin()
     bigger = block[block.index > best]
     sub = ok[ok.impl == "sub_block"]["mean"]
+    rec_peak = ok[ok.impl == "recursive"]["mean"]
+    sub_pred = cost[cost.strategy == "sub_block"].peak_activation_GiB.iloc[0]
     none_note = df[(df.impl == "none") & (df.metric == "peak_memory")].note
     steps = df[(df.metric == "step_time") & (df.note == "")].set_index(["impl", "x_value"])["mean"]
     nb.md(
@@ -131,7 +133,17 @@ if len(block):
         )
         + (
             f"The next smaller granularity, attention and MLP halves as separate checkpoints, peaks at {sub.iloc[0]:.1f} "
-            "GiB: twice as many checkpoints, but only the larger half's residuals (the attention) recomputed at once. "
+            + (
+                f"GiB, within {abs(sub.iloc[0] - block[best]) * 1024:.0f} MiB of k = {best:g} (and recursive "
+                f"bisection at {rec_peak.iloc[0]:.1f} GiB): at this granularity the peak is no longer set by the "
+                "checkpointed residuals (the model predicts "
+                f"{one.peak_activation_GiB:.1f}, {sub_pred:.1f} and {rec.peak_activation_GiB:.1f} GiB of activations "
+                "for the three, which would differ by more) but elsewhere in the step, by what the cost model leaves out "
+                f"(gradient buffers, embedding, logits); k = {best:g} is the coarsest arrangement that reaches this "
+                "floor. "
+                if abs(sub.iloc[0] - block[best]) < 0.05 * block[best] and len(rec_peak)
+                else "GiB. "
+            )
             if len(sub)
             else ""
         )
