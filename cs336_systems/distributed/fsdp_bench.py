@@ -533,7 +533,7 @@ def plot_timeline(compact: dict[str, Any], *, title: str = "", zoom_waits: int =
     waits = sorted(
         (e for e in ranges if e["name"].startswith("fsdp::wait_all_gather::")), key=lambda e: e["ts"]
     )
-    fig, axes = plt.subplots(2, 1, figsize=(11, 2.2 + 0.9 * max(len(labels), 1)), height_ratios=[1, 1.3])
+    fig, axes = plt.subplots(2, 1, figsize=(8, 2.2 + 0.9 * max(len(labels), 1)), height_ratios=[1, 1.3])
     for ax, zoom in zip(axes, (False, True), strict=True):
         for f in fwd:
             ax.axvspan((f["ts"] - t0) / 1e3, (f["ts"] + f["dur"] - t0) / 1e3, color="#fff3b0", zorder=-1)
@@ -548,7 +548,7 @@ def plot_timeline(compact: dict[str, Any], *, title: str = "", zoom_waits: int =
                 if y0 is not None and y1 is not None:
                     ax.plot([(r.gather_end - t0) / 1e3, (r.consumer_start - t0) / 1e3], [y0, y1], lw=0.8,
                             color="#2ca02c" if r.slack_us >= 0 else "#d62728")  # fmt: skip
-        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
         ax.set_ylim(-0.6, len(labels) - 0.4)
         ax.set_xlabel("ms since the start of the profiled step")
     if fwd:
@@ -563,8 +563,8 @@ def plot_timeline(compact: dict[str, Any], *, title: str = "", zoom_waits: int =
         axes[1].set_xlim(lo, max(hi, lo + 1e-3))
     axes[0].set_title(title or "one FSDP step", fontsize=10)
     axes[1].set_title(
-        f"zoom: first {zoom_waits} all-gather waits of the forward (yellow); blue all-gather, orange reduce-scatter, "
-        "green all-reduce, grey compute",
+        f"zoom: first {zoom_waits} all-gather waits of the forward (yellow); blue all-gather, orange reduce-scatter,\n"
+        "green all-reduce, grey compute; lines: gather end -> consumer start (green hidden, red late)",
         fontsize=8,
     )
     fig.tight_layout()
@@ -679,7 +679,7 @@ def plot_slack(df: pd.DataFrame):
     import matplotlib.pyplot as plt
 
     s = df[(df.metric == "allgather_slack") & (df.note == "")]
-    fig, ax = plt.subplots(figsize=(9, 3.2))
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
     markers = {"forward": "o", "backward": "s", "other": "x"}
     for (impl, phase), g in s.groupby(["impl", "mode"]):
         ax.scatter(g.x_value.astype(float), g["mean"] / 1e3, s=8, marker=markers.get(phase, "."),

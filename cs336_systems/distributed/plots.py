@@ -68,7 +68,8 @@ def plot_step_breakdown(
     s = s[s.step_ms.notna()]
     if s.empty:
         raise ValueError("no successful variants to plot")
-    fig, ax = plt.subplots(figsize=(6.4, 0.45 * len(s) + 1.2))
+    legend_h = 0.45  # inches below the axes for the legend (two rows), so it never meets the x label
+    fig, ax = plt.subplots(figsize=(6.4, 0.45 * len(s) + 1.2 + legend_h))
     y = np.arange(len(s))[::-1]
     left = np.zeros(len(s))
     for col, label, color in PHASE_COLS:
@@ -82,11 +83,11 @@ def plot_step_breakdown(
     ax.set_yticks(y, s.label)
     ax.set_xlabel("time per training step (ms, mean)")
     ax.set_xlim(0, max(s.step_ms.max(), left.max()) * 1.35)
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25), frameon=False)
     ax.grid(axis="y", visible=False)
     if title:
         ax.set_title(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend_h / fig.get_figheight(), 1, 1))
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, ncol=3, loc="lower center", frameon=False)
     return fig
 
 
@@ -116,7 +117,7 @@ def plot_bucket_sweep(summary: pd.DataFrame):
     ax.set_xscale("log")
     ax.set_xlabel("bucket size (MB = 2^20 B)")
     ax.set_ylabel("time per step (ms, mean +- std)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)  # clear of the lines
     fig.tight_layout()
     return fig
 

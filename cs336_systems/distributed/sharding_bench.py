@@ -509,8 +509,9 @@ def plot_memory_breakdown(df: pd.DataFrame, rank: int = 0):
         ax.axvspan(i - 0.45, i + 0.45, ymin=0, ymax=0.015, color=impl_color(impl))
     ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
     ax.set_ylabel(f"GiB allocated (rank {rank})")
-    ax.set_title("Memory with and without optimizer-state sharding", pad=24)
-    ax.legend(fontsize=8, ncols=5, loc="lower left", bbox_to_anchor=(0, 1.06), frameon=False)
+    fig.suptitle("Memory with and without optimizer-state sharding", fontsize=11)
+    # legend between the title and the axes
+    ax.legend(fontsize=8, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
