@@ -71,7 +71,7 @@ from cs336_systems.benchmarking.results import (
 from cs336_systems.benchmarking.results import results_dir as default_results_dir
 from cs336_systems.benchmarking.timing import PhaseTimer, synchronize
 from cs336_systems.distributed.fsdp import FSDP
-from cs336_systems.distributed.launch import TorchrunError, run_torchrun
+from cs336_systems.distributed.launch import run_variants
 from cs336_systems.distributed.process_group import cleanup_process_group, setup_process_group
 from cs336_systems.distributed.sharding_bench import (
     GiB,
@@ -586,24 +586,19 @@ def run(
 ) -> pd.DataFrame:
     """Launch the workers (relaunching after a crashed variant), then render the figures."""
     cfg = FsdpBenchConfig(**{**asdict(cfg), "run_id": cfg.run_id or uuid.uuid4().hex[:8]})
-    remaining = list(cfg.variants)
-    while remaining:
-        this = FsdpBenchConfig(**{**asdict(cfg), "variants": tuple(remaining)})
-        try:
-            run_torchrun(MODULE, ["--worker", json.dumps(asdict(this))], nproc, timeout_s=timeout_s,
-                         results_dir_=results_dir)  # fmt: skip
-            break
-        except TorchrunError as exc:
-            done = _done_variants(cfg.run_id, results_dir)
-            failed = next(v for v in remaining if v not in done)
-            note = (
-                "OOM" if "out of memory" in str(exc).lower() else f"error: {str(exc).splitlines()[0][:200]}"
-            )
-            append_rows(PROBLEM, [failure_row(problem=PROBLEM, name=cfg.size, impl=failed, mode="train",
-                                              dtype=DTYPE_LABEL[failed], x_name="world_size", x_value=nproc,
-                                              metric="step_time", unit="ms", note=note, config=asdict(cfg))],
-                        results_dir)  # fmt: skip
-            remaining = [v for v in remaining if v not in done and v != failed]
+
+    def record_failure(variant: str, note: str) -> None:
+        append_rows(PROBLEM, [failure_row(problem=PROBLEM, name=cfg.size, impl=variant, mode="train",
+                                          dtype=DTYPE_LABEL[variant], x_name="world_size", x_value=nproc,
+                                          metric="step_time", unit="ms", note=note, config=asdict(cfg))],
+                    results_dir)  # fmt: skip
+
+    run_variants(
+        MODULE, cfg.variants,
+        lambda rest: ["--worker", json.dumps(asdict(FsdpBenchConfig(**{**asdict(cfg), "variants": tuple(rest)})))],
+        finished=lambda: _done_variants(cfg.run_id, results_dir), on_failure=record_failure,
+        nproc=nproc, timeout_s=timeout_s, results_dir_=results_dir,
+    )  # fmt: skip
     df = load_results(PROBLEM, results_dir)
     df = df[df.config_json.str.contains(cfg.run_id)] if not df.empty else df
     if figures_dir is not None:

@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cs336_systems.benchmarking.results import env_metadata, results_dir
 from cs336_systems.distributed.process_group import free_port
@@ -118,3 +118,45 @@ def _terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 def _tail(text: str, lines: int = 80) -> str:
     return "\n".join(text.splitlines()[-lines:])
+
+
+def failure_note(exc: BaseException) -> str:
+    """The short note of a failure row: "OOM", or the first line of the error."""
+    text = str(exc)
+    return "OOM" if "out of memory" in text.lower() else f"error: {text.splitlines()[0][:200] if text else type(exc).__name__}"
+
+
+def run_variants(
+    module: str,
+    variants: Sequence[str],
+    launch_args: Callable[[list[str]], Sequence[str]],
+    *,
+    finished: Callable[[], set[str]],
+    on_failure: Callable[[str, str], None],
+    nproc: int = 2,
+    timeout_s: float = 900.0,
+    results_dir_: str | os.PathLike | None = None,
+) -> list[str]:
+    """Run `variants` under torchrun, relaunching with the rest after a crash; returns the failed ones.
+
+    `launch_args(remaining)` builds the module's arguments; `finished()` names the variants that have
+    recorded results so far. A crash is charged to the first remaining variant that has not finished:
+    `on_failure(variant, note)` records it at once (nothing lost if a later launch also dies), and the
+    variants after it are launched again. A crash after every variant finished is reported and ignored.
+    """
+    failed: list[str] = []
+    remaining = list(variants)
+    while remaining:
+        try:
+            run_torchrun(module, launch_args(remaining), nproc, timeout_s=timeout_s, results_dir_=results_dir_)
+            break
+        except TorchrunError as exc:
+            done = finished()
+            remaining = [v for v in remaining if v not in done]
+            if not remaining:
+                print(f"[{module}] failure after the last variant finished (ignored):\n{exc}")
+                break
+            bad = remaining.pop(0)
+            failed.append(bad)
+            on_failure(bad, failure_note(exc))
+    return failed

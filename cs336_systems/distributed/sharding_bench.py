@@ -62,7 +62,7 @@ from cs336_systems.benchmarking.results import (
 )
 from cs336_systems.benchmarking.timing import PhaseTimer, synchronize
 from cs336_systems.distributed import accounting
-from cs336_systems.distributed.launch import TorchrunError, run_torchrun
+from cs336_systems.distributed.launch import run_variants
 from cs336_systems.distributed.process_group import cleanup_process_group, setup_process_group
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
 from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config, random_batch
@@ -346,23 +346,18 @@ def run(
 ) -> pd.DataFrame:
     """Launch the workers (relaunching after a crashed variant), then render figures; returns the rows."""
     cfg = BenchConfig(**{**asdict(cfg), "run_id": cfg.run_id or uuid.uuid4().hex[:8]})
-    remaining = list(cfg.variants)
-    while remaining:
-        this = BenchConfig(**{**asdict(cfg), "variants": tuple(remaining)})
-        try:
-            run_torchrun(MODULE, ["--worker", json.dumps(asdict(this))], nproc, timeout_s=timeout_s,
-                         results_dir_=results_dir)  # fmt: skip
-            break
-        except TorchrunError as exc:
-            done = _done_variants(cfg.run_id, results_dir)
-            failed = next(v for v in remaining if v not in done)
-            note = (
-                "OOM" if "out of memory" in str(exc).lower() else f"error: {str(exc).splitlines()[0][:200]}"
-            )
-            append_rows(PROBLEM, [failure_row(problem=PROBLEM, name=cfg.size, impl=IMPL[failed], mode="train",
-                                              dtype="fp32", x_name="world_size", x_value=nproc, metric="step_time",
-                                              unit="ms", note=note, config=asdict(cfg))], results_dir)  # fmt: skip
-            remaining = [v for v in remaining if v not in done and v != failed]
+
+    def record_failure(variant: str, note: str) -> None:
+        append_rows(PROBLEM, [failure_row(problem=PROBLEM, name=cfg.size, impl=IMPL[variant], mode="train",
+                                          dtype="fp32", x_name="world_size", x_value=nproc, metric="step_time",
+                                          unit="ms", note=note, config=asdict(cfg))], results_dir)  # fmt: skip
+
+    run_variants(
+        MODULE, cfg.variants,
+        lambda rest: ["--worker", json.dumps(asdict(BenchConfig(**{**asdict(cfg), "variants": tuple(rest)})))],
+        finished=lambda: _done_variants(cfg.run_id, results_dir), on_failure=record_failure,
+        nproc=nproc, timeout_s=timeout_s, results_dir_=results_dir,
+    )  # fmt: skip
     df = load_results(PROBLEM, results_dir)
     df = df[df.config_json.str.contains(cfg.run_id)] if not df.empty else df
     if figures_dir is not None and not df.empty:
