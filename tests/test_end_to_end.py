@@ -9,6 +9,7 @@ import torch
 
 from cs336_systems.benchmarking import end_to_end as E
 from cs336_systems.benchmarking import section1_gpu_a as S
+from cs336_systems.benchmarking.budget import TimeBudget
 from cs336_systems.benchmarking.results import COLUMNS, load_results
 
 
@@ -91,16 +92,16 @@ def test_config_validation():
 
 def test_budget_skips_are_recorded_not_dropped(tmp_path):
     plan = S.make_plan(quick=True)
-    rows = S.run_benchmarking_script(plan, tmp_path, S.Budget(0.0))
+    rows = S.run_benchmarking_script(plan, tmp_path, TimeBudget(0.0))
     df = pd.DataFrame(rows)
     assert len(df) == 1 + 2 + 3  # one row per phase of forward, forward_backward and train (one size)
     assert df.note.str.startswith("skipped: time budget").all()
-    assert S.Budget(60.0).skip_reason(predicted_s=120.0).startswith("skipped: predicted 120 s")
-    assert S.Budget(None).skip_reason(1e9) is None
+    assert TimeBudget(60.0).skip_reason(predicted_s=120.0).startswith("skipped: predicted 120 s")
+    assert TimeBudget().skip_reason(1e9) is None
     # Unbounded runs (the notebook path) must give child processes no timeout rather than inf,
     # which subprocess cannot wait for (seen failing on the GPU host).
-    assert S.Budget(None).subprocess_timeout() is None
-    assert S.Budget(5.0).subprocess_timeout(floor_s=30.0) == 30.0
+    assert TimeBudget().subprocess_timeout() is None
+    assert TimeBudget(5.0).subprocess_timeout(floor_s=30.0) == 30.0
 
 
 def test_driver_quick_stages(tmp_path):

@@ -45,6 +45,19 @@ class TimeBudget:
         cap = rem if seconds is None else min(seconds, rem)
         return TimeBudget(None if math.isinf(cap) else max(cap, 0.0), label=label or self.label)
 
+    def skip_reason(self, predicted_s: float = 0.0) -> str | None:
+        """Why a configuration predicted to take `predicted_s` must be skipped, or None if it fits."""
+        left = self.remaining()
+        if left <= 0:
+            return "skipped: time budget of the GPU run exhausted"
+        if predicted_s > left:
+            return f"skipped: predicted {predicted_s:.0f} s exceeds the {left:.0f} s left of the run's budget"
+        return None
+
+    def subprocess_timeout(self, floor_s: float = 30.0) -> float | None:
+        """A timeout for a child process: None when unbounded (subprocess cannot wait for inf)."""
+        return None if self.seconds is None else max(self.remaining(), floor_s)
+
     def skip_note(self, what: str = "") -> str:
         total = "unlimited" if self.seconds is None else f"{self.seconds:.0f} s"
         return f"skipped: time budget '{self.label}' ({total}) exhausted" + (

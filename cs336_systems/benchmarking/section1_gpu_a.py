@@ -44,6 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cs336_systems.benchmarking import autocast_study, profile
+from cs336_systems.benchmarking.budget import TimeBudget
 from cs336_systems.benchmarking.end_to_end import MODES, PHASES, EndToEndConfig, grid, run_one
 from cs336_systems.benchmarking.results import REPO_ROOT, append_rows, failure_row, load_results
 from cs336_systems.benchmarking.results import results_dir as default_results_dir
@@ -108,29 +109,6 @@ def predicted_seconds(
     return 2.0 + num_steps * flops / rate
 
 
-class Budget:
-    """A wall-clock deadline shared by the stages; says why a configuration must be skipped."""
-
-    def __init__(self, seconds: float | None):
-        self.start = time.monotonic()
-        self.deadline = None if seconds is None else self.start + seconds
-
-    def remaining(self) -> float:
-        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
-
-    def subprocess_timeout(self, floor_s: float = 30.0) -> float | None:
-        """A timeout for a child process: None when unbounded (subprocess cannot wait for inf)."""
-        return None if self.deadline is None else max(self.remaining(), floor_s)
-
-    def skip_reason(self, predicted_s: float = 0.0) -> str | None:
-        left = self.remaining()
-        if left <= 0:
-            return "skipped: time budget of the GPU run exhausted"
-        if predicted_s > left:
-            return f"skipped: predicted {predicted_s:.0f} s exceeds the {left:.0f} s left of the run's budget"
-        return None
-
-
 def _skipped_rows(cfg: EndToEndConfig, problem: str, note: str) -> list[dict[str, Any]]:
     common = dict(problem=problem, name=cfg.size, impl=cfg.impl_label, mode=cfg.mode, dtype=cfg.dtype_label,
                   x_name=cfg.x_axis, x_value=getattr(cfg, cfg.x_axis), config=dataclasses.asdict(cfg))  # fmt: skip
@@ -138,7 +116,7 @@ def _skipped_rows(cfg: EndToEndConfig, problem: str, note: str) -> list[dict[str
 
 
 def _budgeted_sweep(
-    configs: Sequence[EndToEndConfig], problem: str, results_dir, budget: Budget, progress: bool = True
+    configs: Sequence[EndToEndConfig], problem: str, results_dir, budget: TimeBudget, progress: bool = True
 ) -> list[dict]:
     rows = []
     for cfg in tqdm(configs, desc=problem, disable=not progress):
@@ -164,18 +142,18 @@ def run_toy_dtypes(plan: Plan, results_dir=None) -> pd.DataFrame:
     return table
 
 
-def run_benchmarking_script(plan: Plan, results_dir=None, budget: Budget | None = None) -> list[dict]:
+def run_benchmarking_script(plan: Plan, results_dir=None, budget: TimeBudget | None = None) -> list[dict]:
     """Stage 2: every size x mode at plan.context_length, plan.warmup + plan.steps."""
     configs = grid(size=list(plan.sizes), context_length=plan.context_length, mode=list(MODES),
                    warmup=plan.warmup, steps=plan.steps, device=plan.device)  # fmt: skip
-    return _budgeted_sweep(configs, BENCH, results_dir, budget or Budget(None))
+    return _budgeted_sweep(configs, BENCH, results_dir, budget or TimeBudget())
 
 
 def run_mixed_precision(
-    plan: Plan, results_dir=None, budget: Budget | None = None, fp32_rows: Sequence[dict] | None = None
+    plan: Plan, results_dir=None, budget: TimeBudget | None = None, fp32_rows: Sequence[dict] | None = None
 ) -> list[dict]:
     """Stage 3: bf16-autocast forward and train steps; fp32 from `fp32_rows` (stage 2) or measured."""
-    budget = budget or Budget(None)
+    budget = budget or TimeBudget()
     rows = []
     if fp32_rows is not None:
         copied = [
@@ -194,14 +172,14 @@ def run_mixed_precision(
     return rows
 
 
-def run_warmup_ablation(plan: Plan, results_dir=None, budget: Budget | None = None) -> list[dict]:
+def run_warmup_ablation(plan: Plan, results_dir=None, budget: TimeBudget | None = None) -> list[dict]:
     """Stage 4: per warm-up setting, `plan.steps` timed train steps of every ablation size.
 
     With `plan.ablation_fresh_process`, each warm-up setting runs in a fresh `end_to_end` process that
     appends its own rows (x_name "warmup"); a child that fails or overruns leaves failure rows written
     here for the configurations it did not report. Otherwise (quick runs) it runs in this process.
     """
-    budget = budget or Budget(None)
+    budget = budget or TimeBudget()
     results = str(default_results_dir(results_dir))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the child gets the memory this process cached
@@ -240,21 +218,21 @@ def run_warmup_ablation(plan: Plan, results_dir=None, budget: Budget | None = No
     return written
 
 
-def measure_benchmarking_script(plan: Plan, results_dir=None, budget: Budget | None = None) -> None:
+def measure_benchmarking_script(plan: Plan, results_dir=None, budget: TimeBudget | None = None) -> None:
     """benchmarking_script (b) and (c): stage 2 then stage 4 (one call for the notebook)."""
     run_benchmarking_script(plan, results_dir, budget)
     run_warmup_ablation(plan, results_dir, budget)
 
 
-def measure_mixed_precision(plan: Plan, results_dir=None, budget: Budget | None = None) -> None:
+def measure_mixed_precision(plan: Plan, results_dir=None, budget: TimeBudget | None = None) -> None:
     """benchmarking_mixed_precision (a) and (c): the dtype table, then fp32 and bf16 timings."""
     run_toy_dtypes(plan, results_dir)
     run_mixed_precision(plan, results_dir, budget)
 
 
-def run_profiling(plan: Plan, results_dir=None, budget: Budget | None = None, out_dir=None) -> pd.DataFrame:
+def run_profiling(plan: Plan, results_dir=None, budget: TimeBudget | None = None, out_dir=None) -> pd.DataFrame:
     """Stage 5: the nsys_profile grid (torch.profiler), one slim trace, and its timeline PNG in out_dir."""
-    budget = budget or Budget(None)
+    budget = budget or TimeBudget()
     results = default_results_dir(results_dir)
     trace_path = results / plan.trace_name
     rows = []
@@ -320,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--stages", nargs="+", default=["toy", "bench", "mixed", "ablation", "profile"],
                    choices=["toy", "bench", "mixed", "ablation", "profile"], help="stages to run, in this order")  # fmt: skip
     args = p.parse_args(argv)
-    budget = Budget(args.budget_s)
+    budget = TimeBudget(args.budget_s)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
