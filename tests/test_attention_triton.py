@@ -56,6 +56,12 @@ TILE_CASES = [
     ),
     pytest.param((1, 2), 97, 97, 32, True, SMALL_BWD, KernelOptions(use_tma=True), id="tma-causal"),
     pytest.param((1, 2), 45, 70, 48, False, SMALL_BWD, KernelOptions(use_tma=True), id="tma-full-d48"),
+    # dK/dV with more queries per step than keys per program: unaligned query tiles after the diagonal
+    pytest.param((1, 2), 97, 97, 32, True, BwdConfig(32, 16, 32, 16), KernelOptions(), id="bm1>bn1-causal"),
+    pytest.param((1, 2), 70, 45, 32, False, BwdConfig(32, 16, 32, 16), KernelOptions(), id="bm1>bn1-full"),
+    pytest.param((1, 2), 40, 97, 32, True, BwdConfig(32, 16, 32, 16), KernelOptions(use_tma=True),
+                 id="bm1>bn1-tma-nq<nk"),  # fmt: skip
+    pytest.param((1, 2), 97, 70, 32, True, BwdConfig(16, 32, 32, 16, early_dp=True), KernelOptions(), id="early-dp"),
     pytest.param((1, 2), 97, 70, 32, True, SMALL_BWD, KernelOptions(False, False), id="no-skip-no-split"),
     pytest.param((1, 2), 97, 70, 32, True, SMALL_BWD, KernelOptions(True, False), id="skip-no-split"),
 ]
@@ -231,6 +237,22 @@ def test_gpu_memory_paths_and_variants(options, fused):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "bwd",
+    [BwdConfig(128, 64, 128, 64, 4, 2, 4, 3), BwdConfig(128, 64, 128, 64, 4, 2, 4, 3, early_dp=True),
+     BwdConfig(64, 64, 128, 64, 4, 3, 4, 3, early_dp=True), BwdConfig(128, 128, 128, 64, 8, 2, 4, 3)],
+    ids=["bm1-128", "bm1-128-early-dp", "bm1-64-early-dp", "bn1-128"],
+)  # fmt: skip
+@pytest.mark.parametrize(("n", "is_causal"), [(1000, True), (1000, False), (4096, True), (333, True)])
+def test_gpu_backward_tile_candidates(bwd, n, is_causal):
+    """The dK/dV tile shapes and orders the tuner may pick, at ragged and aligned N."""
+    case = make_case((1, 4), n, n, 64, torch.bfloat16, device="cuda", is_causal=is_causal)
+    with use_configs(bwd=bwd):
+        ours = run_impl(FlashAttentionTriton.apply, case)
+    check_outputs(ours, case, 5e-2, 5e-2, 1e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_inductor_compile_leaderboard_style():
     x = torch.randn(3, 4, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     q, k, v = x.unbind(0)
@@ -248,3 +270,30 @@ def test_gpu_official_semantics(is_causal):
     """The official shapes (batch 4, N 128, D 64, float32) on the GPU, at the official tolerance."""
     case = make_case((4,), 128, 128, 64, torch.float32, device="cuda", is_causal=is_causal)
     check_outputs(run_impl(FlashAttentionTriton.apply, case), case, 1e-2, 1e-2, 1e-2)
+
+
+def test_interpreter_still_chosen_after_pytorch_imports_triton(tmp_path):
+    """Regression: on a CPU-only machine, a model step with SDPA (whose CPU backward makes PyTorch
+    import Triton) before the first FlashAttentionTriton call used to leave Triton in compiled mode
+    ("Cannot call @triton.jit'd outside of the scope of a kernel"). The package sets the interpreter
+    on import now. Runs in a fresh process without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter is chosen only without CUDA")
+    code = (
+        "import torch\n"
+        "from cs336_systems.model import BasicsTransformerLM, get_config, random_batch, cross_entropy\n"
+        "c = get_config('debug', context_length=16)\n"
+        "m = BasicsTransformerLM.from_config(c, attention_impl='sdpa')\n"
+        "x, y = random_batch(2, 16, c.vocab_size)\n"
+        "cross_entropy(m(x), y).backward()\n"
+        "m.set_attention('flash_triton')\n"
+        "cross_entropy(m(x), y).backward()\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -129,3 +129,23 @@ def test_quick_refuses_committed_results_dir(tmp_path):
 
     with pytest.raises(SystemExit, match="committed"):
         S.main(["--out", str(tmp_path), "--quick", "--results-dir", str(REPO_ROOT / "figures" / "data")])
+
+
+def test_flash_model_check_and_sweep_quick(tmp_path):
+    """The model with our Triton attention matches the naive model (outputs and every gradient),
+    and the training sweep gives a row per implementation (tiny model, CPU interpreter)."""
+    import json
+
+    from cs336_systems.benchmarking import flash_model as FM
+
+    FM.main(["--quick", "--results-dir", str(tmp_path)])
+    df = pd.read_csv(tmp_path / f"{FM.PROBLEM}.csv")
+    check = df[df["mode"] == "check"]
+    assert set(check["impl"]) == {"sdpa", "flash_triton"}
+    assert check["note"].isna().all(), check["note"].tolist()
+    assert all(json.loads(c)["passed"] for c in check["config_json"])
+    assert (check[check.metric == "max_grad_rel_err"]["mean"] < 1e-3).all()
+    steps = df[(df["mode"] == "train") & (df.metric == "step_time")]
+    assert set(steps["impl"]) == set(FM.IMPLS) and steps["note"].isna().all()
+    table = FM.speedup_table(df)
+    assert "speed-up vs naive" in table.columns and len(table) == 1

@@ -505,27 +505,31 @@ def run_variants(
 
 
 DKDV_CANDIDATES = [
-    (64, 64, 4, 3),
-    (32, 64, 4, 3),
-    (64, 64, 4, 4),
-    (64, 64, 4, 2),
-    (32, 64, 4, 4),
-    (64, 128, 8, 3),
-    (32, 128, 8, 3),
-    (64, 64, 8, 3),
-    (16, 64, 4, 3),
-    (32, 32, 4, 3),
-]  # (block_m1, block_n1, warps, stages)
+    (64, 64, 4, 3, False),
+    (64, 64, 4, 3, True),
+    (32, 64, 4, 3, False),
+    (64, 64, 4, 2, False),
+    (64, 64, 4, 2, True),
+    (128, 64, 4, 2, False),
+    (128, 64, 4, 2, True),
+    (128, 64, 4, 3, False),
+    (128, 64, 4, 3, True),
+    (128, 64, 8, 2, False),
+    (128, 64, 8, 3, False),
+    (64, 128, 8, 3, False),
+    (128, 128, 8, 2, False),
+    (128, 128, 8, 2, True),
+    (32, 128, 8, 3, False),
+]  # (block_m1, block_n1, warps, stages, early_dp)
 DQ_CANDIDATES = [
-    (64, 64, 4, 3),
-    (64, 32, 4, 3),
-    (64, 64, 4, 4),
-    (64, 32, 4, 4),
-    (128, 64, 8, 3),
-    (128, 32, 8, 3),
     (128, 64, 4, 3),
-    (32, 32, 4, 3),
-    (64, 16, 4, 3),
+    (128, 64, 4, 2),
+    (128, 64, 4, 4),
+    (128, 64, 8, 3),
+    (64, 64, 4, 3),
+    (128, 128, 8, 2),
+    (256, 64, 8, 2),
+    (128, 32, 4, 3),
 ]  # (block_m2, block_n2, warps, stages)
 
 
@@ -538,10 +542,13 @@ def run_tuning(
     device: str = "cuda",
     results_dir=None,
     install: bool = True,
+    block_pointers: bool = False,
 ) -> list[dict[str, Any]]:
-    """Time forward tile candidates, then each backward pass alone over its candidates and both
-    memory paths (TMA descriptors, block pointers); print them fastest first. With install=True the
-    winners become the launcher's configuration for this shape (as the autotuner would)."""
+    """Time forward tile candidates, then each backward pass alone over its candidates with TMA
+    descriptors (and block pointers too if block_pointers); print them fastest first. With
+    install=True the winners become the launcher's configuration for this shape (as the autotuner
+    would)."""
+    memory_paths = (True, False) if block_pointers else (True,)
     rows = []
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(1, heads, n, d, device=device, dtype=dtype) for _ in range(4))
@@ -573,16 +580,16 @@ def run_tuning(
     for cand in launch.fwd_candidates(block_d, dtype):
         with launch.use_configs(fwd=cand):
             time_one("fwd", cand, lambda: launch.flash_fwd(q, k, v, True))
-    for bm1, bn1, w, st in DKDV_CANDIDATES:
-        for tma in (True, False):
-            cand = launch.BwdConfig(bm1, bn1, 64, 32, w, st, 4, 3, tma1=tma)
+    for bm1, bn1, w, st, early in DKDV_CANDIDATES:
+        for tma in memory_paths:
+            cand = launch.BwdConfig(bm1, bn1, 64, 32, w, st, 4, 3, tma1=tma, early_dp=early)
             time_one(
                 "dkdv",
                 cand,
                 lambda c=cand: launch._bwd_launch(tensors, True, c, opts, use_tma, tma_ok, ("dkdv",)),
             )
     for bm2, bn2, w, st in DQ_CANDIDATES:
-        for tma in (True, False):
+        for tma in memory_paths:
             cand = launch.BwdConfig(32, 64, bm2, bn2, 4, 3, w, st, tma2=tma)
             time_one(
                 "dq",
@@ -598,7 +605,8 @@ def run_tuning(
     }
     b1, b2 = best["dkdv"], best["dq"]
     bwd = launch.BwdConfig(b1.block_m1, b1.block_n1, b2.block_m2, b2.block_n2, b1.num_warps1, b1.num_stages1,
-                           b2.num_warps2, b2.num_stages2, tma1=b1.tma1, tma2=b2.tma2)  # fmt: skip
+                           b2.num_warps2, b2.num_stages2, tma1=b1.tma1, tma2=b2.tma2,
+                           early_dp=b1.early_dp)  # fmt: skip
     print(f"best: {best['fwd']!r}\n      {bwd!r}")
     if install:
         launch._tuned[("fwd", *launch.tuning_key(n, n, d, dtype, True))] = best["fwd"]
@@ -925,8 +933,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--tune", type=str, default="", help="time tile candidates: 'd:dtype:N,...' e.g. 64:bfloat16:16384"
     )
+    p.add_argument(
+        "--once", action="store_true",
+        help="one forward+backward at the leaderboard shape with the current tiles, nothing timed or saved "
+             "(the workload to wrap in `ncu`/`nsys`)",
+    )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+
+    if args.once:
+        cfg = LeaderboardConfig(device=args.device)
+        x = torch.randn(3, cfg.heads, cfg.seq_len, cfg.d, device=args.device, dtype=torch.bfloat16,
+                        requires_grad=True)  # fmt: skip
+        q, k, v = x.unbind(0)
+        FlashAttentionTriton.apply(q, k, v, True).sum().backward()
+        synchronize(args.device)
+        return
 
     if args.tune:
         for spec in args.tune.split(","):

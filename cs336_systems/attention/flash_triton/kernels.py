@@ -240,7 +240,8 @@ def flash_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, L_row, Delta_row, lo, hi, offs_n, N_QUERIES, qk_scale,
                 BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr,
-                PAD_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+                PAD_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                EARLY_DP: tl.constexpr = False):  # fmt: skip
     """Accumulate dK_j, dV_j (Bk, BLOCK_D) f32 over query tiles [lo, hi). Works on transposed scores
     (keys x queries) so that no tile needs a transpose before the dK/dV matmuls."""
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -256,11 +257,14 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, L_row, Delta_row, lo, hi, offs_n, N
             lse2 = tl.load(L_row + offs_m) * LOG2E
             delta = tl.load(Delta_row + offs_m)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (Bk, Bq)
+        if EARLY_DP:  # dP before the softmax: the dV product then runs while dS is computed
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (Bk, Bq)
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
         if MASK_CAUSAL:
             p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, acc=dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (Bk, Bq)
+        if not EARLY_DP:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (Bk, Bq)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -274,7 +278,7 @@ def _dkdv_program(
     off_bh, kv_tile, NUM_HEADS, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, SPLIT_DIAGONAL: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr = False,
 ):  # fmt: skip
     off_b = (off_bh // NUM_HEADS).to(tl.int64)
     off_h = (off_bh % NUM_HEADS).to(tl.int64)
@@ -300,28 +304,30 @@ def _dkdv_program(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query ranges: causal diagonal tiles [start_n, start_n + Bk) masked; then full tiles unmasked;
-    # then the ragged tail (bounds only: padded rows have L = +inf, hence P = 0).
-    full_hi = (N_QUERIES // BLOCK_M) * BLOCK_M
+    # Query ranges: causal diagonal tiles [start_n, start_n + DIAG) masked, in steps of Bq (one step
+    # when Bq >= Bk); then full tiles unmasked; then the ragged tail (bounds only: padded rows have
+    # L = +inf, hence P = 0). With Bq > Bk the later tiles start at rows that are not multiples of
+    # Bq, which TMA descriptors and block pointers both allow.
+    DIAG: tl.constexpr = ((BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
     lo = 0
     if is_causal:
         if SPLIT_DIAGONAL:
-            diag_hi = tl.minimum(start_n + BLOCK_N, N_QUERIES)
+            diag_hi = tl.minimum(start_n + DIAG, N_QUERIES)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, L_row, Delta_row, start_n, diag_hi, offs_n, N_QUERIES,
-                                 qk_scale, BLOCK_M, True, True, PAD_D, USE_TMA, DOT_PRECISION)  # fmt: skip
-            lo = start_n + BLOCK_N
+                                 qk_scale, BLOCK_M, True, True, PAD_D, USE_TMA, DOT_PRECISION, EARLY_DP)  # fmt: skip
+            lo = start_n + DIAG
         else:
             if SKIP_MASKED_TILES:
                 lo = start_n  # earlier queries see none of these keys
             # everything masked: baseline for the optimisation log
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, L_row, Delta_row, lo, N_QUERIES, offs_n, N_QUERIES,
-                                 qk_scale, BLOCK_M, True, True, PAD_D, USE_TMA, DOT_PRECISION)  # fmt: skip
+                                 qk_scale, BLOCK_M, True, True, PAD_D, USE_TMA, DOT_PRECISION, EARLY_DP)  # fmt: skip
             lo = N_QUERIES
-    mid = tl.maximum(lo, full_hi)
+    full_hi = lo + (tl.maximum(N_QUERIES - lo, 0) // BLOCK_M) * BLOCK_M  # whole tiles from lo
     dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, L_row, Delta_row, lo, full_hi, offs_n, N_QUERIES,
-                         qk_scale, BLOCK_M, False, False, PAD_D, USE_TMA, DOT_PRECISION)  # fmt: skip
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, L_row, Delta_row, mid, N_QUERIES, offs_n, N_QUERIES,
-                         qk_scale, BLOCK_M, False, True, PAD_D, USE_TMA, DOT_PRECISION)  # fmt: skip
+                         qk_scale, BLOCK_M, False, False, PAD_D, USE_TMA, DOT_PRECISION, EARLY_DP)  # fmt: skip
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, L_row, Delta_row, full_hi, N_QUERIES, offs_n, N_QUERIES,
+                         qk_scale, BLOCK_M, False, True, PAD_D, USE_TMA, DOT_PRECISION, EARLY_DP)  # fmt: skip
 
     dk = dk * scale
     dk_dst = _make_src(
@@ -437,16 +443,16 @@ def flash_bwd_dkdv_kernel(
     NUM_HEADS, N_QUERIES, N_KEYS, scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, SPLIT_DIAGONAL: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr = False,
 ):  # fmt: skip
     """dK, dV for one key tile (BLOCK_N rows) of one (b, h). Grid: (B*H, cdiv(N_KEYS, BLOCK_N)).
-    Needs BLOCK_N % BLOCK_M == 0. Causal: key tile 0 has the most work and is dispatched first."""
+    BLOCK_M (queries per step) may be smaller or larger than BLOCK_N. Causal: key tile 0 has the most work and is dispatched first."""
     _dkdv_program(Q_ptr, K_ptr, V_ptr, DO_ptr, DK_ptr, DV_ptr, L_ptr, Delta_ptr,
                   stride_qb, stride_qh, stride_qq, stride_kb, stride_kh, stride_kk, stride_vb, stride_vh, stride_vk,
                   stride_dob, stride_doh, stride_doq, stride_dkb, stride_dkh, stride_dkk, stride_dvb, stride_dvh,
                   stride_dvk, tl.program_id(0), tl.program_id(1), NUM_HEADS, N_QUERIES, N_KEYS, scale,
                   D, BLOCK_D, PAD_D, BLOCK_M, BLOCK_N, is_causal, SKIP_MASKED_TILES, SPLIT_DIAGONAL, USE_TMA,
-                  DOT_PRECISION)  # fmt: skip
+                  DOT_PRECISION, EARLY_DP)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
@@ -482,7 +488,7 @@ def flash_bwd_fused_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     is_causal: tl.constexpr, SKIP_MASKED_TILES: tl.constexpr, SPLIT_DIAGONAL: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr = False,
 ):  # fmt: skip
     """Both backward passes in one launch: program_id(1) < NUM_KV_TILES computes dK, dV of a key
     tile, the rest dQ of a query tile (no two programs write the same rows: still no atomics).
@@ -494,7 +500,7 @@ def flash_bwd_fused_kernel(
                       stride_vk, stride_dob, stride_doh, stride_doq, stride_dkb, stride_dkh, stride_dkk, stride_dvb,
                       stride_dvh, stride_dvk, tl.program_id(0), tile, NUM_HEADS, N_QUERIES, N_KEYS, scale,
                       D, BLOCK_D, PAD_D, BLOCK_M1, BLOCK_N1, is_causal, SKIP_MASKED_TILES, SPLIT_DIAGONAL, USE_TMA,
-                      DOT_PRECISION)  # fmt: skip
+                      DOT_PRECISION, EARLY_DP)  # fmt: skip
     else:
         q_tile = tile - NUM_KV_TILES
         if is_causal:

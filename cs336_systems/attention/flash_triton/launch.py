@@ -59,10 +59,12 @@ class FwdConfig:
 @dataclass(frozen=True)
 class BwdConfig:
     """Backward tiles. Pass 1 (dK, dV): block_n1 keys per program, block_m1 queries per step
-    (block_n1 % block_m1 == 0). Pass 2 (dQ): block_m2 queries per program, block_n2 keys per step
+    (any powers of two). Pass 2 (dQ): block_m2 queries per program, block_n2 keys per step
     (block_m2 % block_n2 == 0). fused: both passes in one launch (then warps/stages of pass 1).
     tma1 / tma2: memory path of each pass (None: the global choice). streams: run the dQ pass on a
-    side CUDA stream, concurrently with the dK/dV pass (they share inputs, write disjoint outputs)."""
+    side CUDA stream, concurrently with the dK/dV pass (they share inputs, write disjoint outputs).
+    early_dp: in the dK/dV pass compute dP = V dO^T before the softmax recomputation, so the dV
+    product is still in flight on the tensor cores while dS is computed (one extra live tile)."""
 
     block_m1: int
     block_n1: int
@@ -76,6 +78,7 @@ class BwdConfig:
     tma1: bool | None = None
     tma2: bool | None = None
     streams: bool = False
+    early_dp: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,7 @@ def fwd_candidates(block_d: int, dtype: torch.dtype) -> list[FwdConfig]:
         return [
             FwdConfig(128, 64, 8, 3), FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 8, 4), FwdConfig(128, 64, 4, 4),
             FwdConfig(128, 128, 8, 3), FwdConfig(128, 128, 8, 2), FwdConfig(128, 32, 8, 3), FwdConfig(64, 64, 4, 3),
+            FwdConfig(128, 128, 4, 2), FwdConfig(256, 64, 8, 3), FwdConfig(256, 128, 8, 2), FwdConfig(128, 64, 4, 2),
         ]  # fmt: skip
     if block_d <= 128:
         return [
@@ -198,6 +202,8 @@ def bwd_candidates(block_d: int, dtype: torch.dtype) -> list[BwdConfig]:
             BwdConfig(64, 128, 128, 64, 8, 3, 8, 3), BwdConfig(32, 64, 64, 32, 4, 3, 4, 3),
             BwdConfig(32, 128, 128, 64, 8, 3, 8, 3), BwdConfig(32, 128, 64, 32, 8, 3, 4, 3),
             BwdConfig(64, 64, 64, 64, 4, 3, 4, 3), BwdConfig(32, 128, 128, 32, 8, 3, 8, 3, fused=True),
+            BwdConfig(128, 64, 128, 64, 4, 2, 4, 3), BwdConfig(128, 64, 128, 64, 4, 2, 4, 3, early_dp=True),
+            BwdConfig(64, 64, 128, 64, 4, 3, 4, 3, early_dp=True),
         ]  # fmt: skip
     if block_d <= 128:
         return [
@@ -437,7 +443,7 @@ def _bwd_launch(
             *in_strides, *_strides3(dq4), *_strides3(dk4), *_strides3(dv4),
             heads, n_q, n_k, n_kv_tiles, n_q_tiles, scale,
             BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1, BLOCK_M2=cfg.block_m2, BLOCK_N2=cfg.block_n2,
-            num_warps=cfg.num_warps1, num_stages=cfg.num_stages1, USE_TMA=use_tma, **common,
+            num_warps=cfg.num_warps1, num_stages=cfg.num_stages1, USE_TMA=use_tma, EARLY_DP=cfg.early_dp, **common,
         )  # fmt: skip
         return
     if "dkdv" in passes:
@@ -446,7 +452,7 @@ def _bwd_launch(
             *in_strides, *_strides3(dk4), *_strides3(dv4),
             heads, n_q, n_k, scale,
             BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
-            USE_TMA=use_tma if cfg.tma1 is None else cfg.tma1 and tma_ok, **common,
+            USE_TMA=use_tma if cfg.tma1 is None else cfg.tma1 and tma_ok, EARLY_DP=cfg.early_dp, **common,
         )  # fmt: skip
     if "dq" in passes:
         side = cfg.streams and q4.is_cuda and "dkdv" in passes
