@@ -59,9 +59,19 @@ TILE_CASES = [
     # dK/dV with more queries per step than keys per program: unaligned query tiles after the diagonal
     pytest.param((1, 2), 97, 97, 32, True, BwdConfig(32, 16, 32, 16), KernelOptions(), id="bm1>bn1-causal"),
     pytest.param((1, 2), 70, 45, 32, False, BwdConfig(32, 16, 32, 16), KernelOptions(), id="bm1>bn1-full"),
-    pytest.param((1, 2), 40, 97, 32, True, BwdConfig(32, 16, 32, 16), KernelOptions(use_tma=True),
-                 id="bm1>bn1-tma-nq<nk"),  # fmt: skip
-    pytest.param((1, 2), 97, 70, 32, True, BwdConfig(16, 32, 32, 16, early_dp=True), KernelOptions(), id="early-dp"),
+    pytest.param(
+        (1, 2),
+        40,
+        97,
+        32,
+        True,
+        BwdConfig(32, 16, 32, 16),
+        KernelOptions(use_tma=True),
+        id="bm1>bn1-tma-nq<nk",
+    ),
+    pytest.param(
+        (1, 2), 97, 70, 32, True, BwdConfig(16, 32, 32, 16, early_dp=True), KernelOptions(), id="early-dp"
+    ),
     pytest.param((1, 2), 97, 70, 32, True, SMALL_BWD, KernelOptions(False, False), id="no-skip-no-split"),
     pytest.param((1, 2), 97, 70, 32, True, SMALL_BWD, KernelOptions(True, False), id="skip-no-split"),
 ]

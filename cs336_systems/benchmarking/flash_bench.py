@@ -364,9 +364,17 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
     """Time the protocol for every impl, print a side-by-side table, append rows."""
     gpu = device_name(cfg.device)
     rows: list[dict[str, Any]] = []
+    dt = getattr(torch, cfg.dtype)
+    fwd_key = ("fwd", *launch.tuning_key(cfg.seq_len, cfg.seq_len, cfg.d, dt, True))
     config = dataclasses.asdict(cfg) | {
         "causal": True,
         "timed": "o = flash(q, k, v, True); o.sum().backward()",
+        # our tiles: tuned in this process (--tune) or the launcher's heuristic table
+        "tiles_fwd": repr(
+            launch._tuned.get(fwd_key) or launch.heuristic_fwd(cfg.seq_len, cfg.seq_len, cfg.d, dt)
+        ),
+        "tiles_bwd": repr(_current_bwd_config(cfg.seq_len, cfg.d, dt)),
+        "tiles_source": "tuned" if fwd_key in launch._tuned else "heuristic",
     }
     results: dict[str, dict[str, float]] = {}
     for impl in cfg.impls:
@@ -521,6 +529,17 @@ DKDV_CANDIDATES = [
     (128, 128, 8, 2, True),
     (32, 128, 8, 3, False),
 ]  # (block_m1, block_n1, warps, stages, early_dp)
+# Second round (after the first on the H200): register caps that keep three CTAs per SM.
+DKDV_CANDIDATES_SMALL = [
+    (64, 64, 4, 2, True, None),
+    (64, 64, 4, 2, True, 168),
+    (64, 64, 4, 2, True, 160),
+    (64, 64, 4, 3, True, 168),
+    (64, 64, 4, 3, False, None),
+    (64, 64, 4, 2, False, 160),
+]  # (block_m1, block_n1, warps, stages, early_dp, maxnreg)
+DQ_CANDIDATES_SMALL = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4)]
+FWD_CANDIDATES_SMALL = [(128, 64, 8, 3), (128, 64, 8, 2)]
 DQ_CANDIDATES = [
     (128, 64, 4, 3),
     (128, 64, 4, 2),
@@ -543,17 +562,25 @@ def run_tuning(
     results_dir=None,
     install: bool = True,
     block_pointers: bool = False,
+    small: bool = False,
 ) -> list[dict[str, Any]]:
     """Time forward tile candidates, then each backward pass alone over its candidates with TMA
     descriptors (and block pointers too if block_pointers); print them fastest first. With
     install=True the winners become the launcher's configuration for this shape (as the autotuner
     would)."""
     memory_paths = (True, False) if block_pointers else (True,)
+    block_d = max(16, 1 << (d - 1).bit_length())
+    if small:  # the second round: a few candidates around the first round's winners
+        fwd_cands = [launch.FwdConfig(*c) for c in FWD_CANDIDATES_SMALL]
+        dkdv_cands, dq_cands = DKDV_CANDIDATES_SMALL, DQ_CANDIDATES_SMALL
+    else:
+        fwd_cands = launch.fwd_candidates(block_d, dtype)
+        dkdv_cands = [(*c, None) for c in DKDV_CANDIDATES]
+        dq_cands = DQ_CANDIDATES
     rows = []
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(1, heads, n, d, device=device, dtype=dtype) for _ in range(4))
     o, lse = launch.flash_fwd(q, k, v, True)
-    block_d = max(16, 1 << (d - 1).bit_length())
     tensors, _, tma_ok = launch.prepare_backward(do, q, k, v, o, lse)
     opts = launch.KernelOptions()
     use_tma = launch._use_tma(opts, q.device, *tensors[:7])
@@ -577,18 +604,18 @@ def run_tuning(
             rows.append(make_row(metric="latency", unit="ms", stats=st, **common))
             results.append((kind, st["p50"], cand, ""))
 
-    for cand in launch.fwd_candidates(block_d, dtype):
+    for cand in fwd_cands:
         with launch.use_configs(fwd=cand):
             time_one("fwd", cand, lambda: launch.flash_fwd(q, k, v, True))
-    for bm1, bn1, w, st, early in DKDV_CANDIDATES:
+    for bm1, bn1, w, st, early, maxnreg in dkdv_cands:
         for tma in memory_paths:
-            cand = launch.BwdConfig(bm1, bn1, 64, 32, w, st, 4, 3, tma1=tma, early_dp=early)
+            cand = launch.BwdConfig(bm1, bn1, 64, 32, w, st, 4, 3, tma1=tma, early_dp=early, maxnreg1=maxnreg)
             time_one(
                 "dkdv",
                 cand,
                 lambda c=cand: launch._bwd_launch(tensors, True, c, opts, use_tma, tma_ok, ("dkdv",)),
             )
-    for bm2, bn2, w, st in DQ_CANDIDATES:
+    for bm2, bn2, w, st in dq_cands:
         for tma in memory_paths:
             cand = launch.BwdConfig(32, 64, bm2, bn2, 4, 3, w, st, tma2=tma)
             time_one(
@@ -606,7 +633,16 @@ def run_tuning(
     b1, b2 = best["dkdv"], best["dq"]
     bwd = launch.BwdConfig(b1.block_m1, b1.block_n1, b2.block_m2, b2.block_n2, b1.num_warps1, b1.num_stages1,
                            b2.num_warps2, b2.num_stages2, tma1=b1.tma1, tma2=b2.tma2,
-                           early_dp=b1.early_dp)  # fmt: skip
+                           early_dp=b1.early_dp, maxnreg1=b1.maxnreg1)  # fmt: skip
+    # Both passes together, one stream vs the dQ pass on a side stream (overlaps the dK/dV tail).
+    both = []
+    for streams in (False, True):
+        cand = dataclasses.replace(bwd, streams=streams)
+        time_one("bwd", cand, lambda c=cand: launch._bwd_launch(tensors, True, c, opts, use_tma, tma_ok))
+        both.append(results[-1])
+    for _, ms, cand, note in both:
+        print(f"bwd  {ms:>9.3f} ms  streams={cand.streams} {note}")
+    bwd = min(both, key=lambda r: r[1])[2]
     print(f"best: {best['fwd']!r}\n      {bwd!r}")
     if install:
         launch._tuned[("fwd", *launch.tuning_key(n, n, d, dtype, True))] = best["fwd"]
@@ -816,7 +852,12 @@ def _short_config(kernel: str, text: str) -> str:
         rows = f"{f['block_m' + suffix]}x{f['block_n' + suffix]}"
         w, st, tma = f["num_warps" + suffix], f["num_stages" + suffix], f.get("tma" + suffix, "None")
     path = {"True": ", TMA", "False": ", block pointers"}.get(tma, "")
-    return f"{rows}, {w} warps, {st} stages{path}"
+    extra = ""
+    if kernel == "dkdv" and f.get("early_dp") == "True":
+        extra += ", early dP"
+    if kernel == "dkdv" and f.get("maxnreg1", "None") != "None":
+        extra += f", <= {f['maxnreg1']} regs"
+    return f"{rows}, {w} warps, {st} stages{path}{extra}"
 
 
 def tuning_table(df: pd.DataFrame, top: int = 3) -> pd.DataFrame:
@@ -933,6 +974,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--tune", type=str, default="", help="time tile candidates: 'd:dtype:N,...' e.g. 64:bfloat16:16384"
     )
+    p.add_argument("--tune-small", action="store_true", help="--tune over the short second-round lists")
     p.add_argument(
         "--once", action="store_true",
         help="one forward+backward at the leaderboard shape with the current tiles, nothing timed or saved "
@@ -953,7 +995,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.tune:
         for spec in args.tune.split(","):
             dd, dt, n = spec.split(":")
-            run_tuning(16, int(n), int(dd), getattr(torch, dt), device=args.device)
+            run_tuning(16, int(n), int(dd), getattr(torch, dt), device=args.device, small=args.tune_small)
     if args.variants:
         run_variants(LeaderboardConfig(device=args.device))
     if args.leaderboard:

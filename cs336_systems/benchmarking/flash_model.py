@@ -164,7 +164,9 @@ def speedup_table(df: pd.DataFrame, ours: str = "flash_triton") -> pd.DataFrame:
             f"{x:.1f}" if not math.isnan(x) else _short(notes.get((c, impl), "n/a")) for c, x in ms.items()
         ]
         if ("peak_memory", impl) in wide.columns:
-            out[f"{impl} GiB"] = wide[("peak_memory", impl)].map(lambda x: "" if math.isnan(x) else f"{x:.1f}")
+            out[f"{impl} GiB"] = wide[("peak_memory", impl)].map(
+                lambda x: "" if math.isnan(x) else f"{x:.1f}"
+            )
     for other in [i for i in IMPLS if i != ours and ("step_time", i) in wide.columns]:
         if ("step_time", ours) in wide.columns:
             r = wide[("step_time", other)] / wide[("step_time", ours)]

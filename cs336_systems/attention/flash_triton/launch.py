@@ -64,7 +64,9 @@ class BwdConfig:
     tma1 / tma2: memory path of each pass (None: the global choice). streams: run the dQ pass on a
     side CUDA stream, concurrently with the dK/dV pass (they share inputs, write disjoint outputs).
     early_dp: in the dK/dV pass compute dP = V dO^T before the softmax recomputation, so the dV
-    product is still in flight on the tensor cores while dS is computed (one extra live tile)."""
+    product is still in flight on the tensor cores while dS is computed (one extra live tile).
+    maxnreg1: cap on registers per thread of the dK/dV kernel (None: the compiler's choice), e.g.
+    168 keeps three 4-warp CTAs per SM (65536 registers) when early_dp would need a few more."""
 
     block_m1: int
     block_n1: int
@@ -79,6 +81,7 @@ class BwdConfig:
     tma2: bool | None = None
     streams: bool = False
     early_dp: bool = False
+    maxnreg1: int | None = None
 
 
 @dataclass(frozen=True)
@@ -155,8 +158,12 @@ def heuristic_bwd(n_q: int, n_k: int, block_d: int, dtype: torch.dtype) -> BwdCo
         bm1, bn2 = min(bn1, _pow2_clamp(n_q, MIN_BLOCK, 64)), min(bm2, _pow2_clamp(n_k, MIN_BLOCK, 64))
         return BwdConfig(bm1, bn1, bm2, bn2, 1, 1, 1, 1)
     wide = dtype == torch.float32
-    if block_d <= 64:  # bf16: each pass tuned alone on the H100 (dK/dV 64x64, dQ 128x64, 4 warps, TMA)
-        cfg = BwdConfig(32, 64, 64, 32, 4, 2, 4, 2) if wide else BwdConfig(64, 64, 128, 64, 4, 3, 4, 3)
+    if block_d <= 64:  # bf16: each pass tuned alone (dK/dV 64x64, 2 stages, early dP; dQ 128x64; TMA)
+        cfg = (
+            BwdConfig(32, 64, 64, 32, 4, 2, 4, 2)
+            if wide
+            else BwdConfig(64, 64, 128, 64, 4, 2, 4, 3, early_dp=True)
+        )
     elif block_d <= 128:
         cfg = BwdConfig(16, 64, 64, 16, 4, 2, 4, 1) if wide else BwdConfig(32, 64, 64, 64, 4, 3, 4, 2)
     else:
@@ -453,6 +460,7 @@ def _bwd_launch(
             heads, n_q, n_k, scale,
             BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
             USE_TMA=use_tma if cfg.tma1 is None else cfg.tma1 and tma_ok, EARLY_DP=cfg.early_dp, **common,
+            **({"maxnreg": cfg.maxnreg1} if cfg.maxnreg1 and not interpreting() else {}),
         )  # fmt: skip
     if "dq" in passes:
         side = cfg.streams and q4.is_cuda and "dkdv" in passes
