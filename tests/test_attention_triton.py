@@ -250,8 +250,10 @@ def test_gpu_memory_paths_and_variants(options, fused):
 @pytest.mark.parametrize(
     "bwd",
     [BwdConfig(128, 64, 128, 64, 4, 2, 4, 3), BwdConfig(128, 64, 128, 64, 4, 2, 4, 3, early_dp=True),
-     BwdConfig(64, 64, 128, 64, 4, 3, 4, 3, early_dp=True), BwdConfig(128, 128, 128, 64, 8, 2, 4, 3)],
-    ids=["bm1-128", "bm1-128-early-dp", "bm1-64-early-dp", "bn1-128"],
+     BwdConfig(64, 64, 128, 64, 4, 3, 4, 3, early_dp=True), BwdConfig(128, 128, 128, 64, 8, 2, 4, 3),
+     BwdConfig(64, 64, 128, 64, 4, 2, 8, 4, early_dp=True, maxnreg1=168),
+     BwdConfig(64, 64, 128, 64, 4, 2, 8, 4, early_dp=True, maxnreg1=168, streams=True)],
+    ids=["bm1-128", "bm1-128-early-dp", "bm1-64-early-dp", "bn1-128", "maxnreg-168", "maxnreg-168-streams"],
 )  # fmt: skip
 @pytest.mark.parametrize(("n", "is_causal"), [(1000, True), (1000, False), (4096, True), (333, True)])
 def test_gpu_backward_tile_candidates(bwd, n, is_causal):
