@@ -13,10 +13,11 @@
 # %% [markdown]
 # # 1.3.3 flash_leaderboard
 # The 2025 FlashAttention-2 leaderboard: forward plus backward of causal bf16 attention with 16 heads,
-# sequence length 16384 and head dim 64 on one H100, timed by the course's harness. Our own goal (not
-# the handout's) is at most 0.72x the time of PyTorch SDPA's FlashAttention-2 backend measured in the same run. We
-# report the protocol result, forward and backward throughput against the measured matmul peak, the
-# optimisation log (each kernel version's time) and where the remaining gap is.
+# sequence length 16384 and head dim 64 on one GPU (H100 in the first sessions, H200 in the last),
+# timed by the course's harness. Our own goal (not the handout's) is at most 0.72x the time of PyTorch
+# SDPA's FlashAttention-2 backend measured in the same run. We report every protocol run, forward and
+# backward throughput against the measured matmul peak, the optimisation log (each kernel version's
+# time), Nsight Compute profiles of the backward kernels, and the kernel used inside the 2.7B model.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when a GPU is present, else render the committed results
@@ -24,9 +25,16 @@ quick = False  # a tiny float32 version on the CPU (Triton interpreter); results
 rep_ms = 10000  # the protocol's do_bench repetition budget
 warmup_ms = 1000  # the protocol's do_bench warm-up budget
 target = 0.72  # goal: our time / SDPA-flash time
+model_size = "2.7B"  # the model of the end-to-end section (measured only with a GPU and not quick)
+model_contexts = [512, 1024, 2048]  # batch 4; context 4096 is measured at batch 2 (batch 4 OOMs for all)
 
 # %% tags=["remove-input"]
+import json
+
+import pandas as pd
+
 from cs336_systems.benchmarking import flash_bench as FB
+from cs336_systems.benchmarking import flash_model as FM
 from cs336_systems.benchmarking.results import load_results
 from cs336_systems.report import nb, save_figure, show_table
 
@@ -40,7 +48,12 @@ if nb.should_measure(measure, gpus=1, quick=quick):
             heads=2, seq_len=64, d=16, rep_ms=20, warmup_ms=5, dtype="float32", matmul_n=256, device="cpu"
         )
     FB.run_leaderboard(cfg, results_dir=results_dir)
+    if not quick:
+        FM.check_equivalence(model_size, [512, 1024], results_dir=results_dir)
+        FM.training_sweep(model_size, model_contexts, results_dir=results_dir)
+        FM.training_sweep(model_size, [4096], batch_size=2, results_dir=results_dir)
 df = load_results(FB.LEADERBOARD, results_dir)
+runs = FB.protocol_runs(df, target)
 protocol, split, variants, tuning = (
     FB.leaderboard_table(df),
     FB.split_table(df),
@@ -63,14 +76,21 @@ if nb.have_results(protocol, "flash_leaderboard"):
         protocol.drop(columns=["note"])
         if "note" in protocol and not protocol["note"].astype(bool).any()
         else protocol,
-        caption="Leaderboard protocol: forward + backward",
+        caption="Leaderboard protocol: forward + backward (the latest run)",
+        provenance_from=protocol.attrs["source"],
+    )
+if len(runs):
+    show_table(
+        runs,
+        caption="Every protocol run, oldest first (our tiles: the launcher's heuristic table or tuned in the same process)",
         provenance_from=df[df.name == "protocol"],
+        formats={"ours / sdpa_flash": "{:.3f}", "ours ms": "{:.3f}", "sdpa_flash ms": "{:.3f}", "sdpa_cudnn ms": "{:.3f}"},
     )
 if len(split):
     show_table(
         split,
         caption=f"Forward and backward alone at the protocol shape (measured matmul peak {split.attrs['peak']:.3g} TFLOP/s)",
-        provenance_from=df[df.name.isin(["split", "matmul_peak"])],
+        provenance_from=split.attrs["source"],
         formats={"of measured matmul peak": "{:.1%}"},
     )
 
@@ -86,42 +106,149 @@ if len(variants):
                provenance_from=df[df.name == "variant"])  # fmt: skip
 if len(tuning):
     show_table(tuning, caption="Fastest tile candidates per kernel, each pass timed alone",
-               provenance_from=df[df.name == "tuning"])  # fmt: skip
+               provenance_from=tuning.attrs["source"])  # fmt: skip
 if len(protocol):
     save_figure(FB.plot_leaderboard(protocol, variants, target), "flash_leaderboard__protocol_and_versions")
 
+# %% [markdown]
+# **Rounds on the H200** (`flash_bench --tune 64:bfloat16:16384 [--tune-small]`, each backward pass
+# timed alone). Round 1 tried dK/dV steps of 128 queries per 64-key tile (the shape that makes the dQ
+# pass efficient) and computing dP before the softmax recomputation ("early dP", so the dV product
+# overlaps the dS arithmetic); round 2 capped the dK/dV kernel's registers so that three 4-warp CTAs
+# fit on an SM (`maxnreg`), after the round-1 profile below showed early dP had pushed it to 193
+# registers and two CTAs. The last row pair times the whole backward with the dQ pass on one stream
+# or on a side stream.
+
+# %% tags=["remove-input"]
+h200 = df[(df.name == "tuning") & df.gpu_name.str.contains("H200") & df["mode"].isin(["dkdv", "bwd"])]
+if len(h200):
+    rounds = h200.assign(
+        config=[FB._short_config("dkdv", c) if m == "dkdv" else ("dQ on a side stream" if "streams=True" in c
+                else "dQ on the same stream") for m, c in zip(h200["mode"], h200.impl)],
+        round=h200.git_sha.map({sha: f"round {k + 1}" for k, sha in enumerate(h200.git_sha.unique())}),
+    )  # fmt: skip
+    show_table(
+        rounds[["round", "mode", "config", "p50"]].rename(columns={"mode": "pass", "p50": "median ms"})
+        .sort_values(["round", "pass", "median ms"]).reset_index(drop=True),
+        caption="dK/dV candidates and the whole backward on the H200, 16 x 16384 x 64, bf16, causal",
+        provenance_from=h200,
+        formats={"median ms": "{:.3f}"},
+    )
+
+# %% [markdown]
+# **Nsight Compute** (`ncu` around `flash_bench --once`, the committed text reports
+# `figures/data/flash_leaderboard__ncu_bwd_{round1,final}.txt`; ncu fixes the clocks, so its durations
+# are longer than the timings above). Round 1 is the early-dP dK/dV kernel before the register cap;
+# final is the shipped configuration.
+
+# %% tags=["remove-input"]
+ncu = {}
+for tag in ("round1", "final"):
+    path = nb.results_dir() / f"flash_leaderboard__ncu_bwd_{tag}.txt"
+    if path.exists():
+        t = FB.ncu_summary(path.read_text())
+        ncu[tag] = t.rename(columns=lambda k, tag=tag: f"{k.replace('flash_bwd_', '').replace('_kernel', '')} ({tag})")
+if ncu:
+    table = pd.concat(ncu.values(), axis=1)
+    show_table(table[[c for c in table.columns if "preprocess" not in c]],
+               caption="ncu metrics of the backward kernels (H200)")  # fmt: skip
+
 # %% tags=["remove-input"]
 if len(protocol) and not quick:
-    p = protocol.set_index("impl")
-    ours, flash, cudnn = (p.loc[i, "median ms"] for i in ("flash_triton", "sdpa_flash", "sdpa_cudnn"))
+    final = FB.final_runs(runs)
     s = split.set_index(["impl", "mode"])
     fwd_pct, bwd_pct = (
         s.loc[("flash_triton", "fwd"), "of measured matmul peak"],
         s.loc[("flash_triton", "bwd"), "of measured matmul peak"],
     )
-    cud_bwd = s.loc[("sdpa_cudnn", "bwd"), "median ms"]
-    our_bwd, our_bwd_tf = (
+    our_fwd, our_bwd, our_bwd_tf = (
+        s.loc[("flash_triton", "fwd"), "median ms"],
         s.loc[("flash_triton", "bwd"), "median ms"],
         s.loc[("flash_triton", "bwd"), "TFLOP/s"],
     )
+    cud_bwd = s.loc[("sdpa_cudnn", "bwd"), "median ms"]
     v = variants.set_index("version")
+    r = final["ours / sdpa_flash"]
+    met = int((r <= target).sum())
+    h100 = runs[runs.gpu.str.contains("H100")]["ours / sdpa_flash"].iloc[-1] if runs.gpu.str.contains("H100").any() else float("nan")
+    nk = ncu.get("final", pd.DataFrame()) if ncu else pd.DataFrame()
     nb.md(
-        f"**Answer.** Our Triton FlashAttention-2 takes **{ours:.2f} ms**, {ours / flash:.3f}x the "
-        f"{flash:.2f} ms of SDPA's FlashAttention-2 backend in the same run: faster than PyTorch's FA2, but "
-        f"**short of the {target:g}x goal** ({target * flash:.2f} ms). SDPA's cuDNN backend takes {cudnn:.2f} ms "
-        f"({cudnn / flash:.2f}x). Our forward runs at {fwd_pct:.0%} of the measured matmul peak, close to "
-        f"cuDNN's {s.loc[('sdpa_cudnn', 'fwd'), 'of measured matmul peak']:.0%}; the backward at {bwd_pct:.0%} "
+        f"**Answer.** With the final kernels our Triton FlashAttention-2 took {final['ours ms'].min():.2f} to "
+        f"{final['ours ms'].max():.2f} ms in {len(final)} full-protocol runs on the {final.gpu.iloc[-1]}, i.e. "
+        f"**{r.median():.3f}x** SDPA's FlashAttention-2 backend (median; best {r.min():.3f}x, worst {r.max():.3f}x; "
+        f"SDPA-flash {final['sdpa_flash ms'].median():.2f} ms). The {target:g}x goal was met in {met} of {len(final)} "
+        f"runs, so it is reached only at the edge of the run-to-run spread, not reliably. SDPA's cuDNN backend "
+        f"takes {final['sdpa_cudnn ms'].median():.2f} ms ({(final['sdpa_cudnn ms'] / final['sdpa_flash ms']).median():.2f}x). "
+        f"Our forward runs at {fwd_pct:.0%} of the measured matmul peak, like cuDNN's "
+        f"{s.loc[('sdpa_cudnn', 'fwd'), 'of measured matmul peak']:.0%}; the backward at {bwd_pct:.0%} "
         f"({our_bwd:.2f} ms against cuDNN's {cud_bwd:.2f} ms) is where the gap is. "
         f"The steps that paid: skipping causally masked tiles ({v.loc['v0_mask_all_tiles', 'fwd+bwd ms']:.1f} -> "
-        f"{v.loc['v1_skip_masked_tiles', 'fwd+bwd ms']:.1f} ms), masking only diagonal tiles "
-        f"(-> {v.loc['v2_split_diagonal', 'fwd+bwd ms']:.1f} ms) and tuning each backward pass on its own, which "
-        f"found 4-warp, 64-row tiles with TMA descriptors (-> {v.loc['v5_tuned_tiles', 'fwd+bwd ms']:.1f} ms). "
-        "Fusing both backward passes into one launch and a side stream for dQ did not help. The remaining gap "
-        "is structural: the two-pass backward without atomics issues 7 instead of 5 N^2 d matrix products "
-        f"(S and dP are recomputed for dQ); counted on the products it issues it already runs at "
-        f"{our_bwd_tf * 7 / 5:.0f} TFLOP/s. Reaching {target:g}x needs a backward of about "
-        f"{target * flash - s.loc[('flash_triton', 'fwd'), 'median ms']:.1f} ms with the forward as it is "
-        f"(against {our_bwd:.2f} ms now), i.e. a one-pass backward "
-        "with atomic fp32 dQ accumulation or FlashAttention-3-style warp-specialised pipelines. (The "
-        "final GPU session went to the full test grid, the sweep and this protocol, so no ncu profile was taken.)"
+        f"{v.loc['v1_skip_masked_tiles', 'fwd+bwd ms']:.1f} ms on the H100), masking only diagonal tiles "
+        f"(-> {v.loc['v2_split_diagonal', 'fwd+bwd ms']:.1f} ms), tuning each backward pass on its own "
+        f"(-> {v.loc['v5_tuned_tiles', 'fwd+bwd ms']:.1f} ms; the H100 sessions ended at {h100:.3f}x), "
+        "and on the H200 the early-dP order with a register cap that keeps three dK/dV CTAs per SM (tables above). "
+        "Fusing both backward passes into one launch, 128-query dK/dV steps and 8-warp dK/dV tiles did not help; "
+        "the dQ side stream is within the noise. "
+        + (
+            f"The profile says what limits the dK/dV pass: with the cap it spills "
+            f"({nk.loc['Local Memory Spilling Requests', 'dkdv (final)']} local-memory requests) yet runs faster, "
+            f"because only {nk.loc['Achieved Active Warps Per SM (warp)', 'dkdv (final)']} warps per SM are active "
+            f"and each scheduler has {nk.loc['Eligible Warps Per Scheduler (warp)', 'dkdv (final)']} eligible warps per "
+            f"cycle: Triton waits for every wgmma right after issuing it, so tensor-core work overlaps softmax "
+            f"arithmetic only across CTAs, and more CTAs is the only lever. The dQ kernel, with 128-row tiles, keeps its "
+            f"tensor pipe {nk.loc['busiest pipeline', 'dq (final)'].split()[-1]} busy against "
+            f"{nk.loc['busiest pipeline', 'dkdv (final)'].split()[-1]} for dK/dV. "
+            if "dkdv (final)" in nk.columns and "dq (final)" in nk.columns else ""
+        )
+        + f"The two-pass backward also issues 7 instead of 5 N^2 d products (S and dP are recomputed for dQ); "
+        f"counted on the products it issues it runs at {our_bwd_tf * 7 / 5:.0f} TFLOP/s. Going further needs what "
+        "Triton does not expose on Hopper: deferred wgmma waits or warp-specialised producer/consumer pipelines "
+        "(FlashAttention-3), or a one-pass backward with atomic fp32 dQ."
+    )
+
+# %% [markdown]
+# ## Our kernel in the model
+# The model's attention switches to our kernel with `attention_impl="flash_triton"` (or
+# `model.set_attention("flash_triton")`). `python -m cs336_systems.benchmarking.flash_model` first checks,
+# on one 2.7B model and one batch, that the logits and every parameter's gradient with our kernel and with
+# SDPA match the naive T x T attention (float32 with full-precision matmuls, and bf16 autocast), then
+# times full training steps (forward, backward, AdamW; bf16 autocast, batch 4, 3 warm-up + 5 timed steps)
+# for naive attention, SDPA and our kernel.
+
+# %% tags=["remove-input"]
+e2e = load_results(FM.PROBLEM, results_dir)
+checks, speed = FM.check_table(e2e), FM.speedup_table(e2e)
+if len(checks):
+    show_table(checks.reset_index(), caption="Model outputs and gradients against naive attention (2.7B, batch 2)",
+               provenance_from=e2e[e2e["mode"] == "check"],
+               formats={m: "{:.1e}" for m in FM.CHECK_METRICS})  # fmt: skip
+if len(speed):
+    show_table(speed.reset_index(), caption="2.7B training step, bf16 autocast (OOM: out of memory on the GPU)",
+               provenance_from=e2e[e2e["mode"] == "train"])  # fmt: skip
+    save_figure(FM.plot_training(e2e), "flash_leaderboard__model_training")
+
+# %% tags=["remove-input"]
+if len(speed) and len(checks) and not quick:
+    tr = e2e[(e2e["mode"] == "train") & (e2e.metric == "step_time")]
+    ms = tr[tr.note.fillna("") == ""].pivot_table(index="x_value", columns="impl", values="mean", aggfunc="last")
+    bs = {int(c): json.loads(cj)["batch_size"] for c, cj in zip(tr.x_value, tr.config_json)}
+    fails = e2e[(e2e["mode"] == "train") & (e2e.impl == "naive") & e2e.note.str.startswith("OOM")]
+    ooms = sorted({int(c) for c in fails.x_value})
+    bs |= {int(c): json.loads(cj)["batch_size"] for c, cj in zip(fails.x_value, fails.config_json)}
+    both = ms.dropna(subset=["naive", "flash_triton"])
+    err = lambda dtype, impl: checks.xs((dtype, impl), level=("dtype", "impl"))["max_grad_rel_err"].max()
+    nb.md(
+        f"**Answer.** All checks pass: in float32 the largest relative gradient error of our kernel against "
+        f"naive attention is {err('fp32', 'flash_triton'):.1e} (SDPA's {err('fp32', 'sdpa'):.1e}), "
+        f"in bf16 autocast {err('bf16-autocast', 'flash_triton'):.1e} (SDPA's {err('bf16-autocast', 'sdpa'):.1e}), "
+        "from rounding to bf16. In training, our kernel against naive attention: "
+        + ", ".join(f"{both.loc[c, 'naive'] / both.loc[c, 'flash_triton']:.2f}x faster at context {c}" for c in both.index)
+        + f"; naive attention runs out of memory from context {ooms[0] if ooms else 'n/a'} "
+        f"(batch {bs.get(ooms[0], '?') if ooms else '?'}), while ours (and SDPA) still run there. Against SDPA "
+        "(which dispatches to its own FlashAttention-2 kernel for bf16) ours is "
+        + ", ".join(f"{ms.loc[c, 'flash_triton'] / ms.loc[c, 'sdpa']:.2f}x the step time at {c}"
+                    for c in ms.index if pd.notna(ms.loc[c].get("sdpa")) and pd.notna(ms.loc[c].get("flash_triton")))
+        + ": the 2.7B model's head dimension is 80, which our kernels pad to 128 (tl.arange needs powers of two), "
+        "so their QK^T and PV products do 1.6x the work SDPA's do, and its tiles were tuned for d = 64. Peak memory "
+        "is the same as SDPA's: both keep O(N) state per head instead of the T x T scores."
     )

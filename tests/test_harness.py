@@ -126,3 +126,19 @@ def test_model_flops_per_token():
     expected = L * (2 * (4 * d * d + 3 * d * f) + 4 * 128 * d) + 2 * d * V
     assert cfg.matmul_flops_per_token() == expected
     assert isinstance(pd.DataFrame([make_row(problem="x", metric="m", unit="u", value=1)]), pd.DataFrame)
+
+
+def test_git_sha_prefers_the_launchers_statement(monkeypatch):
+    """On a device host the tree's copy may carry a stale .git: CS336_GIT_SHA (set by whoever sent
+    the tree) must win over `git rev-parse` there."""
+    from cs336_systems.benchmarking import results
+
+    results._git_sha.cache_clear()
+    monkeypatch.setenv("CS336_GIT_SHA", "abc1234567")
+    try:
+        assert results._git_sha() == "abc1234567"
+        monkeypatch.delenv("CS336_GIT_SHA")
+        results._git_sha.cache_clear()
+        assert results._git_sha() not in ("abc1234567", "")
+    finally:
+        results._git_sha.cache_clear()

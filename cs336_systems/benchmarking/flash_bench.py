@@ -807,6 +807,41 @@ def leaderboard_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame:
+    """Every protocol run (ours and the SDPA baselines of the same process), oldest first: GPU, the
+    commit measured, do_bench budget, our tiles, and our median against SDPA-flash's."""
+    lb = df[(df.name == "protocol") & (df.metric == "latency")].copy()
+    if lb.empty:
+        return pd.DataFrame()
+    lb["run"] = (lb.impl == "flash_triton").cumsum()  # rows are appended in run order, ours first
+    runs = []
+    for _, g in lb.groupby("run"):
+        ms = g.set_index("impl").p50
+        cfg = json.loads(g.config_json.iloc[0])
+        tiles = cfg.get("tiles_bwd", "")
+        runs.append({
+            "gpu": g.gpu_name.iloc[0].replace("NVIDIA ", ""), "git sha": g.git_sha.iloc[0],
+            "time (UTC)": str(g.timestamp.iloc[0])[:16].replace("T", " "),
+            "do_bench rep/warmup ms": f"{cfg.get('rep_ms', math.nan):g}/{cfg.get('warmup_ms', math.nan):g}",
+            "our tiles": cfg.get("tiles_source", "heuristic (not recorded)")
+            + (", <=168 regs" if "maxnreg1=168" in tiles else "") + (", dQ side stream" if "streams=True" in tiles else ""),
+            "ours ms": ms.get("flash_triton", math.nan), "sdpa_flash ms": ms.get("sdpa_flash", math.nan),
+            "sdpa_cudnn ms": ms.get("sdpa_cudnn", math.nan),
+        })  # fmt: skip
+    out = pd.DataFrame(runs)
+    out["ours / sdpa_flash"] = out["ours ms"] / out["sdpa_flash ms"]
+    if target is not None:
+        out["<= target"] = out["ours / sdpa_flash"] <= target
+    return out
+
+
+def final_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """The full-protocol runs of the final kernels (the register-capped dK/dV tiles)."""
+    if runs.empty:
+        return runs
+    return runs[runs["our tiles"].str.contains("<=168 regs") & (runs["do_bench rep/warmup ms"] == "10000/1000")]
+
+
 def split_table(df: pd.DataFrame) -> pd.DataFrame:
     """Forward-only and backward-only TFLOP/s at the protocol shape, against the measured matmul peak."""
     sp = latest_run(df[df.name == "split"], keys=("name", "impl", "mode", "metric"))
@@ -868,6 +903,7 @@ def tuning_table(df: pd.DataFrame, top: int = 3) -> pd.DataFrame:
     tun = tun[tun.p50.notna() & tun["mode"].isin(["fwd", "dkdv", "dq"])]
     if tun.empty:
         return pd.DataFrame()
+    tun = tun[tun.gpu_name == tun.gpu_name.iloc[-1]]  # timings of one GPU only (the latest tuned)
     best = tun.sort_values("p50").groupby("mode", sort=False).head(top)
     out = pd.DataFrame({
         "kernel": best["mode"].values,
@@ -876,6 +912,37 @@ def tuning_table(df: pd.DataFrame, top: int = 3) -> pd.DataFrame:
     })  # fmt: skip
     out.attrs["source"] = best
     return out
+
+
+NCU_METRICS = (
+    "Duration", "SM Frequency", "Registers Per Thread", "Local Memory Spilling Requests", "Block Limit Registers",
+    "Achieved Active Warps Per SM", "Eligible Warps Per Scheduler", "Issue Slots Busy", "Compute (SM) Throughput",
+)  # fmt: skip
+
+
+def ncu_summary(text: str) -> pd.DataFrame:
+    """Selected metrics per kernel from an `ncu` text report (the committed *__ncu_*.txt files), plus
+    the pipeline ncu names as the most utilised one and its utilisation."""
+    kernels: dict[str, dict[str, str]] = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^\s{2}(\w+_kernel) \(", line)
+        if head:
+            current = kernels.setdefault(head.group(1), {})
+            continue
+        if current is None:
+            continue
+        m = re.match(r"^\s{4}(\S.*?\S)\s{2,}(?:(\S+)\s+)?([\d,.]+)\s*$", line)
+        if m and m.group(1) in NCU_METRICS:
+            name, unit, value = m.group(1), m.group(2), m.group(3)
+            if name == "Duration" and unit in ("us", "ns"):  # one unit for every kernel
+                value = f"{float(value.replace(',', '')) / (1e3 if unit == 'us' else 1e6):.3f}"
+                unit = "ms"
+            current[name + (f" ({unit})" if unit else "")] = value
+        pipe = re.search(r"(\w+) is the highest-utilized pipeline \(([\d.]+)%\)", line)
+        if pipe:
+            current["busiest pipeline"] = f"{pipe.group(1)} {pipe.group(2)}%"
+    return pd.DataFrame(kernels)
 
 
 def plot_leaderboard(protocol: pd.DataFrame, variants: pd.DataFrame, target: float = 0.72):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -155,7 +156,8 @@ def speedup_table(df: pd.DataFrame, ours: str = "flash_triton") -> pd.DataFrame:
         return t
     val = t.assign(v=t["mean"].where(t["note"].fillna("") == "", float("nan")))
     wide = val.pivot_table(index="x_value", columns=["metric", "impl"], values="v", aggfunc="last")
-    notes = t[t["note"].fillna("") != ""].groupby(["x_value", "impl"])["note"].first()
+    failed = df[(df["mode"] == "train") & (df["note"].fillna("") != "")]  # OOM rows name the phases
+    notes = failed.groupby(["x_value", "impl"])["note"].first()
     out = pd.DataFrame(index=wide.index)
     out.index.name = "context"
     for impl in [i for i in IMPLS if ("step_time", i) in wide.columns]:
@@ -187,12 +189,44 @@ def check_table(df: pd.DataFrame) -> pd.DataFrame:
         return t
     wide = t.pivot_table(index=["x_value", "dtype", "impl"], columns="metric", values="mean", aggfunc="last")
     cfg = t.groupby(["x_value", "dtype", "impl"])["config_json"].last()
-    import json
-
     wide["tolerance"] = [json.loads(c).get("tolerance") for c in cfg.reindex(wide.index)]
     wide["passed"] = [json.loads(c).get("passed") for c in cfg.reindex(wide.index)]
     wide.index.names = ["context", "dtype", "impl"]
     return wide[[*CHECK_METRICS, "tolerance", "passed"]]
+
+
+def plot_training(df: pd.DataFrame):
+    """Training-step time and peak memory against context length, one line per implementation; a
+    configuration that ran out of memory is marked on the axis floor."""
+    import matplotlib.pyplot as plt
+
+    t = df[(df["mode"] == "train") & df["metric"].isin(["step_time", "peak_memory"])]
+    batch = {int(x): json.loads(c)["batch_size"] for x, c in zip(t.x_value, t.config_json)}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, metric, label in zip(axes, ("step_time", "peak_memory"), ("step time (ms)", "peak memory (GiB)")):
+        m = t[t.metric == metric]
+        ran = t[(t.metric == "step_time") & (t.note.fillna("") == "")]
+        for k, impl in enumerate(IMPLS):
+            g = m[(m.impl == impl) & (m.note.fillna("") == "")].sort_values("x_value")
+            style = {"linestyle": "--", "linewidth": 2.5} if impl == "sdpa" else {}  # visible under ours
+            line = ax.plot(g.x_value, g["mean"], marker="o", label=impl, zorder=3 - k, **style)[0]
+            # contexts where this implementation never ran (out of memory at every batch tried)
+            tr = df[(df["mode"] == "train") & (df.impl == impl)]
+            failed = set(tr[tr.note.fillna("").str.startswith("OOM")].x_value)
+            xs = sorted(failed - set(ran[ran.impl == impl].x_value))
+            if xs:
+                ax.scatter(xs, [0] * len(xs), marker="x", s=60, color=line.get_color(), clip_on=False, zorder=4)
+        ax.set_xscale("log", base=2)
+        xs = sorted(batch)
+        ax.set_xticks(xs, [f"{x}\n(batch {batch[x]})" for x in xs])
+        ax.set_xlabel("context length")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+    axes[0].legend(frameon=False)
+    axes[1].text(0.02, 0.05, "x on the axis: out of memory", transform=axes[1].transAxes, fontsize=8)
+    fig.suptitle("2.7B training step (bf16 autocast)")
+    fig.tight_layout()
+    return fig
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -49,6 +49,10 @@ def results_path(problem: str, results_dir_: str | os.PathLike | None = None) ->
 
 @functools.cache
 def _git_sha() -> str:
+    """The commit measured. CS336_GIT_SHA, when set, wins: a launcher that ships a copy of the tree
+    to another host says which commit it sent (the copy's own .git may be stale there)."""
+    if os.environ.get("CS336_GIT_SHA"):
+        return os.environ["CS336_GIT_SHA"]
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "--short=10", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
