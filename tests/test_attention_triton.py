@@ -252,8 +252,11 @@ def test_gpu_memory_paths_and_variants(options, fused):
     [BwdConfig(128, 64, 128, 64, 4, 2, 4, 3), BwdConfig(128, 64, 128, 64, 4, 2, 4, 3, early_dp=True),
      BwdConfig(64, 64, 128, 64, 4, 3, 4, 3, early_dp=True), BwdConfig(128, 128, 128, 64, 8, 2, 4, 3),
      BwdConfig(64, 64, 128, 64, 4, 2, 8, 4, early_dp=True, maxnreg1=168),
-     BwdConfig(64, 64, 128, 64, 4, 2, 8, 4, early_dp=True, maxnreg1=168, streams=True)],
-    ids=["bm1-128", "bm1-128-early-dp", "bm1-64-early-dp", "bn1-128", "maxnreg-168", "maxnreg-168-streams"],
+     BwdConfig(64, 64, 128, 64, 4, 2, 8, 4, early_dp=True, maxnreg1=168, streams=True),
+     BwdConfig(32, 64, 128, 64, 4, 3, 8, 4, early_dp=True, maxnreg1=128),
+     BwdConfig(32, 64, 128, 64, 4, 2, 8, 4, early_dp=True, maxnreg1=128, streams=True)],
+    ids=["bm1-128", "bm1-128-early-dp", "bm1-64-early-dp", "bn1-128", "maxnreg-168", "maxnreg-168-streams",
+         "bm1-32-maxnreg-128", "bm1-32-maxnreg-128-streams"],
 )  # fmt: skip
 @pytest.mark.parametrize(("n", "is_causal"), [(1000, True), (1000, False), (4096, True), (333, True)])
 def test_gpu_backward_tile_candidates(bwd, n, is_causal):

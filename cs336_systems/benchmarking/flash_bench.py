@@ -529,17 +529,20 @@ DKDV_CANDIDATES = [
     (128, 128, 8, 2, True),
     (32, 128, 8, 3, False),
 ]  # (block_m1, block_n1, warps, stages, early_dp)
-# Second round (after the first on the H200): register caps that keep three CTAs per SM.
+# Later rounds on the H200 (--tune-small). Round 2 (git 0a93eb849e) timed register caps that keep
+# three CTAs per SM: (64, 64, 4, 2|3, True, None|168|160), (64, 64, 4, 3|2, False, None|160); dQ
+# (128, 64, 4|8, 3|4); forward (128, 64, 8, 3|2). Round 3: 32-query steps, whose smaller S/dP tiles
+# fit four CTAs per SM under a 128-register cap, against round 2's winner.
 DKDV_CANDIDATES_SMALL = [
-    (64, 64, 4, 2, True, None),
     (64, 64, 4, 2, True, 168),
-    (64, 64, 4, 2, True, 160),
-    (64, 64, 4, 3, True, 168),
-    (64, 64, 4, 3, False, None),
-    (64, 64, 4, 2, False, 160),
+    (32, 64, 4, 3, True, 128),
+    (32, 64, 4, 2, True, 128),
+    (32, 64, 4, 4, True, 128),
+    (32, 64, 4, 3, True, None),
+    (64, 64, 4, 2, True, 128),
 ]  # (block_m1, block_n1, warps, stages, early_dp, maxnreg)
-DQ_CANDIDATES_SMALL = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4)]
-FWD_CANDIDATES_SMALL = [(128, 64, 8, 3), (128, 64, 8, 2)]
+DQ_CANDIDATES_SMALL = [(128, 64, 8, 4)]
+FWD_CANDIDATES_SMALL = [(128, 64, 8, 3)]
 DQ_CANDIDATES = [
     (128, 64, 4, 3),
     (128, 64, 4, 2),
@@ -1041,7 +1044,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--tune", type=str, default="", help="time tile candidates: 'd:dtype:N,...' e.g. 64:bfloat16:16384"
     )
-    p.add_argument("--tune-small", action="store_true", help="--tune over the short second-round lists")
+    p.add_argument("--tune-small", action="store_true", help="--tune over the short later-round lists")
+    p.add_argument("--lb-runs", type=int, default=1, help="how many times to run the leaderboard protocol")
     p.add_argument(
         "--once", action="store_true",
         help="one forward+backward at the leaderboard shape with the current tiles, nothing timed or saved "
@@ -1066,9 +1070,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.variants:
         run_variants(LeaderboardConfig(device=args.device))
     if args.leaderboard:
-        run_leaderboard(
-            LeaderboardConfig(rep_ms=args.lb_rep_ms, warmup_ms=args.lb_warmup_ms, device=args.device)
-        )
+        for i in range(args.lb_runs):  # repeated runs show the run-to-run spread; the split once, last
+            run_leaderboard(
+                LeaderboardConfig(rep_ms=args.lb_rep_ms, warmup_ms=args.lb_warmup_ms, device=args.device),
+                split=i == args.lb_runs - 1,
+            )
     if args.sweep or args.quick or not (args.leaderboard or args.variants or args.tune):
         if args.quick:
             cfg = quick_config(args.device)
