@@ -60,8 +60,8 @@ mid_d = 64 if 64 in set(df.d) else big_d
 # attention (T x T scores materialised, causal `torch.where` mask); SDPA is pinned to one backend
 # with `sdpa_kernel`, and a backend that rejects an input is shown as *unsupported*. The PyTorch tile
 # loop issues O((N/128)^2) small steps from Python, so it is measured at d = 64 and N <= 4096 only
-# (*skipped* beyond). Triton tiles come from the launcher's heuristic table (tuned on the H100 at the
-# leaderboard shape; see 11_flash_leaderboard).
+# (*skipped* beyond). Triton tiles come from the launcher's heuristic table as it was when the sweep ran
+# on the H100 (the bf16 d <= 64 backward row was re-tuned later on an H200; see 11_flash_leaderboard).
 
 # %% tags=["remove-input"]
 for dtype in [t for t in dtypes if t in set(df.dtype)]:

@@ -116,8 +116,8 @@ if len(protocol):
 # pass efficient) and computing dP before the softmax recomputation ("early dP", so the dV product
 # overlaps the dS arithmetic); round 2 capped the dK/dV kernel's registers so that three 4-warp CTAs
 # fit on an SM (`maxnreg`), after the round-1 profile below showed early dP had pushed it to 193
-# registers and two CTAs. The last row pair times the whole backward with the dQ pass on one stream
-# or on a side stream.
+# registers and two CTAs; round 3 tried 32-query steps under a 128-register cap (four CTAs per SM).
+# The `bwd` rows time the whole backward with the dQ pass on one stream or on a side stream.
 
 # %% tags=["remove-input"]
 h200 = df[(df.name == "tuning") & df.gpu_name.str.contains("H200") & df["mode"].isin(["dkdv", "bwd"])]
