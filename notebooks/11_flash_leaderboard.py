@@ -150,7 +150,7 @@ for tag in ("round1", "final"):
         ncu[tag] = t.rename(columns=lambda k, tag=tag: f"{k.replace('flash_bwd_', '').replace('_kernel', '')} ({tag})")
 if ncu:
     table = pd.concat(ncu.values(), axis=1)
-    show_table(table[[c for c in table.columns if "preprocess" not in c]],
+    show_table(table[[c for c in table.columns if "preprocess" not in c]].rename_axis("metric").reset_index(),
                caption="ncu metrics of the backward kernels (H200)")  # fmt: skip
 
 # %% tags=["remove-input"]
