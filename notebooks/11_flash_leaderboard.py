@@ -84,7 +84,12 @@ if len(runs):
         runs,
         caption="Every protocol run, oldest first (our tiles: the launcher's heuristic table or tuned in the same process)",
         provenance_from=df[df.name == "protocol"],
-        formats={"ours / sdpa_flash": "{:.3f}", "ours ms": "{:.3f}", "sdpa_flash ms": "{:.3f}", "sdpa_cudnn ms": "{:.3f}"},
+        formats={
+            "ours / sdpa_flash": "{:.3f}",
+            "ours ms": "{:.3f}",
+            "sdpa_flash ms": "{:.3f}",
+            "sdpa_cudnn ms": "{:.3f}",
+        },
     )
 if len(split):
     show_table(
@@ -128,8 +133,10 @@ if len(h200):
         round=h200.git_sha.map({sha: f"round {k + 1}" for k, sha in enumerate(h200.git_sha.unique())}),
     )  # fmt: skip
     show_table(
-        rounds[["round", "mode", "config", "p50"]].rename(columns={"mode": "pass", "p50": "median ms"})
-        .sort_values(["round", "pass", "median ms"]).reset_index(drop=True),
+        rounds[["round", "mode", "config", "p50"]]
+        .rename(columns={"mode": "pass", "p50": "median ms"})
+        .sort_values(["round", "pass", "median ms"])
+        .reset_index(drop=True),
         caption="dK/dV candidates and the whole backward on the H200, 16 x 16384 x 64, bf16, causal",
         provenance_from=h200,
         formats={"median ms": "{:.3f}"},
@@ -147,7 +154,9 @@ for tag in ("round1", "final"):
     path = nb.results_dir() / f"flash_leaderboard__ncu_bwd_{tag}.txt"
     if path.exists():
         t = FB.ncu_summary(path.read_text())
-        ncu[tag] = t.rename(columns=lambda k, tag=tag: f"{k.replace('flash_bwd_', '').replace('_kernel', '')} ({tag})")
+        ncu[tag] = t.rename(
+            columns=lambda k, tag=tag: f"{k.replace('flash_bwd_', '').replace('_kernel', '')} ({tag})"
+        )
 if ncu:
     table = pd.concat(ncu.values(), axis=1)
     show_table(table[[c for c in table.columns if "preprocess" not in c]].rename_axis("metric").reset_index(),
@@ -170,7 +179,11 @@ if len(protocol) and not quick:
     v = variants.set_index("version")
     r = final["ours / sdpa_flash"]
     met = int((r <= target).sum())
-    h100 = runs[runs.gpu.str.contains("H100")]["ours / sdpa_flash"].iloc[-1] if runs.gpu.str.contains("H100").any() else float("nan")
+    h100 = (
+        runs[runs.gpu.str.contains("H100")]["ours / sdpa_flash"].iloc[-1]
+        if runs.gpu.str.contains("H100").any()
+        else float("nan")
+    )
     nk = ncu.get("final", pd.DataFrame()) if ncu else pd.DataFrame()
     nb.md(
         f"**Answer.** With the final kernels our Triton FlashAttention-2 took {final['ours ms'].min():.2f} to "
@@ -198,7 +211,8 @@ if len(protocol) and not quick:
             f"arithmetic only across CTAs, and more CTAs is the only lever. The dQ kernel, with 128-row tiles, keeps its "
             f"tensor pipe {nk.loc['busiest pipeline', 'dq (final)'].split()[-1]} busy against "
             f"{nk.loc['busiest pipeline', 'dkdv (final)'].split()[-1]} for dK/dV. "
-            if "dkdv (final)" in nk.columns and "dq (final)" in nk.columns else ""
+            if "dkdv (final)" in nk.columns and "dq (final)" in nk.columns
+            else ""
         )
         + f"The two-pass backward also issues 7 instead of 5 N^2 d products (S and dP are recomputed for dQ); "
         f"counted on the products it issues it runs at {our_bwd_tf * 7 / 5:.0f} TFLOP/s. Going further needs what "
@@ -230,7 +244,9 @@ if len(speed):
 # %% tags=["remove-input"]
 if len(speed) and len(checks) and not quick:
     tr = e2e[(e2e["mode"] == "train") & (e2e.metric == "step_time")]
-    ms = tr[tr.note.fillna("") == ""].pivot_table(index="x_value", columns="impl", values="mean", aggfunc="last")
+    ms = tr[tr.note.fillna("") == ""].pivot_table(
+        index="x_value", columns="impl", values="mean", aggfunc="last"
+    )
     bs = {int(c): json.loads(cj)["batch_size"] for c, cj in zip(tr.x_value, tr.config_json)}
     fails = e2e[(e2e["mode"] == "train") & (e2e.impl == "naive") & e2e.note.str.startswith("OOM")]
     ooms = sorted({int(c) for c in fails.x_value})
@@ -242,12 +258,18 @@ if len(speed) and len(checks) and not quick:
         f"naive attention is {err('fp32', 'flash_triton'):.1e} (SDPA's {err('fp32', 'sdpa'):.1e}), "
         f"in bf16 autocast {err('bf16-autocast', 'flash_triton'):.1e} (SDPA's {err('bf16-autocast', 'sdpa'):.1e}), "
         "from rounding to bf16. In training, our kernel against naive attention: "
-        + ", ".join(f"{both.loc[c, 'naive'] / both.loc[c, 'flash_triton']:.2f}x faster at context {c}" for c in both.index)
+        + ", ".join(
+            f"{both.loc[c, 'naive'] / both.loc[c, 'flash_triton']:.2f}x faster at context {c}"
+            for c in both.index
+        )
         + f"; naive attention runs out of memory from context {ooms[0] if ooms else 'n/a'} "
         f"(batch {bs.get(ooms[0], '?') if ooms else '?'}), while ours (and SDPA) still run there. Against SDPA "
         "(which dispatches to its own FlashAttention-2 kernel for bf16) ours is "
-        + ", ".join(f"{ms.loc[c, 'flash_triton'] / ms.loc[c, 'sdpa']:.2f}x the step time at {c}"
-                    for c in ms.index if pd.notna(ms.loc[c].get("sdpa")) and pd.notna(ms.loc[c].get("flash_triton")))
+        + ", ".join(
+            f"{ms.loc[c, 'flash_triton'] / ms.loc[c, 'sdpa']:.2f}x the step time at {c}"
+            for c in ms.index
+            if pd.notna(ms.loc[c].get("sdpa")) and pd.notna(ms.loc[c].get("flash_triton"))
+        )
         + ": the 2.7B model's head dimension is 80, which our kernels pad to 128 (tl.arange needs powers of two), "
         "so their QK^T and PV products do 1.6x the work SDPA's do, and its tiles were tuned for d = 64. Peak memory "
         "is the same as SDPA's: both keep O(N) state per head instead of the T x T scores."

@@ -37,7 +37,9 @@ def get_ddp_individual_parameters(module: torch.nn.Module) -> torch.nn.Module:
     return DDPIndividualParameters(module)
 
 
-def ddp_individual_parameters_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def ddp_individual_parameters_on_after_backward(
+    ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     ddp_model.finish_gradient_synchronization()
 
 
@@ -65,7 +67,9 @@ def ddp_bucketed_on_train_batch_start(ddp_model: torch.nn.Module, optimizer: tor
 # --- Optimizer-state sharding (both years) -----------------------------------------------------------
 
 
-def get_sharded_optimizer(params, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
+def get_sharded_optimizer(
+    params, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+) -> torch.optim.Optimizer:
     from cs336_systems.distributed import ShardedOptimizer
 
     return ShardedOptimizer(params, optimizer_cls, **kwargs)

@@ -35,8 +35,6 @@ STRATEGIES = [
 ]
 
 
-
-
 def _loss_and_grads(runner=None, group=None):
     torch.manual_seed(0)
     model = BasicsTransformerLM.from_config(CFG)

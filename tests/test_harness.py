@@ -46,7 +46,11 @@ def test_rows_round_trip_with_provenance(tmp_path):
     df = load_results("demo", tmp_path)
     assert len(df) == 3
     ok = df.iloc[0]
-    assert ok["mean"] == 2.0 and json.loads(ok["samples"]) == [1.0, 3.0] and json.loads(ok["config_json"]) == {"a": 1}
+    assert (
+        ok["mean"] == 2.0
+        and json.loads(ok["samples"]) == [1.0, 3.0]
+        and json.loads(ok["config_json"]) == {"a": 1}
+    )
     for col in ("gpu_name", "torch_version", "git_sha", "timestamp"):
         assert isinstance(ok[col], str) and ok[col]
     assert df.iloc[1]["note"] == "OOM" and math.isnan(df.iloc[1]["mean"])

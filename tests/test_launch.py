@@ -24,9 +24,14 @@ class FakeTorchrun:
 
 @pytest.mark.parametrize(
     ("crash_on", "message", "expected_note"),
-    [(["b"], "CUDA out of memory", "OOM"), (["a", "c"], "RuntimeError: boom\ntrace", "error: torchrun m failed:")],
+    [
+        (["b"], "CUDA out of memory", "OOM"),
+        (["a", "c"], "RuntimeError: boom\ntrace", "error: torchrun m failed:"),
+    ],
 )
-def test_run_variants_records_each_crash_and_relaunches_the_rest(monkeypatch, crash_on, message, expected_note):
+def test_run_variants_records_each_crash_and_relaunches_the_rest(
+    monkeypatch, crash_on, message, expected_note
+):
     fake = FakeTorchrun(crash_on, message)
     monkeypatch.setattr(launch, "run_torchrun", fake)
     recorded = []

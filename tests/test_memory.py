@@ -20,8 +20,6 @@ BLOCK = {"filename": "/repo/cs336_systems/model/transformer.py", "line": 44, "na
 CALL = {"filename": "/venv/lib/torch/nn/modules/module.py", "line": 1782, "name": "_call_impl"}
 
 
-
-
 def _marker(phase: str, addr: int) -> list[dict]:
     frames = [
         {

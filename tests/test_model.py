@@ -100,7 +100,9 @@ def test_attention_implementations_agree_with_naive(impl):
 def test_naive_attention_matches_torch_sdpa():
     q, k, v = torch.randn(3, 2, 4, 9, 16).unbind(0)
     out = scaled_dot_product_attention(q, k, v, causal_mask(9, 9))
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_linear_and_rmsnorm():
@@ -154,7 +156,9 @@ def test_adamw_matches_hand_computed_update(decay_first):
     p0 = torch.randn(5, 3, dtype=torch.float64)
     grads = [torch.randn(5, 3, dtype=torch.float64) for _ in range(4)]
     param = torch.nn.Parameter(p0.clone())
-    opt = AdamW([param], lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, decay_before_update=decay_first)
+    opt = AdamW(
+        [param], lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, decay_before_update=decay_first
+    )
     for g in grads:
         param.grad = g.clone()
         opt.step()
@@ -188,7 +192,9 @@ def test_adamw_rejects_bad_hyperparameters():
 def test_cross_entropy_matches_torch():
     logits = torch.randn(3, 7, 11) * 5
     targets = torch.randint(0, 11, (3, 7))
-    torch.testing.assert_close(cross_entropy(logits, targets), F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1)))
+    torch.testing.assert_close(
+        cross_entropy(logits, targets), F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+    )
     big = torch.tensor([[1000.0, 0.0, -1000.0]])
     assert torch.isfinite(cross_entropy(big, torch.tensor([2])))
     with pytest.raises(ValueError, match="do not match"):

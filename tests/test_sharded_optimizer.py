@@ -41,7 +41,9 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x, y) -> Non
 def _assert_same_params(ref: nn.Module, sharded: nn.Module) -> None:
     for (name, p_ref), (name_s, p_s) in zip(ref.named_parameters(), sharded.named_parameters(), strict=True):
         assert name == name_s
-        np.testing.assert_allclose(p_s.detach().cpu().numpy(), p_ref.detach().cpu().numpy(), err_msg=name)  # rtol 1e-7
+        np.testing.assert_allclose(
+            p_s.detach().cpu().numpy(), p_ref.detach().cpu().numpy(), err_msg=name
+        )  # rtol 1e-7
         assert torch.equal(p_s, p_ref), f"{name} differs in the last bits"
 
 

@@ -842,7 +842,9 @@ def final_runs(runs: pd.DataFrame) -> pd.DataFrame:
     """The full-protocol runs of the final kernels (the register-capped dK/dV tiles)."""
     if runs.empty:
         return runs
-    return runs[runs["our tiles"].str.contains("<=168 regs") & (runs["do_bench rep/warmup ms"] == "10000/1000")]
+    return runs[
+        runs["our tiles"].str.contains("<=168 regs") & (runs["do_bench rep/warmup ms"] == "10000/1000")
+    ]
 
 
 def split_table(df: pd.DataFrame) -> pd.DataFrame:

@@ -215,7 +215,9 @@ def plot_training(df: pd.DataFrame):
             failed = set(tr[tr.note.fillna("").str.startswith("OOM")].x_value)
             xs = sorted(failed - set(ran[ran.impl == impl].x_value))
             if xs:
-                ax.scatter(xs, [0] * len(xs), marker="x", s=60, color=line.get_color(), clip_on=False, zorder=4)
+                ax.scatter(
+                    xs, [0] * len(xs), marker="x", s=60, color=line.get_color(), clip_on=False, zorder=4
+                )
         ax.set_xscale("log", base=2)
         xs = sorted(batch)
         ax.set_xticks(xs, [f"{x}\n(batch {batch[x]})" for x in xs])

@@ -44,7 +44,14 @@ def attention_flops(batch: int, heads: int, n_q: int, n_k: int, d: int, *, causa
     fwd = 4.0 * batch * heads * n_q * n_k * d
     if causal:
         fwd *= 0.5
-    factor = {"fwd": 1.0, "forward": 1.0, "bwd": 2.5, "backward": 2.5, "fwd_bwd": 3.5, "forward_backward": 3.5}
+    factor = {
+        "fwd": 1.0,
+        "forward": 1.0,
+        "bwd": 2.5,
+        "backward": 2.5,
+        "fwd_bwd": 3.5,
+        "forward_backward": 3.5,
+    }
     try:
         return fwd * factor[mode]
     except KeyError:

@@ -55,7 +55,11 @@ def _git_sha() -> str:
         return os.environ["CS336_GIT_SHA"]
     try:
         sha = subprocess.run(
-            ["git", "rev-parse", "--short=10", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+            ["git", "rev-parse", "--short=10", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
@@ -181,7 +185,9 @@ def load_results(problem: str, results_dir_: str | os.PathLike | None = None) ->
     return df
 
 
-def latest_run(df: pd.DataFrame, keys: Sequence[str] = ("name", "impl", "mode", "dtype", "x_value", "metric")) -> pd.DataFrame:
+def latest_run(
+    df: pd.DataFrame, keys: Sequence[str] = ("name", "impl", "mode", "dtype", "x_value", "metric")
+) -> pd.DataFrame:
     """Keep, for every measured configuration, only the most recent row (re-runs supersede)."""
     if df.empty:
         return df
@@ -194,12 +200,20 @@ def provenance(df: pd.DataFrame) -> str:
     if df.empty:
         return "no results recorded"
     parts = []
-    for col, label in [("gpu_name", "device"), ("torch_version", "torch"), ("triton_version", "triton"), ("git_sha", "git")]:
+    for col, label in [
+        ("gpu_name", "device"),
+        ("torch_version", "torch"),
+        ("triton_version", "triton"),
+        ("git_sha", "git"),
+    ]:
         vals = sorted({str(v) for v in df[col].dropna().unique()})
         parts.append(f"{label}: {', '.join(vals)}")
     ts = df["timestamp"].dropna().sort_values()
     if len(ts):
-        parts.append(f"measured {ts.iloc[0][:10]}" + (f" to {ts.iloc[-1][:10]}" if ts.iloc[-1][:10] != ts.iloc[0][:10] else ""))
+        parts.append(
+            f"measured {ts.iloc[0][:10]}"
+            + (f" to {ts.iloc[-1][:10]}" if ts.iloc[-1][:10] != ts.iloc[0][:10] else "")
+        )
     return "; ".join(parts)
 
 
@@ -219,7 +233,9 @@ def capture_failure(outcome: dict[str, str]) -> Iterator[None]:
         if is_oom(exc):
             outcome["note"] = "OOM"
         else:
-            outcome["note"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            outcome["note"] = (
+                f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            )
         del exc
         gc.collect()  # drop tensors still referenced from the failed frames
         if torch.cuda.is_available():

@@ -230,7 +230,9 @@ def measure_mixed_precision(plan: Plan, results_dir=None, budget: TimeBudget | N
     run_mixed_precision(plan, results_dir, budget)
 
 
-def run_profiling(plan: Plan, results_dir=None, budget: TimeBudget | None = None, out_dir=None) -> pd.DataFrame:
+def run_profiling(
+    plan: Plan, results_dir=None, budget: TimeBudget | None = None, out_dir=None
+) -> pd.DataFrame:
     """Stage 5: the nsys_profile grid (torch.profiler), one slim trace, and its timeline PNG in out_dir."""
     budget = budget or TimeBudget()
     results = default_results_dir(results_dir)

@@ -69,7 +69,9 @@ def run_torchrun(
     except subprocess.TimeoutExpired:
         _terminate(proc)
         stdout, stderr = proc.communicate()
-        raise TorchrunError(f"torchrun {module} timed out after {timeout_s:.0f} s\n{_tail(stdout + stderr)}") from None
+        raise TorchrunError(
+            f"torchrun {module} timed out after {timeout_s:.0f} s\n{_tail(stdout + stderr)}"
+        ) from None
     except BaseException:  # e.g. KeyboardInterrupt in a notebook
         _terminate(proc)
         raise
@@ -77,7 +79,9 @@ def run_torchrun(
     if echo:
         print(stdout, end="")
     if proc.returncode != 0:
-        raise TorchrunError(f"torchrun {module} {' '.join(map(str, args))} failed (exit {proc.returncode}):\n{_tail(output)}")
+        raise TorchrunError(
+            f"torchrun {module} {' '.join(map(str, args))} failed (exit {proc.returncode}):\n{_tail(output)}"
+        )
     return output
 
 
@@ -123,7 +127,11 @@ def _tail(text: str, lines: int = 80) -> str:
 def failure_note(exc: BaseException) -> str:
     """The short note of a failure row: "OOM", or the first line of the error."""
     text = str(exc)
-    return "OOM" if "out of memory" in text.lower() else f"error: {text.splitlines()[0][:200] if text else type(exc).__name__}"
+    return (
+        "OOM"
+        if "out of memory" in text.lower()
+        else f"error: {text.splitlines()[0][:200] if text else type(exc).__name__}"
+    )
 
 
 def run_variants(
@@ -148,7 +156,9 @@ def run_variants(
     remaining = list(variants)
     while remaining:
         try:
-            run_torchrun(module, launch_args(remaining), nproc, timeout_s=timeout_s, results_dir_=results_dir_)
+            run_torchrun(
+                module, launch_args(remaining), nproc, timeout_s=timeout_s, results_dir_=results_dir_
+            )
             break
         except TorchrunError as exc:
             done = finished()

@@ -99,8 +99,16 @@ def rank0_print(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def _spawn_entry(rank: int, fn: Callable, world_size: int, backend: str, port: int, timeout_s: float,
-                 gloo_on_cuda: bool, args: tuple) -> None:
+def _spawn_entry(
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    backend: str,
+    port: int,
+    timeout_s: float,
+    gloo_on_cuda: bool,
+    args: tuple,
+) -> None:
     torch.set_num_threads(1)  # several ranks share few cores: intra-op threads only oversubscribe them
     device = setup_process_group(
         backend, rank, world_size, master_port=port, timeout_s=timeout_s, gloo_on_cuda=gloo_on_cuda

@@ -79,7 +79,9 @@ def get_attention(impl: str | AttentionFn) -> AttentionFn:
     try:
         return ATTENTION_IMPLS[impl]
     except KeyError:
-        raise ValueError(f"unknown attention implementation {impl!r}; known: {', '.join(ATTENTION_IMPLS)}") from None
+        raise ValueError(
+            f"unknown attention implementation {impl!r}; known: {', '.join(ATTENTION_IMPLS)}"
+        ) from None
 
 
 class CausalMultiHeadSelfAttention(nn.Module):

@@ -106,7 +106,9 @@ class RotaryEmbedding(nn.Module):
         seq_len = x.shape[-2]
         if pos_ids is None:
             if seq_len > self._freq_cis_cache.shape[1]:
-                raise ValueError(f"sequence length {seq_len} exceeds context_length {self._freq_cis_cache.shape[1]}")
+                raise ValueError(
+                    f"sequence length {seq_len} exceeds context_length {self._freq_cis_cache.shape[1]}"
+                )
             cos, sin = self._freq_cis_cache[:, :seq_len]  # each (T, dim/2)
         else:
             cos, sin = self._freq_cis_cache[:, pos_ids]  # each (..., T, dim/2)

@@ -17,7 +17,11 @@ def cross_entropy(inputs: Tensor, targets: Tensor) -> Tensor:
 
 
 def random_batch(
-    batch_size: int, context_length: int, vocab_size: int, device=None, generator: torch.Generator | None = None
+    batch_size: int,
+    context_length: int,
+    vocab_size: int,
+    device=None,
+    generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Random (inputs, targets) token ids of shape (batch, T): benchmarks need no real data."""
     tokens = torch.randint(0, vocab_size, (batch_size, context_length + 1), generator=generator)

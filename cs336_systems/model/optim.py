@@ -36,7 +36,9 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid betas {betas}")
         if eps < 0 or weight_decay < 0:
             raise ValueError(f"eps and weight_decay must be non-negative, got {eps}, {weight_decay}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decay_before_update=decay_before_update)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decay_before_update=decay_before_update
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()

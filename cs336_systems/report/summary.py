@@ -1,7 +1,7 @@
 """Headline results for the README, computed from the committed tidy CSVs (never typed in).
 
-    python -m cs336_systems.report.summary            # rewrite the block between the README markers
-    python -m cs336_systems.report.summary --print    # print it only
+python -m cs336_systems.report.summary            # rewrite the block between the README markers
+python -m cs336_systems.report.summary --print    # print it only
 """
 
 from __future__ import annotations
@@ -42,12 +42,16 @@ def flash_section() -> str:
 
 def end_to_end_section() -> str:
     fp32 = latest_run(load_results("benchmarking_script"))
-    fp32 = fp32[(fp32["metric"] == "step_time") & (fp32["x_name"] == "context_length") & (fp32["dtype"] == "fp32")]
+    fp32 = fp32[
+        (fp32["metric"] == "step_time") & (fp32["x_name"] == "context_length") & (fp32["dtype"] == "fp32")
+    ]
     if fp32.empty:
         return ""
     table = fp32.pivot_table(index="name", columns="mode", values="mean", aggfunc="last")
     bf16 = latest_run(load_results("benchmarking_mixed_precision"))
-    bf16 = bf16[(bf16["metric"] == "step_time") & (bf16["dtype"] == "bf16-autocast") & (bf16["mode"] == "train")]
+    bf16 = bf16[
+        (bf16["metric"] == "step_time") & (bf16["dtype"] == "bf16-autocast") & (bf16["mode"] == "train")
+    ]
     if not bf16.empty:
         table["train (bf16 autocast)"] = bf16.set_index("name")["mean"]
     order = [s for s in ("small", "medium", "large", "xl", "2.7B") if s in table.index]
@@ -64,17 +68,23 @@ def ddp_section() -> str:
         return ""
     step = df[df["metric"] == "step_time"].copy()
     comm = df[df["metric"] == "comm_time"].set_index(["impl", "x_value"])["mean"]
-    step["variant"] = step.apply(lambda r: r["impl"] + ("" if pd.isna(r["x_value"]) else f" ({r['x_value']:g} MB)"), axis=1)
+    step["variant"] = step.apply(
+        lambda r: r["impl"] + ("" if pd.isna(r["x_value"]) else f" ({r['x_value']:g} MB)"), axis=1
+    )
     step["comm (ms)"] = [comm.get((i, x), float("nan")) for i, x in zip(step["impl"], step["x_value"])]
     out = step[["variant", "mean", "comm (ms)"]].rename(columns={"mean": "step (ms)"})
-    out = out.map(lambda v: f"{v:.1f}" if isinstance(v, float) and not pd.isna(v) else ("" if pd.isna(v) else v))
+    out = out.map(
+        lambda v: f"{v:.1f}" if isinstance(v, float) and not pd.isna(v) else ("" if pd.isna(v) else v)
+    )
     return (f"**DDP training step, 2025 XL model, 2 GPUs** (global batch 8, context 512, fp32, NCCL; comm = "
             f"exposed gradient communication; {_device(df)}):\n\n" + out.to_markdown(index=False))  # fmt: skip
 
 
 def build() -> str:
     parts = [s for s in (flash_section(), end_to_end_section(), ddp_section()) if s]
-    return "\n\n".join(parts) + "\n\nEvery table in `writeup.pdf` carries its device, versions and git commit."
+    return (
+        "\n\n".join(parts) + "\n\nEvery table in `writeup.pdf` carries its device, versions and git commit."
+    )
 
 
 def main(argv=None) -> None:
