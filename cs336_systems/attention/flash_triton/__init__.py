@@ -1,16 +1,9 @@
 """FlashAttention-2 in Triton: kernels.py (@triton.jit only) -> launch.py (check, allocate, grid,
 launch, tile configs) -> function.py (the autograd.Function and its custom ops).
 
-Without a CUDA device the kernels run under the Triton interpreter: TRITON_INTERPRET=1 is set here,
-before the kernels are defined, unless the environment already says otherwise.
+Without a CUDA device the kernels run under the Triton interpreter: `cs336_systems/__init__.py` sets
+TRITON_INTERPRET=1 when the package is imported, before Triton can be ([Note: Triton interpreter]).
 """
-
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from cs336_systems.attention.flash_triton.function import FlashAttentionTriton, flash_attention_triton
 from cs336_systems.attention.flash_triton.launch import (
