@@ -81,7 +81,7 @@ if nb.have_results(protocol, "flash_leaderboard"):
     )
 if len(runs):
     show_table(
-        runs,
+        runs.drop(columns=["tiles_fwd", "tiles_bwd"]),
         caption="Every protocol run, oldest first (our tiles: the launcher's heuristic table or tuned in the same process)",
         provenance_from=df[df.name == "protocol"],
         formats={

@@ -38,6 +38,7 @@ import gc
 import json
 import math
 import re
+import time
 import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -369,10 +370,9 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
     config = dataclasses.asdict(cfg) | {
         "causal": True,
         "timed": "o = flash(q, k, v, True); o.sum().backward()",
+        "run_id": time.time_ns(),  # the rows of one call (ours and the baselines) share it
         # our tiles: tuned in this process (--tune) or the launcher's heuristic table
-        "tiles_fwd": repr(
-            launch._tuned.get(fwd_key) or launch.heuristic_fwd(cfg.seq_len, cfg.seq_len, cfg.d, dt)
-        ),
+        "tiles_fwd": repr(_current_fwd_config(cfg.seq_len, cfg.d, dt)),
         "tiles_bwd": repr(_current_bwd_config(cfg.seq_len, cfg.d, dt)),
         "tiles_source": "tuned" if fwd_key in launch._tuned else "heuristic",
     }
@@ -469,7 +469,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def _current_bwd_config(n: int, d: int, dtype: torch.dtype) -> launch.BwdConfig:
     key = ("bwd", *launch.tuning_key(n, n, d, dtype, True))
-    return launch._tuned.get(key) or launch.heuristic_bwd(n, n, max(16, 1 << (d - 1).bit_length()), dtype)
+    return launch._tuned.get(key) or launch.heuristic_bwd(n, n, launch._block_d(d), dtype)
+
+
+def _current_fwd_config(n: int, d: int, dtype: torch.dtype) -> launch.FwdConfig:
+    key = ("fwd", *launch.tuning_key(n, n, d, dtype, True))
+    return launch._tuned.get(key) or launch.heuristic_fwd(n, n, launch._block_d(d), dtype)
 
 
 def run_variants(
@@ -572,7 +577,7 @@ def run_tuning(
     install=True the winners become the launcher's configuration for this shape (as the autotuner
     would)."""
     memory_paths = (True, False) if block_pointers else (True,)
-    block_d = max(16, 1 << (d - 1).bit_length())
+    block_d = launch._block_d(d)
     if small:  # the second round: a few candidates around the first round's winners
         fwd_cands = [launch.FwdConfig(*c) for c in FWD_CANDIDATES_SMALL]
         dkdv_cands, dq_cands = DKDV_CANDIDATES_SMALL, DQ_CANDIDATES_SMALL
@@ -816,9 +821,13 @@ def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame
     lb = df[(df.name == "protocol") & (df.metric == "latency")].copy()
     if lb.empty:
         return pd.DataFrame()
-    lb["run"] = (lb.impl == "flash_triton").cumsum()  # rows are appended in run order, ours first
+    run_id = [json.loads(c).get("run_id") for c in lb.config_json]
+    # older rows have no run_id: they were appended in run order, ours first
+    lb["run"] = [
+        f"id{r}" if r is not None else f"n{k}" for r, k in zip(run_id, (lb.impl == "flash_triton").cumsum())
+    ]
     runs = []
-    for _, g in lb.groupby("run"):
+    for _, g in lb.groupby("run", sort=False):
         ms = g.set_index("impl").p50
         cfg = json.loads(g.config_json.iloc[0])
         tiles = cfg.get("tiles_bwd", "")
@@ -830,6 +839,7 @@ def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame
             + (", <=168 regs" if "maxnreg1=168" in tiles else "") + (", dQ side stream" if "streams=True" in tiles else ""),
             "ours ms": ms.get("flash_triton", math.nan), "sdpa_flash ms": ms.get("sdpa_flash", math.nan),
             "sdpa_cudnn ms": ms.get("sdpa_cudnn", math.nan),
+            "tiles_fwd": cfg.get("tiles_fwd", ""), "tiles_bwd": tiles,
         })  # fmt: skip
     out = pd.DataFrame(runs)
     out["ours / sdpa_flash"] = out["ours ms"] / out["sdpa_flash ms"]
@@ -838,13 +848,30 @@ def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame
     return out
 
 
-def final_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    """The full-protocol runs of the final kernels (the register-capped dK/dV tiles)."""
+# BwdConfig fields that choose kernels and tiles (not the memory path, which is TMA whenever the GPU
+# allows, nor the stream the dQ pass is launched on)
+_KERNEL_FIELDS = ("block_m1", "block_n1", "block_m2", "block_n2", "num_warps1", "num_stages1", "num_warps2",
+                  "num_stages2", "fused", "early_dp", "maxnreg1")  # fmt: skip
+
+
+def _kernel_fields(text: str) -> tuple:
+    f = dict(re.findall(r"(\w+)=([\w.]+)", text))
+    return tuple(f.get(k) for k in _KERNEL_FIELDS)
+
+
+def final_runs(runs: pd.DataFrame, cfg: LeaderboardConfig | None = None) -> pd.DataFrame:
+    """The full-protocol runs whose kernels and tiles are the launcher's current ones for the
+    protocol shape (derived from the heuristic table, so a new table makes older runs not final)."""
     if runs.empty:
         return runs
-    return runs[
-        runs["our tiles"].str.contains("<=168 regs") & (runs["do_bench rep/warmup ms"] == "10000/1000")
-    ]
+    cfg = cfg or LeaderboardConfig()
+    dt = getattr(torch, cfg.dtype)
+    bd = launch._block_d(cfg.d)
+    fwd = repr(launch.heuristic_fwd(cfg.seq_len, cfg.seq_len, bd, dt, interpreter=False))
+    bwd = _kernel_fields(repr(launch.heuristic_bwd(cfg.seq_len, cfg.seq_len, bd, dt, interpreter=False)))
+    full = runs["do_bench rep/warmup ms"] == f"{cfg.rep_ms:g}/{cfg.warmup_ms:g}"
+    same = (runs["tiles_fwd"] == fwd) & runs["tiles_bwd"].map(lambda t: _kernel_fields(t) == bwd)
+    return runs[full & same]
 
 
 def split_table(df: pd.DataFrame) -> pd.DataFrame:

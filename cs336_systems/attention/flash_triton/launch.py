@@ -133,9 +133,14 @@ def _pow2_clamp(n: int, lo: int, hi: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def heuristic_fwd(n_q: int, n_k: int, block_d: int, dtype: torch.dtype) -> FwdConfig:
-    """Forward tiles. GPU values: register-spill-free with TMA on sm_90 (ptxas -v, see the log)."""
-    if interpreting():  # the interpreter's cost is per tile: few, large tiles
+def heuristic_fwd(
+    n_q: int, n_k: int, block_d: int, dtype: torch.dtype, *, interpreter: bool | None = None
+) -> FwdConfig:
+    """Forward tiles. GPU values: register-spill-free with TMA on sm_90 (ptxas -v, see the log).
+    interpreter: the interpreter's tiles (None: whether this process interprets)."""
+    if (
+        interpreting() if interpreter is None else interpreter
+    ):  # the interpreter's cost is per tile: few, large tiles
         bm = _pow2_clamp(n_q, MIN_BLOCK, 64)
         return FwdConfig(bm, _pow2_clamp(n_k, MIN_BLOCK, bm), 1, 1)
     # fp32 keeps 4 warps: 8-warp tiles with 3xTF32 dots faulted on Triton 3.6 (OPTIMIZATION_LOG.md)
@@ -150,9 +155,11 @@ def heuristic_fwd(n_q: int, n_k: int, block_d: int, dtype: torch.dtype) -> FwdCo
     return dataclasses.replace(cfg, block_m=bm, block_n=min(cfg.block_n, bm))
 
 
-def heuristic_bwd(n_q: int, n_k: int, block_d: int, dtype: torch.dtype) -> BwdConfig:
+def heuristic_bwd(
+    n_q: int, n_k: int, block_d: int, dtype: torch.dtype, *, interpreter: bool | None = None
+) -> BwdConfig:
     """Backward tiles (same criteria as heuristic_fwd)."""
-    if interpreting():
+    if interpreting() if interpreter is None else interpreter:
         bn1 = _pow2_clamp(n_k, MIN_BLOCK, 64)
         bm2 = _pow2_clamp(n_q, MIN_BLOCK, 64)
         bm1, bn2 = min(bn1, _pow2_clamp(n_q, MIN_BLOCK, 64)), min(bm2, _pow2_clamp(n_k, MIN_BLOCK, 64))
