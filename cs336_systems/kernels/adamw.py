@@ -87,7 +87,7 @@ def _adamw_kernel(
     tl.store(v_ptr + base + idx, v, mask=mask)
     if WRITE_COPY:
         out_ptr = tl.load(copy_ptrs + i).to(tl.pointer_type(COPY_DTYPE))
-        if COPY_DTYPE == tl.bfloat16:
+        if tl.bfloat16 == COPY_DTYPE:
             # Round to nearest even by hand: the same bits as torch's .to(bfloat16) on every backend
             # (the CPU interpreter's own fp32 -> bf16 cast truncates). NaN payloads may become inf.
             bits = p.to(tl.uint32, bitcast=True)

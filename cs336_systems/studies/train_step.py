@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -106,9 +107,9 @@ def timed_step(step, tokens: Tensor, targets: Tensor) -> tuple[Tensor, dict[str,
 
 def phase_ms(marks) -> dict[str, float]:
     if isinstance(marks[0], float):
-        gaps = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
     else:
-        gaps = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        gaps = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
     return dict(zip(PHASES, gaps)) | {"step": sum(gaps)}
 
 
@@ -146,9 +147,9 @@ def bandwidth_rows(cfg: ModelConfig, device, run_cfg: dict) -> list[dict]:
     """Copy bandwidth and the fused AdamW's effective bandwidth on the first blocks' shapes."""
     cuda = torch.device(device).type == "cuda"
     n = 2**28 if cuda else 2**20
-    src, dst = torch.empty(n, device=device), torch.empty(n, device=device)
-    copy_ms = kernel_time(lambda: dst.copy_(src), device=device)["p50"]
-    del src, dst
+    buffers = [torch.empty(n, device=device), torch.empty(n, device=device)]
+    copy_ms = kernel_time(lambda: buffers[1].copy_(buffers[0]), device=device)["p50"]
+    buffers.clear()
     blocks = min(cfg.num_layers, 8)
     model = BasicsTransformerLM.from_config(cfg.replace(num_layers=blocks), device=device)
     opt = FusedAdamW(mixed_precision_groups(model))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from cs336_systems.kernels.adamw import ChunkPlan, address_table, adamw_step_
+from cs336_systems.kernels.adamw import ChunkPlan, adamw_step_, address_table
 from cs336_systems.model.layers import Embedding
 
 
