@@ -127,12 +127,28 @@ class ChunkPlan:
         return self.offsets.numel()
 
 
-def address_table(tensors: list[Tensor], device) -> Tensor:
-    """int64 device tensor of the tensors' data pointers (all must be contiguous)."""
+def address_table(tensors: list[Tensor], device, cache: dict | None = None) -> Tensor:
+    """int64 device tensor of the tensors' data pointers (all must be contiguous).
+
+    The host copy is pinned, so the upload is asynchronous: a copy from pageable memory would make
+    the host wait for the stream and stop it from running ahead of the GPU. With `cache` (a dict
+    kept by the caller) the device table is reused while the addresses stay the same, which they
+    usually do from one step to the next under the caching allocator.
+    """
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError(f"multi-tensor AdamW needs contiguous tensors, got strides {t.stride()}")
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=True)
+    ptrs = tuple(t.data_ptr() for t in tensors)
+    if cache is not None and cache.get("ptrs") == ptrs:
+        table = cache["table"]
+    else:
+        cuda = torch.device(device).type == "cuda"
+        table = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=True)
+        if cache is not None:
+            cache.update(ptrs=ptrs, table=table)
+    if table.is_cuda:  # a cached table may be read on another stream than the one that made it
+        table.record_stream(torch.cuda.current_stream(table.device))
+    return table
 
 
 def adamw_step_(
@@ -150,12 +166,14 @@ def adamw_step_(
     decay_before_update: bool = False,
     copies: Tensor | None = None,
     copy_dtype: torch.dtype | None = None,
+    table_cache: dict | None = None,
 ) -> None:
     """Apply one AdamW step (1-based `step`) to the tensors of `plan`, in place.
 
     grads: one dense, contiguous gradient per tensor of the plan, all of one dtype (fp32/bf16/fp16);
     master, exp_avg, exp_avg_sq: flat float32 buffers indexed by the plan's offsets;
-    copies: optional (T,) int64 address table of low-precision copies (dtype `copy_dtype`) to refresh.
+    copies: optional (T,) int64 address table of low-precision copies (dtype `copy_dtype`) to refresh;
+    table_cache: optional dict in which the gradients' address table is kept between calls.
     """
     if len(grads) != plan.num_tensors:
         raise ValueError(f"{len(grads)} gradients for a plan of {plan.num_tensors} tensors")
@@ -172,7 +190,7 @@ def adamw_step_(
     write_copy = copies is not None
     if write_copy and copy_dtype not in _TL_DTYPES:
         raise ValueError(f"copy_dtype must be one of {list(_TL_DTYPES)}, got {copy_dtype}")
-    grad_table = address_table(grads, master.device)
+    grad_table = address_table(grads, master.device, table_cache)
     num_chunks = plan.chunk_tensor.numel()
     _adamw_kernel[(num_chunks,)](
         grad_table,
@@ -196,5 +214,3 @@ def adamw_step_(
         BLOCK=BLOCK,
         num_warps=4,
     )
-    # grad_table is freed when this returns; the allocator reuses it only for later work on this
-    # (the current) stream, which runs after the kernel, so no record_stream is needed.

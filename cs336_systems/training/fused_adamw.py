@@ -43,6 +43,7 @@ class _Bucket:
     copies: Tensor | None  # address table of low-precision weights, None when updated in place
     copy_dtype: torch.dtype | None
     ready: list[nn.Parameter] = field(default_factory=list)
+    table_cache: dict = field(default_factory=dict)  # the gradients' device address table
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -152,8 +153,9 @@ class FusedAdamW(torch.optim.Optimizer):
     # ---- the update ---------------------------------------------------------------------------
     def _launch(self, bucket: _Bucket, params: list[nn.Parameter]) -> None:
         g = bucket.group
+        cache = None
         if len(params) == len(bucket.params):
-            plan, copies = bucket.plan, bucket.copies
+            plan, copies, cache = bucket.plan, bucket.copies, bucket.table_cache
         else:  # some gradients never arrived (unused parameters): update only the others
             index = {id(p): i for i, p in enumerate(bucket.params)}
             offs = [bucket.offsets[index[id(p)]] for p in params]
@@ -173,6 +175,7 @@ class FusedAdamW(torch.optim.Optimizer):
             decay_before_update=g["decay_before_update"],
             copies=copies,
             copy_dtype=bucket.copy_dtype,
+            table_cache=cache,
         )
 
     def _launch_overlapped(self, bucket: _Bucket) -> None:
