@@ -41,40 +41,19 @@ BLOCK = 2048  # elements per program: 8 KiB of fp32 state per buffer, enough in 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+ALIGN = 16  # elements: tensors start at multiples of this in the flat buffers (vectorised access)
+
+
 @triton.jit
-def _adamw_kernel(
-    grad_ptrs,
-    copy_ptrs,
-    offsets,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    master_ptr,
-    m_ptr,
-    v_ptr,
-    lr_t,
-    decay,
-    beta1,
-    beta2,
-    eps,
-    GRAD_DTYPE: tl.constexpr,
-    COPY_DTYPE: tl.constexpr,
-    WRITE_COPY: tl.constexpr,
-    DECAY_BEFORE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    c = tl.program_id(0)
-    i = tl.load(chunk_tensor + c)
-    start = tl.load(chunk_start + c)
-    n = tl.load(numels + i)
-    base = tl.load(offsets + i)
-    idx = start + tl.arange(0, BLOCK)
-    mask = idx < n
-    g_ptr = tl.load(grad_ptrs + i).to(tl.pointer_type(GRAD_DTYPE))
-    g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(master_ptr + base + idx, mask=mask, other=0.0)
-    m = tl.load(m_ptr + base + idx, mask=mask, other=0.0)
-    v = tl.load(v_ptr + base + idx, mask=mask, other=0.0)
+def _adamw_block(
+    g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+    COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr, DECAY_BEFORE: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    mask = idx < n if MASKED else None
+    g = tl.load(g_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
+    p = tl.load(p_ptr + idx, mask=mask, eviction_policy="evict_first")
+    m = tl.load(m_ptr + idx, mask=mask, eviction_policy="evict_first")
+    v = tl.load(v_ptr + idx, mask=mask, eviction_policy="evict_first")
     if DECAY_BEFORE:
         p = p * decay
     m = beta1 * m + (1.0 - beta1) * g
@@ -82,11 +61,10 @@ def _adamw_kernel(
     p = p - lr_t * (m / (tl.sqrt(v) + eps))
     if not DECAY_BEFORE:
         p = p * decay
-    tl.store(master_ptr + base + idx, p, mask=mask)
-    tl.store(m_ptr + base + idx, m, mask=mask)
-    tl.store(v_ptr + base + idx, v, mask=mask)
+    tl.store(p_ptr + idx, p, mask=mask)
+    tl.store(m_ptr + idx, m, mask=mask)
+    tl.store(v_ptr + idx, v, mask=mask)
     if WRITE_COPY:
-        out_ptr = tl.load(copy_ptrs + i).to(tl.pointer_type(COPY_DTYPE))
         if tl.bfloat16 == COPY_DTYPE:
             # Round to nearest even by hand: the same bits as torch's .to(bfloat16) on every backend
             # (the CPU interpreter's own fp32 -> bf16 cast truncates). NaN payloads may become inf.
@@ -95,6 +73,50 @@ def _adamw_kernel(
             tl.store(out_ptr + idx, bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
         else:
             tl.store(out_ptr + idx, p.to(COPY_DTYPE), mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, num_chunks, master_ptr, m_ptr,
+    v_ptr, lr_t, decay, beta1, beta2, eps,
+    GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
+    DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    if PERSISTENT:  # chunks pid, pid + grid, ...: a small grid leaves SMs to other streams
+        for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
+            _adamw_chunk(c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr,
+                         m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE, WRITE_COPY,
+                         DECAY_BEFORE, BLOCK, ALIGN)  # fmt: skip
+    else:
+        _adamw_chunk(tl.program_id(0), grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start,
+                     master_ptr, m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE,
+                     WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN)  # fmt: skip
+
+
+@triton.jit
+def _adamw_chunk(
+    c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr, m_ptr, v_ptr,
+    lr_t, decay, beta1, beta2, eps,
+    GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
+    DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    i = tl.load(chunk_tensor + c)
+    start = tl.multiple_of(tl.load(chunk_start + c), BLOCK)
+    n = tl.load(numels + i)
+    base = tl.multiple_of(tl.load(offsets + i), ALIGN)
+    # Addresses are 16-byte aligned (checked by the launcher): the hints allow 128-bit accesses.
+    g_ptr = tl.multiple_of(tl.load(grad_ptrs + i).to(tl.pointer_type(GRAD_DTYPE)), 16)
+    out_ptr = g_ptr
+    if WRITE_COPY:
+        out_ptr = tl.multiple_of(tl.load(copy_ptrs + i).to(tl.pointer_type(COPY_DTYPE)), 16)
+    idx = start + tl.arange(0, BLOCK)
+    p_ptr, m_ptr, v_ptr = master_ptr + base, m_ptr + base, v_ptr + base
+    if start + BLOCK <= n:  # a full chunk: no mask, so nothing stops vectorised access
+        _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=False)  # fmt: skip
+    else:
+        _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=True)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -110,6 +132,8 @@ class ChunkPlan:
     def build(offsets: list[int], numels: list[int], device, block: int = BLOCK) -> ChunkPlan:
         if len(offsets) != len(numels) or not offsets:
             raise ValueError("a chunk plan needs one offset per tensor and at least one tensor")
+        if any(o % ALIGN for o in offsets):
+            raise ValueError(f"tensor offsets in the flat buffers must be multiples of {ALIGN}")
         per_tensor = [math.ceil(n / block) for n in numels]
         chunk_tensor = torch.repeat_interleave(
             torch.arange(len(numels), dtype=torch.int32), torch.tensor(per_tensor)
@@ -135,10 +159,12 @@ def address_table(tensors: list[Tensor], device, cache: dict | None = None) -> T
     kept by the caller) the device table is reused while the addresses stay the same, which they
     usually do from one step to the next under the caching allocator.
     """
-    for t in tensors:
+    ptrs = tuple(t.data_ptr() for t in tensors)
+    for t, ptr in zip(tensors, ptrs):
         if not t.is_contiguous():
             raise ValueError(f"multi-tensor AdamW needs contiguous tensors, got strides {t.stride()}")
-    ptrs = tuple(t.data_ptr() for t in tensors)
+        if ptr % 16:
+            raise ValueError("multi-tensor AdamW needs 16-byte aligned tensors (a view at an odd offset?)")
     if cache is not None and cache.get("ptrs") == ptrs:
         table = cache["table"]
     else:
@@ -167,13 +193,16 @@ def adamw_step_(
     copies: Tensor | None = None,
     copy_dtype: torch.dtype | None = None,
     table_cache: dict | None = None,
+    max_programs: int | None = None,
 ) -> None:
     """Apply one AdamW step (1-based `step`) to the tensors of `plan`, in place.
 
     grads: one dense, contiguous gradient per tensor of the plan, all of one dtype (fp32/bf16/fp16);
     master, exp_avg, exp_avg_sq: flat float32 buffers indexed by the plan's offsets;
     copies: optional (T,) int64 address table of low-precision copies (dtype `copy_dtype`) to refresh;
-    table_cache: optional dict in which the gradients' address table is kept between calls.
+    table_cache: optional dict in which the gradients' address table is kept between calls;
+    max_programs: launch at most this many programs (each loops over chunks), e.g. to leave most
+    SMs to a concurrent backward; None: one program per chunk.
     """
     if len(grads) != plan.num_tensors:
         raise ValueError(f"{len(grads)} gradients for a plan of {plan.num_tensors} tensors")
@@ -192,13 +221,17 @@ def adamw_step_(
         raise ValueError(f"copy_dtype must be one of {list(_TL_DTYPES)}, got {copy_dtype}")
     grad_table = address_table(grads, master.device, table_cache)
     num_chunks = plan.chunk_tensor.numel()
-    _adamw_kernel[(num_chunks,)](
+    if max_programs is not None and max_programs < 1:
+        raise ValueError(f"max_programs must be positive, got {max_programs}")
+    grid = min(num_chunks, max_programs or num_chunks)
+    _adamw_kernel[(grid,)](
         grad_table,
         copies if write_copy else grad_table,
         plan.offsets,
         plan.numels,
         plan.chunk_tensor,
         plan.chunk_start,
+        num_chunks,
         master,
         exp_avg,
         exp_avg_sq,
@@ -212,5 +245,7 @@ def adamw_step_(
         WRITE_COPY=write_copy,
         DECAY_BEFORE=decay_before_update,
         BLOCK=BLOCK,
+        ALIGN=ALIGN,
+        PERSISTENT=grid < num_chunks,
         num_warps=4,
     )

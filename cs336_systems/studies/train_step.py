@@ -195,10 +195,12 @@ def _build(path: str, cfg: ModelConfig, state: dict, args, stage: dict | None = 
     hp = dict(lr=args.lr, weight_decay=args.weight_decay)
     if path == "stock":
         return StockStep(model, compile=args.compile, **hp)
-    if path == "ours":
-        return build_train_step(
-            model, TrainStepConfig.fastest(attention=args.attention, compile=args.compile, **hp)
+    if path.startswith("ours"):
+        grid = int(path.removeprefix("ours_grid")) if path.startswith("ours_grid") else None
+        fast = TrainStepConfig.fastest(
+            attention=args.attention, compile=args.compile, overlap_programs=grid, **hp
         )
+        return build_train_step(model, fast)
     return build_train_step(model, TrainStepConfig(**stage, **hp))
 
 
@@ -211,11 +213,12 @@ def _first_step_s(step, batch) -> float:
 
 def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: float) -> list[dict]:
     """Stock vs ours, interleaved rounds; returns rows (a failure row per path that could not run)."""
-    steps, times, extra = {}, {"stock": [], "ours": []}, {}
+    paths = ["stock"] + [f"ours_grid{n}" if n else "ours" for n in args.overlap_programs]
+    steps, times, extra = {}, {p: [] for p in paths}, {}
     flops = step_flops(cfg, args.batch_size, run_cfg["context_length"])
     datasheet = peak_flops(device_name(), "bf16")
     rows = []
-    for path in ("stock", "ours"):
+    for path in paths:
         outcome: dict = {}
         with capture_failure(outcome):
             steps[path] = _build(path, cfg, state, args)
@@ -384,6 +387,8 @@ def _parser() -> argparse.ArgumentParser:
                    default=["bandwidth", "check", "compare", "waterfall"])  # fmt: skip
     p.add_argument("--attention", choices=["flash_triton", "sdpa"], default="flash_triton",
                    help="attention of our step")  # fmt: skip
+    p.add_argument("--overlap-programs", nargs="+", type=int, default=[0],
+                   help="grid cap(s) of our overlapped optimizer launches, one 'ours' path each (0: uncapped)")  # fmt: skip
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager stock and ours")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)

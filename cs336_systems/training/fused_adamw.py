@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from cs336_systems.kernels.adamw import ChunkPlan, adamw_step_, address_table
+from cs336_systems.kernels.adamw import ALIGN, ChunkPlan, adamw_step_, address_table
 from cs336_systems.model.layers import Embedding
 
 
@@ -44,6 +44,11 @@ class _Bucket:
     copy_dtype: torch.dtype | None
     ready: list[nn.Parameter] = field(default_factory=list)
     table_cache: dict = field(default_factory=dict)  # the gradients' device address table
+
+
+def _padded(n: int) -> int:
+    """Room a tensor takes in the flat buffers: every tensor starts at a multiple of ALIGN elements."""
+    return -(-n // ALIGN) * ALIGN
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -85,6 +90,7 @@ class FusedAdamW(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self._side_stream: torch.cuda.Stream | None = None
+        self._overlap_programs: int | None = None
         self._hooks: list = []
         self._build_buffers(bucket_key or (lambda p: None))
 
@@ -102,7 +108,7 @@ class FusedAdamW(torch.optim.Optimizer):
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"unsupported parameter dtype {p.dtype}")
         device = params[0].device
-        total = sum(p.numel() for p in params)
+        total = sum(_padded(p.numel()) for p in params)
         self.master = torch.empty(total, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(total, dtype=torch.float32, device=device)
@@ -129,7 +135,7 @@ class FusedAdamW(torch.optim.Optimizer):
                         "exp_avg_sq": self.exp_avg_sq[offset : offset + n].view_as(p),
                     }
                     grouped.setdefault((gi, p.dtype, bucket_key(p)), []).append((p, offset))
-                    offset += n
+                    offset += _padded(n)
         for (gi, dtype, _), members in grouped.items():
             ps = [p for p, _ in members]
             offs = [o for _, o in members]
@@ -176,6 +182,7 @@ class FusedAdamW(torch.optim.Optimizer):
             copies=copies,
             copy_dtype=bucket.copy_dtype,
             table_cache=cache,
+            max_programs=self._overlap_programs if self._hooks else None,
         )
 
     def _launch_overlapped(self, bucket: _Bucket) -> None:
@@ -200,14 +207,17 @@ class FusedAdamW(torch.optim.Optimizer):
         if len(bucket.ready) == len(bucket.params):
             self._launch_overlapped(bucket)
 
-    def overlap_with_backward(self) -> FusedAdamW:
+    def overlap_with_backward(self, max_programs: int | None = None) -> FusedAdamW:
         """Update each bucket from inside backward as soon as its gradients are final (see module doc).
 
+        max_programs: cap on the programs of each overlapped launch (None: one per chunk); a small
+        grid leaves SMs to the backward that runs at the same time.
         After `loss.backward()` the gradients of updated parameters are None; call `step()` to finish
         the step (it flushes incomplete buckets and orders the next forward after the updates).
         """
         if self._hooks:
             return self
+        self._overlap_programs = max_programs
         if self.master.is_cuda:
             self._side_stream = torch.cuda.Stream(device=self.master.device)
         for p in self._bucket_of:

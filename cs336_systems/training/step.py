@@ -44,6 +44,7 @@ class TrainStepConfig:
     optimizer: str = "reference"  # "reference" (per-parameter loop) or "fused" (multi-tensor Triton)
     bf16_weights: bool = False  # fused optimizer keeps fp32 masters, the model computes in bf16
     overlap: bool = False  # fused optimizer updates each block from inside backward
+    overlap_programs: int | None = None  # grid cap of the overlapped updates (None: uncapped)
     fused_loss: bool = False  # chunked LM-head + cross-entropy
     lr: float = 1e-4
     weight_decay: float = 0.01
@@ -114,7 +115,7 @@ def build_train_step(model: BasicsTransformerLM, cfg: TrainStepConfig) -> TrainS
         params = mixed_precision_groups(model) if cfg.bf16_weights else model.parameters()
         optimizer = FusedAdamW(params, bucket_key=block_bucket_key(model) if cfg.overlap else None, **hp)
         if cfg.overlap:
-            optimizer.overlap_with_backward()
+            optimizer.overlap_with_backward(cfg.overlap_programs)
     if cfg.compile:
         for block in model.layers:
             block.compile()
