@@ -70,13 +70,13 @@ def test_bf16_compute_weights_are_the_rounded_masters():
 
 def test_capped_grid_loops_over_chunks_with_the_same_result():
     shapes = [(3, BLOCK + 301), (BLOCK * 2,), (5,)]
-    init, results = _params(shapes, DEVICE), []
+    init, grads, results = _params(shapes, DEVICE), _params(shapes, DEVICE), []
     for max_programs in (None, 2):
         ps = [torch.nn.Parameter(x.clone()) for x in init]
         opt = FusedAdamW(ps, lr=1e-2)
         opt.overlap_with_backward(max_programs)
-        for p in ps:
-            p.grad = torch.randn_like(p)
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
             opt._on_grad_ready(p)  # what the post-accumulate-grad hook does
         opt.step()
         results.append([p.detach().clone() for p in ps])
