@@ -218,6 +218,16 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
     flops = step_flops(cfg, args.batch_size, run_cfg["context_length"])
     datasheet = peak_flops(device_name(), "bf16")
     rows = []
+
+    def failed(path: str, note: str) -> None:  # an OOM or error is a row, and the other paths go on
+        rows.append(failure_row(problem=PROBLEM, name="compare", impl=path, metric="step_ms", unit="ms",
+                                note=note, x_name="context_length", x_value=run_cfg["context_length"],
+                                config=run_cfg))  # fmt: skip
+        steps.pop(path, None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     for path in paths:
         outcome: dict = {}
         with capture_failure(outcome):
@@ -226,10 +236,7 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
             for i in range(args.warmup):
                 timed_step(steps[path], *batches[i % len(batches)])
         if outcome:
-            rows.append(failure_row(problem=PROBLEM, name="compare", impl=path, metric="step_ms", unit="ms",
-                                    note=outcome["note"], x_name="context_length",
-                                    x_value=run_cfg["context_length"], config=run_cfg))  # fmt: skip
-            steps.pop(path, None)
+            failed(path, outcome["note"])
     peaks = {p: 0 for p in steps}
     for r in range(args.rounds):
         for path in list(steps)[:: 1 if r % 2 == 0 else -1]:
@@ -237,10 +244,14 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
             base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            marks = [timed_step(steps[path], *batches[i % len(batches)])[1] for i in range(args.steps)]
-            synchronize()
-            times[path] += [phase_ms(m) for m in marks]
-            if torch.cuda.is_available():
+            outcome = {}
+            with capture_failure(outcome):
+                marks = [timed_step(steps[path], *batches[i % len(batches)])[1] for i in range(args.steps)]
+                synchronize()
+                times[path] += [phase_ms(m) for m in marks]
+            if outcome:
+                failed(path, outcome["note"] + f" (in round {r + 1})")
+            elif torch.cuda.is_available():
                 peaks[path] = max(peaks[path], torch.cuda.max_memory_allocated() - base)
     for path, step in steps.items():
         med = pd.Series([t["step"] for t in times[path]]).median()
