@@ -25,6 +25,7 @@ other path's model living in the same process is not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import math
@@ -75,6 +76,9 @@ class StockStep:
         fused = next(model.parameters()).is_cuda
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=fused)
 
+    def on_stream(self):
+        return contextlib.nullcontext()
+
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
         with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
             logits = self.forward(tokens)
@@ -94,14 +98,15 @@ def timed_step(step, tokens: Tensor, targets: Tensor) -> tuple[Tensor, dict[str,
         else:
             marks.append(time.perf_counter())
 
-    mark()
-    loss = step.loss(tokens, targets)
-    mark()
-    loss.backward()
-    mark()
-    step.optimizer.step()
-    step.optimizer.zero_grad(set_to_none=True)
-    mark()
+    with step.on_stream():
+        mark()
+        loss = step.loss(tokens, targets)
+        mark()
+        loss.backward()
+        mark()
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
+        mark()
     return loss.detach(), marks
 
 
@@ -290,6 +295,7 @@ def waterfall(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches) -> li
             rows.append(failure_row(problem=PROBLEM, name="waterfall", impl=label, metric="step_ms", unit="ms",
                                     note=outcome["note"], x_name="context_length",
                                     x_value=run_cfg["context_length"], config=run_cfg | {"stage": stage}))  # fmt: skip
+        torch._dynamo.reset()  # compiled code must not keep the stage's model alive
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

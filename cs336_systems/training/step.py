@@ -16,6 +16,13 @@ the blocks share one compiled graph (parameters are graph inputs), compile time 
 depth, and each block's backward is a separate autograd node, so the gradients of block i are final
 (and its optimizer bucket can run) while block i-1's backward still computes. A whole-model graph
 would deliver every gradient at the very end of backward.
+
+[Note: stream priorities]
+An overlapped optimizer launch on a side stream fills every SM it can get; a Hopper GEMM CTA needs a
+whole SM's registers, so an update that starts first delays the backward GEMMs queued behind it
+instead of running beside them. The overlapped step therefore runs forward and backward on a stream
+of the highest priority (the side stream keeps the default, lowest one): the block scheduler then
+gives free SMs to backward first and the update takes what backward leaves idle.
 """
 
 from __future__ import annotations
@@ -83,6 +90,19 @@ class TrainStep:
     model: BasicsTransformerLM
     optimizer: torch.optim.Optimizer
     cfg: TrainStepConfig
+    stream: torch.cuda.Stream | None = None  # [Note: stream priorities]
+
+    @contextlib.contextmanager
+    def on_stream(self):
+        """Run the enclosed work on the step's stream (ordered after, and before, the caller's)."""
+        if self.stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream()
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            yield
+        caller.wait_stream(self.stream)
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
         ctx = (
@@ -98,10 +118,11 @@ class TrainStep:
             return cross_entropy(self.model(tokens), targets)
 
     def __call__(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        loss = self.loss(tokens, targets)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.on_stream():
+            loss = self.loss(tokens, targets)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
 
@@ -119,4 +140,7 @@ def build_train_step(model: BasicsTransformerLM, cfg: TrainStepConfig) -> TrainS
     if cfg.compile:
         for block in model.layers:
             block.compile()
-    return TrainStep(model=model, optimizer=optimizer, cfg=cfg)
+    stream = None
+    if cfg.overlap and next(model.parameters()).is_cuda:
+        stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
+    return TrainStep(model=model, optimizer=optimizer, cfg=cfg, stream=stream)
