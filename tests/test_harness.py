@@ -151,7 +151,8 @@ def test_git_sha_prefers_the_launchers_statement(monkeypatch):
 def test_child_env_tells_subprocesses_where_to_write_and_the_commit(tmp_path, monkeypatch):
     from cs336_systems.measure import results
 
-    monkeypatch.setenv("CS336_GIT_SHA", "abc1234")
-    assert results.child_env(tmp_path) == {"CS336_RESULTS_DIR": str(tmp_path), "CS336_GIT_SHA": "abc1234"}
+    env = results.child_env(tmp_path)
+    # the workers record the commit this process records (a copied tree's own .git may be stale)
+    assert env == {"CS336_RESULTS_DIR": str(tmp_path), "CS336_GIT_SHA": results.env_metadata()["git_sha"]}
     monkeypatch.setenv("CS336_RESULTS_DIR", str(tmp_path / "env"))
     assert results.child_env()["CS336_RESULTS_DIR"] == str(tmp_path / "env")
