@@ -16,7 +16,7 @@
 # FSDP save (ignoring the pre-allocated all-gather buffers)? (b) Profile the xl model on two GPUs and
 # look at the weight all-gathers: do they finish before the forward pass needs them?
 #
-# **Setup.** `python -m cs336_systems.distributed.fsdp_bench` (see its module docstring): the 2026 xl
+# **Setup.** `python -m cs336_systems.studies.distributed.fsdp_bench` (see its module docstring): the 2026 xl
 # model (the 2025 "2.7B": d_model 2560, 32 layers, 3.4B parameters) on 2 GPUs with 2 sequences of 512
 # tokens per GPU (the handout's batch of 4, split), naive attention, the project's AdamW. Variants:
 # `replicated` (every rank holds the whole model, its gradients and AdamW state; gradients averaged by a
@@ -38,11 +38,11 @@ import math
 
 import pandas as pd
 
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import fsdp_bench as F
-from cs336_systems.distributed.sharding_bench import GiB, latest, value
+from cs336_systems.measure.results import load_results
 from cs336_systems.model import get_config
 from cs336_systems.report import nb, show_table
+from cs336_systems.studies.distributed import fsdp_bench as F
+from cs336_systems.studies.distributed.sharding_bench import GiB, latest, value
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):

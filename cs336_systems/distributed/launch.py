@@ -2,8 +2,9 @@
 
 `mp.spawn` cannot run functions defined in a notebook, so notebooks call `run_torchrun(module, args,
 nproc)`: a fresh free port per job, `--master_addr 127.0.0.1` (plain torchrun can hang resolving the
-host name), a timeout on the whole job, the results directory and git sha passed through the
-environment, and a failed rank's traceback surfaced in the raised error.
+host name), a timeout on the whole job, extra environment for the ranks (a study passes
+`cs336_systems.measure.results.child_env(results_dir)`: where to write results, the commit measured),
+and a failed rank's traceback surfaced in the raised error.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from cs336_systems.benchmarking.results import env_metadata, results_dir
 from cs336_systems.distributed.process_group import free_port
 
 
@@ -41,7 +41,6 @@ def run_torchrun(
     *,
     timeout_s: float = 900.0,
     env: dict[str, str] | None = None,
-    results_dir_: str | os.PathLike | None = None,
     echo: bool = True,
 ) -> str:
     """Run `python -m torch.distributed.run ... -m module args` and return its combined output.
@@ -52,8 +51,6 @@ def run_torchrun(
     cmd = torchrun_command(module, args, nproc)
     full_env = dict(os.environ)
     full_env.update(
-        CS336_RESULTS_DIR=str(results_dir(results_dir_)),
-        CS336_GIT_SHA=env_metadata()["git_sha"],
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS=full_env.get("OMP_NUM_THREADS", "1"),
     )
@@ -143,7 +140,7 @@ def run_variants(
     on_failure: Callable[[str, str], None],
     nproc: int = 2,
     timeout_s: float = 900.0,
-    results_dir_: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[str]:
     """Run `variants` under torchrun, relaunching with the rest after a crash; returns the failed ones.
 
@@ -156,9 +153,7 @@ def run_variants(
     remaining = list(variants)
     while remaining:
         try:
-            run_torchrun(
-                module, launch_args(remaining), nproc, timeout_s=timeout_s, results_dir_=results_dir_
-            )
+            run_torchrun(module, launch_args(remaining), nproc, timeout_s=timeout_s, env=env)
             break
         except TorchrunError as exc:
             done = finished()

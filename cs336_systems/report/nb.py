@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from cs336_systems.benchmarking.results import REPO_ROOT
+from cs336_systems.measure.results import REPO_ROOT
 from cs336_systems.report import style
 
 COMMITTED_RESULTS_DIR = REPO_ROOT / "figures" / "data"

@@ -6,7 +6,7 @@ then `steps` timed steps with `torch.cuda.synchronize()` after every phase and
 attention implementation, activation checkpointing, NVTX/record_function ranges, and a CUDA memory
 snapshot of the timed steps. Each configuration of a sweep is OOM-guarded: failures become rows.
 
-    python -m cs336_systems.benchmarking.end_to_end --size small medium --context-length 512 \
+    python -m cs336_systems.studies.end_to_end --size small medium --context-length 512 \
         --mode forward forward_backward --warmup 5 --steps 10
 
 Forward-only mode runs under `torch.no_grad()` (inference); in the other modes the forward phase is
@@ -30,9 +30,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from cs336_systems.benchmarking.annotations import annotate
-from cs336_systems.benchmarking.results import append_rows, capture_failure, failure_row, make_row
-from cs336_systems.benchmarking.timing import PhaseTimer, synchronize
+from cs336_systems.measure.annotations import annotate
+from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
+from cs336_systems.measure.timing import PhaseTimer, synchronize
 from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config, random_batch
 
 MODES = ("forward", "forward_backward", "train")

@@ -38,9 +38,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from cs336_systems.benchmarking.budget import TimeBudget, skipped_row
-from cs336_systems.benchmarking.results import append_rows, capture_failure, failure_row, make_row
-from cs336_systems.benchmarking.timing import synchronize
+from cs336_systems.measure.budget import TimeBudget, skipped_row
+from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
+from cs336_systems.measure.timing import synchronize
 from cs336_systems.model import get_attention
 
 PROBLEM = "pytorch_attention"
@@ -391,7 +391,7 @@ def _parse_d(name: object) -> int:
 
 def results_table(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
     """(d, T) x {forward ms, backward ms, memory before backward MiB}: means, or the failure note."""
-    from cs336_systems.benchmarking.results import latest_run
+    from cs336_systems.measure.results import latest_run
 
     metrics = {
         "forward_time": "forward (ms)",
@@ -419,7 +419,7 @@ def results_table(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
 def memory_vs_accounting(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
     """Memory of the forward graph (output O + what autograd saved; allocated after the forward minus
     allocated before it) next to `attention_memory_accounting`'s prediction, in MiB."""
-    from cs336_systems.benchmarking.results import latest_run
+    from cs336_systems.measure.results import latest_run
 
     t = latest_run(df[(df.impl == impl) & (df.metric == "memory_forward_graph") & (df.note == "")])
     rows = []
@@ -438,7 +438,7 @@ def plot_scaling(df: pd.DataFrame, impl: str = "naive"):
     for backward + output), measured (markers) against `attention_memory_accounting` (lines)."""
     import matplotlib.pyplot as plt
 
-    from cs336_systems.benchmarking.results import latest_run
+    from cs336_systems.measure.results import latest_run
 
     t = latest_run(df[(df.impl == impl) & (df.note == "")])
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9.0, 3.4))

@@ -12,7 +12,7 @@ Two measurements (issue: use the kernel in the model), rows under problem "flash
   attention implementation and context length, timed with the handout protocol by
   `end_to_end.sweep` (OOM and failures become rows; nothing is lost if a later config fails).
 
-    python -m cs336_systems.benchmarking.flash_model --size 2.7B --contexts 512 1024 2048 4096 \
+    python -m cs336_systems.studies.flash_model --size 2.7B --contexts 512 1024 2048 4096 \
         --check-contexts 512 1024
 
 `--quick` runs the same code on a tiny model on the CPU (Triton interpreter, float32).
@@ -31,9 +31,9 @@ from typing import Any
 import pandas as pd
 import torch
 
-from cs336_systems.benchmarking import end_to_end as e2e
-from cs336_systems.benchmarking.results import append_rows, capture_failure, failure_row, make_row
+from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
 from cs336_systems.model import BasicsTransformerLM, cross_entropy, get_config, random_batch
+from cs336_systems.studies import end_to_end as e2e
 
 PROBLEM = "flash_end_to_end"
 IMPLS = ("naive", "sdpa", "flash_triton")

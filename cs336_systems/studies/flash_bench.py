@@ -27,7 +27,7 @@ plus forward-only/backward-only TFLOP/s and the measured bf16 matmul peak of the
 evidence behind flash_triton/OPTIMIZATION_LOG.md).
 
 Rows: problem "flash_benchmarking" (sweep) and "flash_leaderboard" (everything else).
-Run: `python -m cs336_systems.benchmarking.flash_bench [--quick] [--leaderboard] [--variants] [--tune]`.
+Run: `python -m cs336_systems.studies.flash_bench [--quick] [--leaderboard] [--variants] [--tune]`.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from tqdm.auto import tqdm
 
 from cs336_systems.attention import FlashAttentionPytorch, FlashAttentionTriton
 from cs336_systems.attention.flash_triton import launch
-from cs336_systems.benchmarking.budget import TimeBudget, skipped_row
-from cs336_systems.benchmarking.flops import attention_flops, tflops
-from cs336_systems.benchmarking.results import (
+from cs336_systems.measure.budget import TimeBudget, skipped_row
+from cs336_systems.measure.flops import attention_flops, tflops
+from cs336_systems.measure.results import (
     append_rows,
     capture_failure,
     device_name,
@@ -62,7 +62,7 @@ from cs336_systems.benchmarking.results import (
     latest_run,
     make_row,
 )
-from cs336_systems.benchmarking.timing import kernel_time, synchronize
+from cs336_systems.measure.timing import kernel_time, synchronize
 from cs336_systems.model import get_attention
 
 PROBLEM = "flash_benchmarking"

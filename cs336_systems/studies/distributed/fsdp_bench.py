@@ -37,8 +37,8 @@ host, so slack = -(duration of the wait range).
 
 Entry points as in sharding_bench (driver without torchrun, worker under it):
 
-    python -m cs336_systems.distributed.fsdp_bench --figures-dir figures      # 2 GPUs
-    python -m cs336_systems.distributed.fsdp_bench --quick                    # CPU, gloo, debug model
+    python -m cs336_systems.studies.distributed.fsdp_bench --figures-dir figures      # 2 GPUs
+    python -m cs336_systems.studies.distributed.fsdp_bench --quick                    # CPU, gloo, debug model
 """
 
 from __future__ import annotations
@@ -59,21 +59,22 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from cs336_systems.benchmarking.annotations import annotate
-from cs336_systems.benchmarking.profile import load_trace, save_trace
-from cs336_systems.benchmarking.results import (
+from cs336_systems.distributed.fsdp import FSDP
+from cs336_systems.distributed.launch import run_variants
+from cs336_systems.distributed.process_group import cleanup_process_group, setup_process_group
+from cs336_systems.measure.annotations import annotate
+from cs336_systems.measure.results import (
     append_rows,
     capture_failure,
+    child_env,
     failure_row,
     load_results,
     make_row,
 )
-from cs336_systems.benchmarking.results import results_dir as default_results_dir
-from cs336_systems.benchmarking.timing import PhaseTimer, synchronize
-from cs336_systems.distributed.fsdp import FSDP
-from cs336_systems.distributed.launch import run_variants
-from cs336_systems.distributed.process_group import cleanup_process_group, setup_process_group
-from cs336_systems.distributed.sharding_bench import (
+from cs336_systems.measure.results import results_dir as default_results_dir
+from cs336_systems.measure.timing import PhaseTimer, synchronize
+from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config, random_batch
+from cs336_systems.studies.distributed.sharding_bench import (
     GiB,
     all_reduce_gradients,
     allocated,
@@ -84,10 +85,10 @@ from cs336_systems.distributed.sharding_bench import (
     reset_peak,
     storage_bytes,
 )
-from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config, random_batch
+from cs336_systems.studies.profile import load_trace, save_trace
 
 PROBLEM = "fsdp_accounting"
-MODULE = "cs336_systems.distributed.fsdp_bench"
+MODULE = "cs336_systems.studies.distributed.fsdp_bench"
 VARIANTS = ("replicated", "fsdp", "fsdp_bf16")
 COMPUTE_DTYPE = {"replicated": None, "fsdp": None, "fsdp_bf16": torch.bfloat16}
 DTYPE_LABEL = {"replicated": "fp32", "fsdp": "fp32", "fsdp_bf16": "bf16"}
@@ -364,7 +365,7 @@ def compact_trace(trace: dict[str, Any]) -> dict[str, Any]:
 def _short(name: str) -> str:
     if name.lower().startswith("nccl"):
         return name.split("(")[0]
-    from cs336_systems.benchmarking.profile import short_kernel_name
+    from cs336_systems.studies.profile import short_kernel_name
 
     return short_kernel_name(name)
 
@@ -597,7 +598,7 @@ def run(
         MODULE, cfg.variants,
         lambda rest: ["--worker", json.dumps(asdict(FsdpBenchConfig(**{**asdict(cfg), "variants": tuple(rest)})))],
         finished=lambda: _done_variants(cfg.run_id, results_dir), on_failure=record_failure,
-        nproc=nproc, timeout_s=timeout_s, results_dir_=results_dir,
+        nproc=nproc, timeout_s=timeout_s, env=child_env(results_dir),
     )  # fmt: skip
     df = load_results(PROBLEM, results_dir)
     df = df[df.config_json.str.contains(cfg.run_id)] if not df.empty else df

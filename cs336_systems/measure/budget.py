@@ -12,7 +12,7 @@ import timeit
 from dataclasses import dataclass, field
 from typing import Any
 
-from cs336_systems.benchmarking.results import failure_row
+from cs336_systems.measure.results import failure_row
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Headline results for the README, computed from the committed tidy CSVs (never typed in).
 
-python -m cs336_systems.report.summary            # rewrite the block between the README markers
-python -m cs336_systems.report.summary --print    # print it only
+python -m cs336_systems.studies.readme_summary            # rewrite the block between the README markers
+python -m cs336_systems.studies.readme_summary --print    # print it only
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 
 import pandas as pd
 
-from cs336_systems.benchmarking.results import REPO_ROOT, latest_run, load_results
+from cs336_systems.measure.results import REPO_ROOT, latest_run, load_results
 
 START, END = "<!-- results-summary:start -->", "<!-- results-summary:end -->"
 
@@ -21,7 +21,7 @@ def _device(df: pd.DataFrame) -> str:
 
 
 def flash_section() -> str:
-    from cs336_systems.benchmarking.flash_bench import final_runs, protocol_runs
+    from cs336_systems.studies.flash_bench import final_runs, protocol_runs
 
     runs = protocol_runs(load_results("flash_leaderboard"))
     final = final_runs(runs)

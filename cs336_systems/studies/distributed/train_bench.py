@@ -37,10 +37,11 @@ on an 80 GB H100 it is marginal (OOM becomes a failure row, the sweep continues)
 Entry points (like comm_bench): under torchrun the module is a worker running the given variants
 in order; without torchrun it is the driver, which launches the workers through `run_torchrun`,
 records a failure row for a variant that crashes or runs out of memory and relaunches the remaining
-ones, then renders the figures:
+ones; `plots` renders the figures afterwards:
 
-    python -m cs336_systems.distributed.train_bench --figures-dir figures           # 2 GPUs, full sweep
-    python -m cs336_systems.distributed.train_bench --size debug --context-length 64 --backend gloo \\
+    python -m cs336_systems.studies.distributed.train_bench                                  # 2 GPUs, full sweep
+    python -m cs336_systems.studies.distributed.plots --figures-dir figures                  # its figures
+    python -m cs336_systems.studies.distributed.train_bench --size debug --context-length 64 --backend gloo \\
         --variants single naive overlap --steps 2                                    # CPU smoke run
 
 Profiler traces (one extra, untimed step after the timed ones) of the variants in `--trace` (default
@@ -69,17 +70,17 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from cs336_systems.benchmarking.annotations import annotate
-from cs336_systems.benchmarking.results import append_rows, env_metadata, failure_row, make_row
-from cs336_systems.benchmarking.results import results_dir as default_results_dir
-from cs336_systems.benchmarking.timing import synchronize
 from cs336_systems.distributed.ddp import DDP_VARIANTS, DDPBucketed, plan_buckets
 from cs336_systems.distributed.launch import TorchrunError, run_torchrun
 from cs336_systems.distributed.process_group import cleanup_process_group, rank0_print, setup_process_group
+from cs336_systems.measure.annotations import annotate
+from cs336_systems.measure.results import append_rows, child_env, env_metadata, failure_row, make_row
+from cs336_systems.measure.results import results_dir as default_results_dir
+from cs336_systems.measure.timing import synchronize
 from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config, random_batch
 
 PROBLEM = "ddp_training"
-MODULE = "cs336_systems.distributed.train_bench"
+MODULE = "cs336_systems.studies.distributed.train_bench"
 KIND_IMPL = {
     "single": "single_gpu",
     "naive": "ddp_naive",
@@ -328,7 +329,7 @@ def _trace_one_step(
 ) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from cs336_systems.distributed.trace_plot import compact_trace, save_trace
+    from cs336_systems.studies.distributed.trace_plot import compact_trace, save_trace
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -421,7 +422,6 @@ def run_sweep(
     *,
     nproc: int = 2,
     results_dir: str | None = None,
-    figures_dir: str | None = None,
     timeout_s: float | None = None,
     inject_failure: str | None = None,
 ) -> list[str]:
@@ -443,7 +443,7 @@ def run_sweep(
                 args += ["--inject-failure", inject_failure]
             limit = timeout_s if timeout_s is not None else 120.0 + 90.0 * len(remaining)
             try:
-                run_torchrun(MODULE, args, nproc, timeout_s=limit, results_dir_=results_dir)
+                run_torchrun(MODULE, args, nproc, timeout_s=limit, env=child_env(results_dir))
                 remaining = []
             except TorchrunError as exc:
                 log = Path(progress.name).read_text().splitlines()
@@ -460,10 +460,6 @@ def run_sweep(
                 failed.append(bad)
                 append_rows(PROBLEM, failure_rows_for(cfg, Variant.parse(bad), note, nproc), results_dir)
                 print(f"[train_bench] variant {bad} failed ({note}); continuing with {remaining}\n{exc}")
-    if figures_dir is not None:
-        from cs336_systems.distributed.plots import render_figures
-
-        render_figures(results_dir, figures_dir)
     return failed
 
 
@@ -488,14 +484,13 @@ def measure(
     results_dir: str | os.PathLike | None = None,
     trace: Sequence[str] = (),
     only_missing: bool = True,
-    figures_dir: str | None = None,
 ) -> list[str]:
     """What the DDP notebooks call: run the variants not yet measured (all of them if not only_missing).
 
     Real runs: the default config (XL, ctx 512, global batch 8, NCCL) on every visible GPU; quick runs:
     the debug model with gloo on 2 CPU processes. Returns the labels that were run.
     """
-    from cs336_systems.benchmarking.results import load_results
+    from cs336_systems.measure.results import load_results
 
     labels = [Variant.parse(v).label for v in variants]
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -506,8 +501,7 @@ def measure(
         missing_traces = [t for t in cfg.trace if not trace_path(results_dir, t).exists()]
         labels = [v for v in labels if v not in done or v in missing_traces]
     if labels:
-        run_sweep(cfg, labels, nproc=nproc, results_dir=None if results_dir is None else str(results_dir),
-                  figures_dir=figures_dir)  # fmt: skip
+        run_sweep(cfg, labels, nproc=nproc, results_dir=None if results_dir is None else str(results_dir))  # fmt: skip
     return labels
 
 
@@ -654,8 +648,8 @@ def bucket_model(
     real bucket (same greedy plan as DDPBucketed) is ready when its last byte is, and the all-reduces
     run one after another taking o + bytes / w each; overhead = end of the last one - end of backward.
     """
-    from cs336_systems.distributed import accounting
-    from cs336_systems.distributed.comm_bench import latency_bandwidth_from_rows
+    from cs336_systems import accounting
+    from cs336_systems.studies.distributed.comm_bench import latency_bandwidth_from_rows
 
     summ = summary(ddp_df)
     if summ.empty:
@@ -732,7 +726,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--nproc", type=int, default=None, help="driver: processes (default: #GPUs for nccl, 2 for gloo)"
     )
     p.add_argument("--timeout-s", type=float, default=None, help="driver: limit per torchrun launch")
-    p.add_argument("--figures-dir", default=None, help="driver: render the figures there afterwards")
     p.add_argument("--results-dir", default=None, help="override the results directory")
     p.add_argument("--progress-file", default=None, help=argparse.SUPPRESS)
     # Tests only: make the last rank fail in "<variant>" (or raise an OOM for "oom:<variant>").
@@ -750,7 +743,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         "resolved config:", json.dumps({**dataclasses.asdict(cfg), "variants": args.variants, "nproc": nproc})
     )
-    failed = run_sweep(cfg, args.variants, nproc=nproc, results_dir=args.results_dir, figures_dir=args.figures_dir,
+    failed = run_sweep(cfg, args.variants, nproc=nproc, results_dir=args.results_dir,
                        timeout_s=args.timeout_s, inject_failure=args.inject_failure)  # fmt: skip
     print(f"[train_bench] done; failed variants: {failed or 'none'}")
 

@@ -13,9 +13,9 @@ GB/s means 1e9 bytes/s.
 Two entry points:
 
 * worker, under torchrun (one process per rank; rank 0 appends the rows):
-      torchrun --nproc_per_node 2 -m cs336_systems.distributed.comm_bench --backend nccl
+      torchrun --nproc_per_node 2 -m cs336_systems.studies.distributed.comm_bench --backend nccl
 * driver, launching the whole grid as torchrun subprocesses (what notebooks and the GPU command use):
-      python -m cs336_systems.distributed.comm_bench --grid --gloo-procs 2 4 6 --nccl-procs auto
+      python -m cs336_systems.studies.distributed.comm_bench --grid --gloo-procs 2 4 6 --nccl-procs auto
 
 Rows go to `distributed_communication_single_node.csv`: name "all_reduce", impl "<backend>/<device>",
 mode "world<n>", x = size in MB; metrics all_reduce_time (ms), algbw and busbw (GB/s). A size that
@@ -42,13 +42,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from cs336_systems.benchmarking.results import append_rows, failure_row, load_results, make_row
-from cs336_systems.benchmarking.timing import synchronize
 from cs336_systems.distributed.launch import TorchrunError, run_torchrun
 from cs336_systems.distributed.process_group import cleanup_process_group, rank0_print, setup_process_group
+from cs336_systems.measure.results import append_rows, child_env, failure_row, load_results, make_row
+from cs336_systems.measure.timing import synchronize
 
 PROBLEM = "distributed_communication_single_node"
-MODULE = "cs336_systems.distributed.comm_bench"
+MODULE = "cs336_systems.studies.distributed.comm_bench"
 MB = 2**20
 DEFAULT_SIZES_MB = (1, 10, 100, 1024)
 BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
@@ -215,7 +215,7 @@ def run_grid(
                 "--max-iters", str(max_iters), "--budget-s", str(budget_s)]  # fmt: skip
         rows_before = len(load_results(PROBLEM, results_dir))
         try:
-            run_torchrun(MODULE, args, nproc, timeout_s=timeout_s, results_dir_=results_dir)
+            run_torchrun(MODULE, args, nproc, timeout_s=timeout_s, env=child_env(results_dir))
         except TorchrunError as exc:
             first = str(exc).splitlines()[0][:160]
             note = "OOM" if "out of memory" in str(exc).lower() else f"launch failed: {first}"

@@ -43,6 +43,12 @@ def results_dir(results_dir: str | os.PathLike | None = None) -> Path:
     return Path(os.environ.get("CS336_RESULTS_DIR", REPO_ROOT / "figures" / "data"))
 
 
+def child_env(results_dir_: str | os.PathLike | None = None) -> dict[str, str]:
+    """Environment for a subprocess that records results (e.g. torchrun ranks): where to write them,
+    and the commit measured (so a worker needs no git)."""
+    return {"CS336_RESULTS_DIR": str(results_dir(results_dir_)), "CS336_GIT_SHA": env_metadata()["git_sha"]}
+
+
 def results_path(problem: str, results_dir_: str | os.PathLike | None = None) -> Path:
     return results_dir(results_dir_) / f"{problem}.csv"
 

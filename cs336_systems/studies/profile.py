@@ -4,14 +4,14 @@ One profiled configuration runs `warmup` untraced training steps (inside a "warm
 under `torch.profiler` (CUPTI activity tracing on CUDA), one inference forward pass under
 `torch.no_grad()` (range "inference_step" > "forward") and `steps` training steps (range
 "train_step" > "forward" (incl. the loss), "backward", "optimizer_step"). The attention is the
-"naive_annotated" implementation (benchmarking/annotations.py), whose ranges "computing attention
+"naive_annotated" implementation (measure/annotations.py), whose ranges "computing attention
 scores", "computing softmax" and "final matmul" sit inside every forward. Every range is both a
 `record_function` (seen by torch.profiler) and an NVTX range, so the same script runs under
 `nsys profile` with `--profiler none`:
 
-    python -m cs336_systems.benchmarking.profile --size small medium --context-length 128 256 512 1024
+    python -m cs336_systems.studies.profile --size small medium --context-length 128 256 512 1024
     nsys profile -o small512 --trace=cuda,nvtx,osrt --pytorch=autograd-nvtx \\
-        python -m cs336_systems.benchmarking.profile --size small --context-length 512 --profiler none
+        python -m cs336_systems.studies.profile --size small --context-length 512 --profiler none
 
 The exported Chrome trace is reduced to per-range kernel tables (`kernel_table`, `summarize`),
 tidy rows for the problem "nsys_profile" (`profile_rows`), and a timeline figure of one training
@@ -77,11 +77,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from cs336_systems.benchmarking.annotations import ATTENTION_RANGES, annotate
-from cs336_systems.benchmarking.end_to_end import AUTOCAST_DTYPES, EndToEndConfig, build_workload
-from cs336_systems.benchmarking.results import append_rows, capture_failure, failure_row, make_row
-from cs336_systems.benchmarking.timing import PhaseTimer, synchronize
+from cs336_systems.measure.annotations import ATTENTION_RANGES, annotate
+from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
+from cs336_systems.measure.timing import PhaseTimer, synchronize
 from cs336_systems.model import get_config
+from cs336_systems.studies.end_to_end import AUTOCAST_DTYPES, EndToEndConfig, build_workload
 
 PROBLEM = "nsys_profile"
 SCOPES = {"inference_step": "inference", "train_step": "train"}

@@ -24,11 +24,11 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from cs336_systems.benchmarking.budget import TimeBudget, skipped_row
-from cs336_systems.benchmarking.end_to_end import PHASES, EndToEndConfig, _config_record, run_one
-from cs336_systems.benchmarking.pytorch_attention import HEAD_DIMS, SEQ_LENS, attention_grid, attention_sweep
-from cs336_systems.benchmarking.results import append_rows, make_row
+from cs336_systems.measure.budget import TimeBudget, skipped_row
+from cs336_systems.measure.results import append_rows, make_row
 from cs336_systems.model import SIZES_2025, get_config
+from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, _config_record, run_one
+from cs336_systems.studies.pytorch_attention import HEAD_DIMS, SEQ_LENS, attention_grid, attention_sweep
 
 PROBLEM = "torch_compile"
 CONTEXT_LENGTH = 512
@@ -156,7 +156,7 @@ def torch_compile_study(
     """Notebook entry point for both parts. Quick (CPU): a tiny attention grid, eager and compiled with
     the aot_eager backend (Dynamo + AOTAutograd without Inductor's minutes of C++ compilation), and
     the debug model eager with its compiled cells recorded as skipped. Otherwise the full grids."""
-    from cs336_systems.benchmarking.pytorch_attention import attention_grid, attention_sweep
+    from cs336_systems.studies.pytorch_attention import attention_grid, attention_sweep
 
     if quick:
         kw: dict[str, Any] = dict(reps=3, warmup=1, device=device or "cpu")
@@ -181,7 +181,7 @@ def _fmt(r: pd.Series) -> str:
 
 def attention_speedup_table(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.DataFrame:
     """(d, T) x {forward, backward} eager ms, compiled ms and speedup (eager / compiled)."""
-    from cs336_systems.benchmarking.results import latest_run
+    from cs336_systems.measure.results import latest_run
 
     parts = []
     for label, df in (("eager", eager), ("compiled", compiled)):
@@ -215,7 +215,7 @@ def attention_speedup_table(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.D
 
 def whole_model_table(df: pd.DataFrame) -> pd.DataFrame:
     """size x {forward, train} step ms eager and compiled, speedup, and compile seconds."""
-    from cs336_systems.benchmarking.results import latest_run
+    from cs336_systems.measure.results import latest_run
 
     t = latest_run(df[(df.x_name == "context_length") & df.metric.isin(["step_time", "compile_time"])])
     if t.empty:

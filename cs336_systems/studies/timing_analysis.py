@@ -1,7 +1,7 @@
 """Tables and figures of benchmarking_script, benchmarking_mixed_precision and nsys_profile from tidy rows.
 
 Everything here reads the rows written by `end_to_end`, `autocast_study`, `profile` and
-`section1_gpu_a` (through `results.load_results`) and returns data frames or matplotlib figures for
+`timing_gpu_run` (through `results.load_results`) and returns data frames or matplotlib figures for
 the notebooks; nothing measures. Failure rows (OOM, skipped) show their note in place of a number.
 """
 
@@ -15,9 +15,9 @@ import matplotlib.ticker as mticker
 import numpy as np
 import pandas as pd
 
-from cs336_systems.benchmarking.profile import CLASS_COLORS, KERNEL_CLASSES, class_shares
-from cs336_systems.benchmarking.results import latest_run
+from cs336_systems.measure.results import latest_run
 from cs336_systems.model import MODEL_SIZES
+from cs336_systems.studies.profile import CLASS_COLORS, KERNEL_CLASSES, class_shares
 
 SIZE_ORDER = list(MODEL_SIZES)
 KEYS = ("name", "impl", "mode", "dtype", "x_name", "x_value", "metric")

@@ -1,7 +1,7 @@
 """One GPU run for benchmarking_script, nsys_profile and benchmarking_mixed_precision (budgeted).
 
-    python -m cs336_systems.benchmarking.section1_gpu_a --out build/section1_gpu_a        # one H200
-    python -m cs336_systems.benchmarking.section1_gpu_a --out /tmp/s1a --quick            # CPU, debug size
+    python -m cs336_systems.studies.timing_gpu_run --out build/timing_gpu_run        # one H200
+    python -m cs336_systems.studies.timing_gpu_run --out /tmp/s1a --quick            # CPU, debug size
 
 Stages, in order (rows appended to `$CS336_RESULTS_DIR/<problem>.csv` as each configuration ends):
 1. toy-model dtype table under fp16 autocast (benchmarking_mixed_precision (a));
@@ -43,12 +43,12 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from cs336_systems.benchmarking import autocast_study, profile
-from cs336_systems.benchmarking.budget import TimeBudget
-from cs336_systems.benchmarking.end_to_end import MODES, PHASES, EndToEndConfig, grid, run_one
-from cs336_systems.benchmarking.results import REPO_ROOT, append_rows, failure_row, load_results
-from cs336_systems.benchmarking.results import results_dir as default_results_dir
+from cs336_systems.measure.budget import TimeBudget
+from cs336_systems.measure.results import REPO_ROOT, append_rows, failure_row, load_results
+from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.model import SIZES_2025, get_config
+from cs336_systems.studies import autocast_study, profile
+from cs336_systems.studies.end_to_end import MODES, PHASES, EndToEndConfig, grid, run_one
 
 BENCH = "benchmarking_script"
 MIXED = autocast_study.PROBLEM
@@ -195,7 +195,7 @@ def run_warmup_ablation(plan: Plan, results_dir=None, budget: TimeBudget | None 
         )
         reason = budget.skip_reason(est)
         if reason is None:
-            cmd = [sys.executable, "-m", "cs336_systems.benchmarking.end_to_end", "--size", *plan.ablation_sizes,
+            cmd = [sys.executable, "-m", "cs336_systems.studies.end_to_end", "--size", *plan.ablation_sizes,
                    "--context-length", str(plan.context_length), "--mode", "train", "--warmup", str(w),
                    "--steps", str(plan.steps), "--x-axis", "warmup", "--problem", BENCH, "--results-dir", results,
                    "--device", plan.device]  # fmt: skip
@@ -271,7 +271,7 @@ def render_timeline(trace_path, png_path) -> Path:
 
 
 def _git_sha() -> str:
-    from cs336_systems.benchmarking.results import env_metadata
+    from cs336_systems.measure.results import env_metadata
 
     return env_metadata()["git_sha"]
 

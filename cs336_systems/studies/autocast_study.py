@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cs336_systems.benchmarking.end_to_end import EndToEndConfig, grid
-from cs336_systems.benchmarking.results import make_row
+from cs336_systems.measure.results import make_row
 from cs336_systems.model import SIZES_2025
+from cs336_systems.studies.end_to_end import EndToEndConfig, grid
 
 PROBLEM = "benchmarking_mixed_precision"
 OPERANDS = "fc1 matmul operands (autocast's cast copies)"

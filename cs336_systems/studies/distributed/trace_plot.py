@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from cs336_systems.benchmarking.profile import load_trace, save_trace, short_kernel_name
+from cs336_systems.studies.profile import load_trace, save_trace, short_kernel_name
 
 PHASES = ("forward", "backward", "ddp_sync", "optimizer_step")
 PHASE_COLORS = {

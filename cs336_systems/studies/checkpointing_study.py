@@ -29,11 +29,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from cs336_systems.benchmarking.budget import TimeBudget, skipped_row
-from cs336_systems.benchmarking.end_to_end import PHASES, EndToEndConfig, _config_record, build_workload
-from cs336_systems.benchmarking.memory import _make_block, block_saved_memory, residual_stream_bytes
-from cs336_systems.benchmarking.results import append_rows, capture_failure, failure_row, make_row
-from cs336_systems.benchmarking.timing import PhaseTimer, synchronize
+from cs336_systems.measure.budget import TimeBudget, skipped_row
+from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
+from cs336_systems.measure.timing import PhaseTimer, synchronize
 from cs336_systems.model import get_config
 from cs336_systems.model.checkpointing import (
     _attention_half,
@@ -43,6 +41,8 @@ from cs336_systems.model.checkpointing import (
     optimal_group_size,
     saved_tensors,
 )
+from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, _config_record, build_workload
+from cs336_systems.studies.memory import _make_block, block_saved_memory, residual_stream_bytes
 
 PROBLEM = "gradient_checkpointing"
 SIZE = "xl_2026"
@@ -226,7 +226,7 @@ STRATEGY_LABELS = {"none": "no checkpointing", "block": "one level, k blocks", "
 
 def measured_table(df: pd.DataFrame) -> pd.DataFrame:
     """Strategy x {peak memory GiB, step ms}: means, or the failure / skip note (latest rows)."""
-    from cs336_systems.benchmarking.results import latest_run
+    from cs336_systems.measure.results import latest_run
 
     t = latest_run(
         df[df.metric.isin(["peak_memory", "step_time"])], keys=("name", "impl", "x_value", "metric")

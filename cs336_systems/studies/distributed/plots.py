@@ -5,11 +5,13 @@
 * `plot_bucket_sweep`: step time against bucket size (ours and PyTorch DDP), unbucketed variants as lines.
 * `plot_bucket_model`: the overhead model of ddp_bucketed_benchmarking (b) against the measured sweep.
 * `plot_ddp_timelines`: profiler timelines of one step (trace_plot), e.g. naive vs overlapped.
-* `render_figures(results_dir, figures_dir)`: every figure the available results allow.
+* `render_figures(results_dir, figures_dir)`: every figure the available results allow; also the CLI
+  `python -m cs336_systems.studies.distributed.plots --figures-dir figures [--results-dir DIR]`.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from collections.abc import Sequence
@@ -28,7 +30,7 @@ def plot_all_reduce(df: pd.DataFrame):
     """Two panels over tensor size (log-log): all-reduce time (p50, p20-p80 band) and bus bandwidth."""
     import matplotlib.pyplot as plt
 
-    from cs336_systems.distributed.comm_bench import tidy
+    from cs336_systems.studies.distributed.comm_bench import tidy
 
     t = tidy(df[df.note == ""])
     if t.empty:
@@ -152,8 +154,8 @@ def plot_bucket_model(model: dict):
 
 def plot_ddp_timelines(results_dir: str | os.PathLike | None, labels: Sequence[str] = ("naive", "overlap")):
     """Stacked timelines of the saved one-step traces of `labels` (ddp_training__trace_<label>.json.gz)."""
-    from cs336_systems.distributed.trace_plot import compact_trace, load_trace, plot_timelines
-    from cs336_systems.distributed.train_bench import trace_path
+    from cs336_systems.studies.distributed.trace_plot import compact_trace, load_trace, plot_timelines
+    from cs336_systems.studies.distributed.train_bench import trace_path
 
     traces = {}
     for label in labels:
@@ -173,12 +175,12 @@ def render_figures(results_dir: str | os.PathLike | None, figures_dir: str | os.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cs336_systems.benchmarking.results import load_results
-    from cs336_systems.distributed.comm_bench import PROBLEM as COMM
-    from cs336_systems.distributed.train_bench import PROBLEM as DDP
-    from cs336_systems.distributed.train_bench import bucket_model, summary
+    from cs336_systems.measure.results import load_results
     from cs336_systems.report.figures import save_figure
     from cs336_systems.report.style import apply_style
+    from cs336_systems.studies.distributed.comm_bench import PROBLEM as COMM
+    from cs336_systems.studies.distributed.train_bench import PROBLEM as DDP
+    from cs336_systems.studies.distributed.train_bench import bucket_model, summary
 
     apply_style()
     comm, ddp = load_results(COMM, results_dir), load_results(DDP, results_dir)
@@ -205,3 +207,17 @@ def render_figures(results_dir: str | os.PathLike | None, figures_dir: str | os.
         written.append(Path(figures_dir) / f"{name}.png")
         print(f"[figures] wrote {written[-1]}")
     return written
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description="Render the figures of the distributed problems from their results."
+    )
+    p.add_argument("--figures-dir", required=True, help="where the PNG/PDF files go")
+    p.add_argument("--results-dir", default=None, help="override the results directory")
+    args = p.parse_args(argv)
+    render_figures(args.results_dir, args.figures_dir)
+
+
+if __name__ == "__main__":
+    main()

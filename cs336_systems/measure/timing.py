@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cs336_systems.benchmarking.results import summarize
+from cs336_systems.measure.results import summarize
 
 
 def synchronize(device: torch.device | str | None = None) -> None:

@@ -48,11 +48,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cs336_systems.benchmarking.end_to_end import EndToEndConfig, _config_record, build_workload
-from cs336_systems.benchmarking.results import REPO_ROOT, capture_failure, failure_row, make_row
-from cs336_systems.benchmarking.timing import PhaseTimer, synchronize
+from cs336_systems.measure.results import REPO_ROOT, capture_failure, failure_row, make_row
+from cs336_systems.measure.timing import PhaseTimer, synchronize
 from cs336_systems.model import RotaryEmbedding, TransformerBlock, get_config
 from cs336_systems.model.checkpointing import saved_tensors, saved_tensors_by_op
+from cs336_systems.studies.end_to_end import EndToEndConfig, _config_record, build_workload
 
 PROBLEM = "memory_profiling"
 MODEL_SIZE = "2.7B"
@@ -219,7 +219,7 @@ def capture_step(
 def _profile_step_cpu(work: Any, timer: _MarkingTimer) -> dict[str, Any]:
     from torch.cuda._memory_viz import _profile_to_snapshot
 
-    from cs336_systems.benchmarking.profile import _kineto_logs_filtered  # Kineto's fd-2 chatter
+    from cs336_systems.studies.profile import _kineto_logs_filtered  # Kineto's fd-2 chatter
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     with (
@@ -794,7 +794,7 @@ def _cell(row: pd.Series, digits: int = 2) -> str:
 
 def peak_table(df: pd.DataFrame, metric: str = "peak_memory") -> pd.DataFrame:
     """Peak memory (GiB, or the failure note) by context length x (precision, mode), latest rows."""
-    from cs336_systems.benchmarking.results import latest_run
+    from cs336_systems.measure.results import latest_run
 
     t = latest_run(df[(df.metric == metric) & (df.x_name == "context_length")])
     if t.empty:
@@ -831,7 +831,7 @@ def count_allocations(tl: Timeline, nbytes: int) -> int:
 
 def peak_values(df: pd.DataFrame, metric: str = "peak_memory") -> pd.DataFrame:
     """Like `peak_table`, numeric (failures are NaN)."""
-    from cs336_systems.benchmarking.results import latest_run
+    from cs336_systems.measure.results import latest_run
 
     t = latest_run(df[(df.metric == metric) & (df.x_name == "context_length")])
     if t.empty:

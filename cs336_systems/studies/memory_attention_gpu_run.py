@@ -1,6 +1,6 @@
 """All GPU measurements of memory_profiling, pytorch_attention, torch_compile and gradient_checkpointing.
 
-    python -m cs336_systems.benchmarking.section1_gpu_b --out figures/data/memory_profiling
+    python -m cs336_systems.studies.memory_attention_gpu_run --out figures/data/memory_profiling
 
 One process, one GPU, a wall-clock budget (default 360 s) split into parts that run in this order:
 
@@ -18,8 +18,8 @@ a part does not use passes to the next, and the last part gets whatever is left.
 32/48-layer models takes minutes, so the default run measures only the first sizes of compile_model;
 the rest can be measured by separate runs that append to the same results, e.g.
 
-    python -m cs336_systems.benchmarking.section1_gpu_b --parts compile_model --budget 590 \
-        --compile-sizes medium large --out build/section1_gpu_b_compile Inside a part, configurations that would not fit are recorded as "skipped:"
+    python -m cs336_systems.studies.memory_attention_gpu_run --parts compile_model --budget 590 \
+        --compile-sizes medium large --out build/memory_attention_gpu_run_compile Inside a part, configurations that would not fit are recorded as "skipped:"
 rows (never silently dropped); OOMs are failure rows. Rows go to `$CS336_RESULTS_DIR/<problem>.csv`;
 `--out` receives the gzip'd snapshots, preview figures, the (e) table and `manifest.json` (what
 ran, for how long, what was skipped).
@@ -43,14 +43,14 @@ from typing import Any
 import pandas as pd
 import torch
 
-from cs336_systems.benchmarking import memory as mem
-from cs336_systems.benchmarking.budget import TimeBudget, skipped_row
-from cs336_systems.benchmarking.checkpointing_study import checkpointing_sweep
-from cs336_systems.benchmarking.compile_study import attention_compile_sweep, whole_model_compile_sweep
-from cs336_systems.benchmarking.end_to_end import _config_record
-from cs336_systems.benchmarking.pytorch_attention import attention_grid, attention_sweep
-from cs336_systems.benchmarking.results import REPO_ROOT, append_rows
+from cs336_systems.measure.budget import TimeBudget, skipped_row
+from cs336_systems.measure.results import REPO_ROOT, append_rows
 from cs336_systems.model import SIZES_2025
+from cs336_systems.studies import memory as mem
+from cs336_systems.studies.checkpointing_study import checkpointing_sweep
+from cs336_systems.studies.compile_study import attention_compile_sweep, whole_model_compile_sweep
+from cs336_systems.studies.end_to_end import _config_record
+from cs336_systems.studies.pytorch_attention import attention_grid, attention_sweep
 
 PARTS = ("memory", "checkpointing", "block_saved", "attention", "attention_compiled", "compile_model")
 # Seconds per part (the last part takes the remainder of the total budget).
@@ -63,7 +63,7 @@ _T0 = timeit.default_timer()  # the budget starts here: CUDA start-up counts (th
 
 
 def _log(msg: str) -> None:
-    print(f"[section1_gpu_b] {msg}", flush=True)
+    print(f"[memory_attention_gpu_run] {msg}", flush=True)
 
 
 def run_memory(
@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.quick and "CS336_RESULTS_DIR" not in os.environ:
-        os.environ["CS336_RESULTS_DIR"] = tempfile.mkdtemp(prefix="section1_gpu_b-")
+        os.environ["CS336_RESULTS_DIR"] = tempfile.mkdtemp(prefix="memory_attention_gpu_run-")
     results_dir = os.environ.get("CS336_RESULTS_DIR")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -197,7 +197,9 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
          f"budget={args.budget:.0f}s, parts={args.parts}, results={results_dir or 'figures/data'}, out={out}")  # fmt: skip
     # minus a margin for the last configuration's overrun and for writing the manifest
     total = TimeBudget(
-        max(args.budget - SAFETY_MARGIN_S, 0.0), start=start or timeit.default_timer(), label="section1_gpu_b"
+        max(args.budget - SAFETY_MARGIN_S, 0.0),
+        start=start or timeit.default_timer(),
+        label="memory_attention_gpu_run",
     )
     q, dev = args.quick, args.device
     backend = args.compile_backend or ("aot_eager" if q else "inductor")

@@ -10,7 +10,7 @@ The toy model has the features that break careless implementations: a frozen bia
 (requires_grad=False: no gradient, no communication), a fixed non-trainable parameter, and a weight
 used twice (fc4.weight is fc2.weight: one gradient, reduced once).
 
-    torchrun --nproc_per_node 2 -m cs336_systems.distributed.ddp_check --out check.json   # worker
+    torchrun --nproc_per_node 2 -m cs336_systems.studies.distributed.ddp_check --out check.json   # worker
     check_against_single_process(["naive", "flat"], world_size=2)                          # driver
 """
 
@@ -33,7 +33,7 @@ from cs336_systems.distributed.ddp import DDP_VARIANTS, DDPBucketed
 from cs336_systems.distributed.launch import run_torchrun
 from cs336_systems.distributed.process_group import cleanup_process_group, setup_process_group
 
-MODULE = "cs336_systems.distributed.ddp_check"
+MODULE = "cs336_systems.studies.distributed.ddp_check"
 
 
 class TiedToyModel(nn.Module):

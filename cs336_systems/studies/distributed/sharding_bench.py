@@ -30,8 +30,8 @@ Entry points: under torchrun the module is a worker that runs the variants in or
 is the driver, which launches the workers with `run_torchrun`, records a failure row for a variant
 that crashes (e.g. out of memory) and relaunches the rest, then renders the figures:
 
-    python -m cs336_systems.distributed.sharding_bench --figures-dir figures            # 2 GPUs
-    python -m cs336_systems.distributed.sharding_bench --quick                          # CPU, gloo, debug
+    python -m cs336_systems.studies.distributed.sharding_bench --figures-dir figures            # 2 GPUs
+    python -m cs336_systems.studies.distributed.sharding_bench --quick                          # CPU, gloo, debug
 """
 
 from __future__ import annotations
@@ -52,23 +52,24 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from cs336_systems.benchmarking.annotations import annotate
-from cs336_systems.benchmarking.results import (
+from cs336_systems import accounting
+from cs336_systems.distributed.launch import run_variants
+from cs336_systems.distributed.process_group import cleanup_process_group, setup_process_group
+from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
+from cs336_systems.measure.annotations import annotate
+from cs336_systems.measure.results import (
     append_rows,
     capture_failure,
+    child_env,
     failure_row,
     load_results,
     make_row,
 )
-from cs336_systems.benchmarking.timing import PhaseTimer, synchronize
-from cs336_systems.distributed import accounting
-from cs336_systems.distributed.launch import run_variants
-from cs336_systems.distributed.process_group import cleanup_process_group, setup_process_group
-from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
+from cs336_systems.measure.timing import PhaseTimer, synchronize
 from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config, random_batch
 
 PROBLEM = "optimizer_state_sharding_accounting"
-MODULE = "cs336_systems.distributed.sharding_bench"
+MODULE = "cs336_systems.studies.distributed.sharding_bench"
 VARIANTS = ("unsharded", "sharded", "torch_zero")
 IMPL = {"unsharded": "unsharded", "sharded": "sharded_optimizer", "torch_zero": "zero_redundancy_optimizer"}
 POINTS = ("after_init", "first:before_step", "first:after_step", "steady:before_step", "steady:after_step")
@@ -356,7 +357,7 @@ def run(
         MODULE, cfg.variants,
         lambda rest: ["--worker", json.dumps(asdict(BenchConfig(**{**asdict(cfg), "variants": tuple(rest)})))],
         finished=lambda: _done_variants(cfg.run_id, results_dir), on_failure=record_failure,
-        nproc=nproc, timeout_s=timeout_s, results_dir_=results_dir,
+        nproc=nproc, timeout_s=timeout_s, env=child_env(results_dir),
     )  # fmt: skip
     df = load_results(PROBLEM, results_dir)
     df = df[df.config_json.str.contains(cfg.run_id)] if not df.empty else df
