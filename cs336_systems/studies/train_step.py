@@ -37,15 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cs336_systems.benchmarking.flops import peak_flops
-from cs336_systems.benchmarking.results import (
+from cs336_systems.accounting.hardware import peak_flops
+from cs336_systems.measure.results import (
     append_rows,
     capture_failure,
     device_name,
     failure_row,
     make_row,
 )
-from cs336_systems.benchmarking.timing import kernel_time, synchronize
+from cs336_systems.measure.timing import kernel_time, synchronize
 from cs336_systems.model import MODEL_SIZES, BasicsTransformerLM, ModelConfig
 from cs336_systems.model.loss import random_batch
 from cs336_systems.training import FusedAdamW, TrainStepConfig, build_train_step
