@@ -340,7 +340,7 @@ class _DomSummary(HTMLParser):
     def handle_data(self, data):
         if not any(t in ("style", "script") for t in self._in):
             self.text.append(data)
-        if "h1" in self._in and data.strip():
+        if "h1" in self._in and data.strip() not in ("", "\u00b6"):  # not Lab's anchor-link pilcrow
             self.h1.append(data.strip())
 
     def count(self, cls: str) -> int:
