@@ -48,6 +48,7 @@ class TrainStepConfig:
     autocast: bool = False  # bf16 autocast for forward and loss
     attention: str = "naive"
     compile: bool = False  # torch.compile each block ([Note: compile per block])
+    compile_mode: str = "default"  # torch.compile mode, e.g. "max-autotune-no-cudagraphs"
     optimizer: str = "reference"  # "reference" (per-parameter loop) or "fused" (multi-tensor Triton)
     bf16_weights: bool = False  # fused optimizer keeps fp32 masters, the model computes in bf16
     overlap: bool = False  # fused optimizer updates each block from inside backward
@@ -144,7 +145,7 @@ def build_train_step(model: BasicsTransformerLM, cfg: TrainStepConfig) -> TrainS
             optimizer.overlap_with_backward(cfg.overlap_programs)
     if cfg.compile:
         for block in model.layers:
-            block.compile()
+            block.compile(mode=cfg.compile_mode)
     stream = None
     if cfg.overlap and next(model.parameters()).is_cuda:
         stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
