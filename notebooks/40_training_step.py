@@ -32,7 +32,8 @@ from cs336_systems.studies import train_step
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, quick=quick):
-    argv = ["--quick"] if quick else ["--size", size, "--context-length", *map(str, context_lengths)]
+    argv = (["--quick", "--parts", "compare", "waterfall"] if quick
+            else ["--size", size, "--context-length", *map(str, context_lengths)])  # fmt: skip
     train_step.main([*argv, "--results-dir", str(results_dir)])
 df = latest_run(load_results(train_step.PROBLEM, results_dir), keys=("name", "impl", "x_value", "metric"))
 facts = train_step.facts(df)
