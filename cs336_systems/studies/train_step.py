@@ -209,13 +209,23 @@ def ours_config(args) -> TrainStepConfig:
     )
 
 
+def ours_label(args) -> str:
+    """'ours' for `TrainStepConfig.fastest()`; options that differ from it are named in the label."""
+    label = "ours"
+    if args.overlap:
+        label += " +overlap" + (f" (grid {args.overlap_programs})" if args.overlap_programs else "")
+    if args.compile_mode != "default":
+        label += f" +{args.compile_mode}"
+    return label
+
+
 def _build(path: str, cfg: ModelConfig, state: dict, args, stage: dict | None = None):
     model = BasicsTransformerLM.from_config(cfg, device=args.device)
     model.load_state_dict(state)
     hp = dict(lr=args.lr, weight_decay=args.weight_decay)
     if path == "stock":
         return StockStep(model, compile=args.compile, **hp)
-    if path == "ours":
+    if path.startswith("ours"):
         return build_train_step(model, ours_config(args))
     return build_train_step(model, TrainStepConfig(**stage, **hp))
 
@@ -229,7 +239,7 @@ def _first_step_s(step, batch) -> float:
 
 def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: float) -> list[dict]:
     """Stock vs ours, interleaved rounds; returns rows (a failure row per path that could not run)."""
-    paths = ["stock", "ours"]
+    paths = ["stock", ours_label(args)]
     steps, times, extra = {}, {p: [] for p in paths}, {}
     flops = step_flops(cfg, args.batch_size, run_cfg["context_length"])
     datasheet = peak_flops(device_name(), "bf16")
