@@ -99,5 +99,5 @@ def plot_timeline(
             frameon=False,
         )
     if title:
-        ax.set_title(title, fontsize=title_size)
+        ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))
     return fig

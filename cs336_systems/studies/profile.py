@@ -58,6 +58,10 @@ from cs336_systems.model import get_config
 from cs336_systems.studies.end_to_end import AUTOCAST_DTYPES, EndToEndConfig, build_workload
 from cs336_systems.studies.profile_analysis import (
     attention_ratio,
+    by_size,
+    facts,
+    forward_table,
+    gemm_family,
     class_shares,
     failures,
     kernel_ranking,
@@ -89,6 +93,10 @@ __all__ = [
     "ProfileResult",
     "attention_flops",
     "attention_ratio",
+    "by_size",
+    "facts",
+    "forward_table",
+    "gemm_family",
     "class_shares",
     "classify_kernel",
     "failure_rows",
