@@ -54,8 +54,8 @@ def test_events_frame_attributes_kernels_by_launch_and_range_at():
 
     events = traces.events_frame(_gpu_trace())
     device = events[events.kind == "device"]
-    assert list(device.launch_us) == [5, 95, 150, 160] and set(device.attribution) == {"launch"}
-    assert list(device.stream) == ["7", "7", "7", "20"]
+    assert list(device.launch_us) == [5, 95, 160, 150] and set(device.attribution) == {"launch"}
+    assert list(device.stream) == ["7", "7", "20", "7"]
     ranges = events[events.kind == "range"]
     assert traces.range_at(device.launch_us, ranges) == ["forward", "forward", "backward", "backward"]
     assert traces.range_at([1000.0], ranges) == [""]
