@@ -308,6 +308,8 @@ def prepare_backward(
     backward_kernels.flash_bwd_preprocess_kernel[(batch * heads, triton.cdiv(n_q, pre_m))](
         o4, do4, delta, strides3(o4), strides3(do4), heads, n_q, D=d, BLOCK_D=block_d, BLOCK_M=pre_m
     )
+    if _tma_possible(q.device, q4, k4, v4, do4, dq4, dk4, dv4):
+        _set_tma_allocator(q.device)  # for launch_bwd, here or in flash_bench's tuning
     return (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta), (dq, dk, dv)
 
 
@@ -324,8 +326,6 @@ def flash_bwd(
     n_k = k4.shape[2]
     opts = tiles.pinned_options()
     tma = use_tma(opts, q.device, *tensors[:7])
-    if tma:
-        _set_tma_allocator(q.device)
     tiles.choose_and_run(
         "bwd",
         tuning_key(n_q, n_k, d, q.dtype, is_causal),
