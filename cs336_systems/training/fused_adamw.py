@@ -24,10 +24,9 @@ buffers (inspection and tests), not a compact checkpoint format.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import weakref
 
 import torch
 from torch import Tensor, nn
