@@ -35,10 +35,19 @@ results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
 df = accumulation_experiment(steps=steps, increment=increment)
-headers = {"case": "case", "result": "result", "increment_stored": "0.01 as stored",
-           "representation_error": "representation error", "accumulation_error": "accumulation error"}  # fmt: skip
-formats = {"result": "{:.6f}", "0.01 as stored": "{:.10f}", "representation error": "{:+.2e}",
-           "accumulation error": "{:+.2e}"}  # fmt: skip
+headers = {
+    "case": "case",
+    "result": "result",
+    "increment_stored": "0.01 as stored",
+    "representation_error": "representation error",
+    "accumulation_error": "accumulation error",
+}
+formats = {
+    "result": "{:.6f}",
+    "0.01 as stored": "{:.10f}",
+    "representation error": "{:+.2e}",
+    "accumulation error": "{:+.2e}",
+}
 show_table(
     df[list(headers)].rename(columns=headers),
     caption=f"Sum of {steps} additions of {increment} (exact: {steps * increment:g})",

@@ -42,12 +42,19 @@ nb.have_results(df)
 rows = []
 for ctx, f in sorted((k, v) for k, v in facts.items() if isinstance(k, int)):
     for path in ("stock", "ours"):
-        rows.append({
-            "context": ctx, "step": path, "step (ms)": f[f"{path}_ms"], "forward": f[f"{path}_forward_ms"],
-            "backward": f[f"{path}_backward_ms"], "optimizer": f[f"{path}_optimizer_ms"],
-            "peak (GiB)": f[f"{path}_peak_memory_gib"], "MFU datasheet": f[f"{path}_mfu_datasheet"],
-            "MFU measured peak": f[f"{path}_mfu_measured_peak"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "context": ctx,
+                "step": path,
+                "step (ms)": f[f"{path}_ms"],
+                "forward": f[f"{path}_forward_ms"],
+                "backward": f[f"{path}_backward_ms"],
+                "optimizer": f[f"{path}_optimizer_ms"],
+                "peak (GiB)": f[f"{path}_peak_memory_gib"],
+                "MFU datasheet": f[f"{path}_mfu_datasheet"],
+                "MFU measured peak": f[f"{path}_mfu_measured_peak"],
+            }
+        )
 import pandas as pd
 
 show_table(

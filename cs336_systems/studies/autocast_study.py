@@ -129,10 +129,21 @@ def dtype_rows(table: pd.DataFrame, problem: str = PROBLEM) -> list[dict[str, An
     for order, (quantity, observed) in enumerate(table.itertuples(index=False)):
         first = getattr(torch, observed.split(",")[0].strip().replace("torch.", ""), None)
         bits = _BITS.get(first) if isinstance(first, torch.dtype) else None
-        rows.append(make_row(problem=problem, name="toy_model", impl=label, mode=quantity, dtype=observed,
-                             x_name="order", x_value=order, metric="observed_dtype_bits", unit="bits",
-                             value=float(bits) if bits else None,
-                             config={"device": device, "autocast_dtype": ac, "model": "ToyModel(32, 8)"}))  # fmt: skip
+        rows.append(
+            make_row(
+                problem=problem,
+                name="toy_model",
+                impl=label,
+                mode=quantity,
+                dtype=observed,
+                x_name="order",
+                x_value=order,
+                metric="observed_dtype_bits",
+                unit="bits",
+                value=float(bits) if bits else None,
+                config={"device": device, "autocast_dtype": ac, "model": "ToyModel(32, 8)"},
+            )
+        )
     return rows
 
 
@@ -158,14 +169,16 @@ def layernorm_precision(
         sq = (x - mean) * (x - mean)  # squared deviations, in `dtype`
         var = sq.mean(dim=-1, keepdim=True)
         out = (x - mean) * torch.rsqrt(var + 1e-5)
-        rows.append({
-            "dtype": str(dtype).replace("torch.", ""),
-            "max |x - mean|": float((ref_x - ref_x.mean(dim=-1, keepdim=True)).abs().max()),
-            "largest finite value": float(torch.finfo(dtype).max),
-            "squares overflowed": bool(torch.isinf(sq).any()),
-            "variance rel. error": float(((var.double() - ref_var).abs() / ref_var).max()),
-            "output max abs error": float((out.double() - ref).abs().max()),
-        })  # fmt: skip
+        rows.append(
+            {
+                "dtype": str(dtype).replace("torch.", ""),
+                "max |x - mean|": float((ref_x - ref_x.mean(dim=-1, keepdim=True)).abs().max()),
+                "largest finite value": float(torch.finfo(dtype).max),
+                "squares overflowed": bool(torch.isinf(sq).any()),
+                "variance rel. error": float(((var.double() - ref_var).abs() / ref_var).max()),
+                "output max abs error": float((out.double() - ref).abs().max()),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -182,5 +195,12 @@ def timing_configs(
     """fp32 vs bf16-autocast end_to_end configurations (forward-only, and a training step whose rows
     give forward, backward and optimizer times separately)."""
     kw = {"device": device} if device else {}
-    return grid(size=list(sizes), context_length=context_length, mode=list(modes), autocast=list(autocast),
-                warmup=warmup, steps=steps, **kw)  # fmt: skip
+    return grid(
+        size=list(sizes),
+        context_length=context_length,
+        mode=list(modes),
+        autocast=list(autocast),
+        warmup=warmup,
+        steps=steps,
+        **kw,
+    )

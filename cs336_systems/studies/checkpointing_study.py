@@ -117,21 +117,42 @@ def cost_table(
 
 
 def study_config(
-    strategy: str, group: int | None, *, size: str = SIZE, batch_size: int = BATCH_SIZE,
-    context_length: int = CONTEXT_LENGTH, warmup: int = 1, steps: int = 1, device: str | None = None,
-) -> EndToEndConfig:  # fmt: skip
+    strategy: str,
+    group: int | None,
+    *,
+    size: str = SIZE,
+    batch_size: int = BATCH_SIZE,
+    context_length: int = CONTEXT_LENGTH,
+    warmup: int = 1,
+    steps: int = 1,
+    device: str | None = None,
+) -> EndToEndConfig:
     make_block_runner(strategy, group)  # validates
     return EndToEndConfig(
-        size=size, context_length=context_length, batch_size=batch_size, mode="train", warmup=warmup, steps=steps,
-        checkpoint_group=group if strategy == "block" else None, device=device or EndToEndConfig().device,
-    )  # fmt: skip
+        size=size,
+        context_length=context_length,
+        batch_size=batch_size,
+        mode="train",
+        warmup=warmup,
+        steps=steps,
+        checkpoint_group=group if strategy == "block" else None,
+        device=device or EndToEndConfig().device,
+    )
 
 
 def run_strategy(strategy: str, group: int | None, cfg: EndToEndConfig) -> list[dict[str, Any]]:
     """Train `cfg` with one checkpointing strategy; rows of phase times, step time, peak memory."""
     config = {**_config_record(cfg), "strategy": strategy, "group_size": group}
-    common = dict(problem=PROBLEM, name=cfg.size, impl=strategy, mode="train", dtype=cfg.dtype_label,
-                  x_name="group_size", x_value=strategy_x(strategy, group), config=config)  # fmt: skip
+    common = dict(
+        problem=PROBLEM,
+        name=cfg.size,
+        impl=strategy,
+        mode="train",
+        dtype=cfg.dtype_label,
+        x_name="group_size",
+        x_value=strategy_x(strategy, group),
+        config=config,
+    )
     cuda = torch.device(cfg.device).type == "cuda" and torch.cuda.is_available()
     outcome: dict[str, str] = {}
     timer = PhaseTimer(device=cfg.device, enabled=False)
@@ -193,16 +214,32 @@ def checkpointing_sweep(
     all_rows = []
     per_step = step_estimate_s
     for strategy, group in tqdm(strategies, desc=PROBLEM, disable=not progress):
-        cfg = study_config(strategy, group, size=size, batch_size=batch_size, context_length=context_length,
-                           warmup=warmup, steps=steps, device=device)  # fmt: skip
+        cfg = study_config(
+            strategy,
+            group,
+            size=size,
+            batch_size=batch_size,
+            context_length=context_length,
+            warmup=warmup,
+            steps=steps,
+            device=device,
+        )
         # recomputation adds forwards: the recursive scheme runs about log2(N) + 1 of them
         factor = 1.0 + (0.6 if strategy == "recursive" else 0.0)
         estimate = (warmup + steps) * per_step * factor + 5.0
         if strategy == "none":  # expected to OOM within the first forward
             estimate = min(estimate, 10.0)
         if budget is not None and not budget.can_afford(estimate):
-            common = dict(problem=PROBLEM, name=size, impl=strategy, mode="train", dtype=cfg.dtype_label,
-                          x_name="group_size", x_value=strategy_x(strategy, group), config=_config_record(cfg))  # fmt: skip
+            common = dict(
+                problem=PROBLEM,
+                name=size,
+                impl=strategy,
+                mode="train",
+                dtype=cfg.dtype_label,
+                x_name="group_size",
+                x_value=strategy_x(strategy, group),
+                config=_config_record(cfg),
+            )
             why = budget.skip_note(f"~{estimate:.0f} s needed")
             rows = [
                 skipped_row(metric=m, unit=u, reason=why, **common)
@@ -220,8 +257,12 @@ def checkpointing_sweep(
     return pd.DataFrame(all_rows)
 
 
-STRATEGY_LABELS = {"none": "no checkpointing", "block": "one level, k blocks", "sub_block": "one level, half blocks",
-                   "recursive": "recursive bisection"}  # fmt: skip
+STRATEGY_LABELS = {
+    "none": "no checkpointing",
+    "block": "one level, k blocks",
+    "sub_block": "one level, half blocks",
+    "recursive": "recursive bisection",
+}
 
 
 def measured_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -233,7 +274,14 @@ def measured_table(df: pd.DataFrame) -> pd.DataFrame:
     )
     if t.empty:
         return pd.DataFrame()
-    value = t.apply(lambda r: r["note"] if r["note"] and not r["n"] else (f"{r['mean']:.1f}" if r["unit"] == "GiB" else f"{r['mean']:,.0f}"), axis=1)  # fmt: skip
+    value = t.apply(
+        lambda r: (
+            r["note"]
+            if r["note"] and not r["n"]
+            else (f"{r['mean']:.1f}" if r["unit"] == "GiB" else f"{r['mean']:,.0f}")
+        ),
+        axis=1,
+    )
     t = t.assign(
         value=value, metric=t["metric"].map({"peak_memory": "peak memory (GiB)", "step_time": "step (ms)"})
     )
@@ -268,8 +316,15 @@ def plot_cost_model(cost: pd.DataFrame, measured: pd.DataFrame | None = None):
             m = ok[ok.impl == strategy]
             if len(m):
                 x = m.x_value if strategy == "block" else [1] * len(m)
-                ax.plot(x, m["mean"], marker, color="black", ms=6, mfc="none" if strategy != "block" else "black",
-                        label=f"measured: {STRATEGY_LABELS[strategy]}")  # fmt: skip
+                ax.plot(
+                    x,
+                    m["mean"],
+                    marker,
+                    color="black",
+                    ms=6,
+                    mfc="none" if strategy != "block" else "black",
+                    label=f"measured: {STRATEGY_LABELS[strategy]}",
+                )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("blocks per checkpoint k")
     ax.set_ylabel("peak memory (GiB)")

@@ -104,10 +104,25 @@ def whole_model_compile_sweep(
     last_eager_per_param: dict[str, float] = {}
     cells = [(s, m, c) for s in sizes for m in modes for c in (False, True)]
     for size, mode, compiled in tqdm(cells, desc=PROBLEM, disable=not progress):
-        cfg = EndToEndConfig(size=size, context_length=context_length, mode=mode, warmup=warmup, steps=steps,
-                             compile=compiled, device=dev)  # fmt: skip
-        common = dict(problem=PROBLEM, name=size, impl=cfg.impl_label, mode=mode, dtype=cfg.dtype_label,
-                      x_name="context_length", x_value=context_length, config=_config_record(cfg))  # fmt: skip
+        cfg = EndToEndConfig(
+            size=size,
+            context_length=context_length,
+            mode=mode,
+            warmup=warmup,
+            steps=steps,
+            compile=compiled,
+            device=dev,
+        )
+        common = dict(
+            problem=PROBLEM,
+            name=size,
+            impl=cfg.impl_label,
+            mode=mode,
+            dtype=cfg.dtype_label,
+            x_name="context_length",
+            x_value=context_length,
+            config=_config_record(cfg),
+        )
         mcfg = get_config(size)
         n_steps = warmup + steps
         per_step = step_s.get((size, mode)) or last_eager_per_param.get(mode, 1e-9) * mcfg.num_params()
@@ -163,9 +178,17 @@ def torch_compile_study(
         grid: dict[str, Any] = dict(head_dims=(16,), seq_lens=(64, 128), extra_points=())
         attention_sweep(attention_grid(**grid, **kw), results_dir=results_dir, progress=False)
         attention_compile_sweep(**grid, backend="aot_eager", results_dir=results_dir, progress=False, **kw)
-        whole_model_compile_sweep(("debug",), context_length=32, warmup=1, steps=2, device=device or "cpu",
-                                  include_compiled=False, results_dir=results_dir, progress=False,
-                                  skip_reason="quick mode on a CPU: Inductor's C++ compile of a whole model takes minutes")  # fmt: skip
+        whole_model_compile_sweep(
+            ("debug",),
+            context_length=32,
+            warmup=1,
+            steps=2,
+            device=device or "cpu",
+            include_compiled=False,
+            results_dir=results_dir,
+            progress=False,
+            skip_reason="quick mode on a CPU: Inductor's C++ compile of a whole model takes minutes",
+        )
         return
     dev = {"device": device} if device else {}
     attention_compile_sweep(budget=budget, results_dir=results_dir, **dev)
@@ -188,8 +211,12 @@ def attention_speedup_table(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.D
         t = latest_run(df[df.metric.isin(["forward_time", "backward_time"])])
         if t.empty:
             return pd.DataFrame()
-        t = t.assign(d=t["name"].str.lstrip("d").astype(int), T=t["x_value"].astype(int), variant=label,
-                     phase=t["metric"].str.replace("_time", ""))  # fmt: skip
+        t = t.assign(
+            d=t["name"].str.lstrip("d").astype(int),
+            T=t["x_value"].astype(int),
+            variant=label,
+            phase=t["metric"].str.replace("_time", ""),
+        )
         parts.append(t)
     t = pd.concat(parts)
     cells = t.assign(value=t.apply(_fmt, axis=1)).pivot_table(

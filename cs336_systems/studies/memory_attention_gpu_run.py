@@ -79,8 +79,16 @@ def run_memory(
     for cfg in grid:
         key = (cfg.mode, cfg.dtype_label, cfg.context_length)
         if budget.exhausted():
-            common = dict(problem=mem.PROBLEM, name=cfg.size, impl=cfg.impl_label, mode=cfg.mode, dtype=cfg.dtype_label,
-                          x_name="context_length", x_value=cfg.context_length, config=_config_record(cfg))  # fmt: skip
+            common = dict(
+                problem=mem.PROBLEM,
+                name=cfg.size,
+                impl=cfg.impl_label,
+                mode=cfg.mode,
+                dtype=cfg.dtype_label,
+                x_name="context_length",
+                x_value=cfg.context_length,
+                config=_config_record(cfg),
+            )
             rows = [
                 skipped_row(metric=m, unit="GiB", reason=budget.skip_note(), **common)
                 for m in ("peak_memory", "resident_memory")
@@ -159,8 +167,11 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--out", default=str(REPO_ROOT / "figures" / "data" / "memory_profiling"),
-                   help="directory for snapshots (.pickle.gz), preview figures and manifest.json")  # fmt: skip
+    p.add_argument(
+        "--out",
+        default=str(REPO_ROOT / "figures" / "data" / "memory_profiling"),
+        help="directory for snapshots (.pickle.gz), preview figures and manifest.json",
+    )
     p.add_argument("--budget", type=float, default=360.0, help="total wall-clock seconds for all parts")
     p.add_argument(
         "--parts", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run, in this order"
@@ -184,8 +195,13 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     p.add_argument(
         "--compile-sizes", nargs="+", default=list(SIZES_2025), help="model sizes of compile_model"
     )
-    p.add_argument("--compile-modes", nargs="+", default=["forward", "train"], choices=["forward", "train"],
-                   help="end-to-end modes of compile_model")  # fmt: skip
+    p.add_argument(
+        "--compile-modes",
+        nargs="+",
+        default=["forward", "train"],
+        choices=["forward", "train"],
+        help="end-to-end modes of compile_model",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.quick and "CS336_RESULTS_DIR" not in os.environ:
@@ -193,8 +209,10 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     results_dir = os.environ.get("CS336_RESULTS_DIR")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    _log(f"device={args.device} ({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}), "
-         f"budget={args.budget:.0f}s, parts={args.parts}, results={results_dir or 'figures/data'}, out={out}")  # fmt: skip
+    _log(
+        f"device={args.device} ({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}), "
+        f"budget={args.budget:.0f}s, parts={args.parts}, results={results_dir or 'figures/data'}, out={out}"
+    )
     # minus a margin for the last configuration's overrun and for writing the manifest
     total = TimeBudget(
         max(args.budget - SAFETY_MARGIN_S, 0.0),
@@ -213,19 +231,32 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
         "memory": lambda b: run_memory(out, b, quick=q, device=dev, results_dir=results_dir),
         "checkpointing": lambda b: checkpointing_sweep(
             **({"size": "debug", "batch_size": 2, "context_length": 64} if q else {}),
-            device=dev, budget=b, results_dir=results_dir, progress=False),
+            device=dev,
+            budget=b,
+            results_dir=results_dir,
+            progress=False,
+        ),
         "block_saved": lambda b: run_block_saved(out, b, quick=q, device=dev, results_dir=results_dir),
         "attention": lambda b: attention_sweep(
-            attention_grid(**grid_kw, **attn_kw), budget=b, results_dir=results_dir, progress=False),
+            attention_grid(**grid_kw, **attn_kw), budget=b, results_dir=results_dir, progress=False
+        ),
         "attention_compiled": lambda b: attention_compile_sweep(
-            **grid_kw, backend=backend, budget=b, results_dir=results_dir, progress=False, **attn_kw),
+            **grid_kw, backend=backend, budget=b, results_dir=results_dir, progress=False, **attn_kw
+        ),
         "compile_model": lambda b: whole_model_compile_sweep(
-            ("debug",) if q else args.compile_sizes, args.compile_modes, context_length=64 if q else 512,
-            warmup=3, steps=5, device=dev,
+            ("debug",) if q else args.compile_sizes,
+            args.compile_modes,
+            context_length=64 if q else 512,
+            warmup=3,
+            steps=5,
+            device=dev,
             include_compiled=not q or args.quick_compile_model,
             skip_reason="quick mode on a CPU: Inductor's C++ compile of a whole model takes minutes",
-            budget=b, results_dir=results_dir, progress=False),
-    }  # fmt: skip
+            budget=b,
+            results_dir=results_dir,
+            progress=False,
+        ),
+    }
     manifest: dict[str, Any] = {"budget_s": args.budget, "device": dev, "quick": q, "parts": {}}
     planned = 0.0
     selected = [part for part in PARTS if part in args.parts]

@@ -267,11 +267,23 @@ def run_attention(
     """
     first_compile = attention_fn is None and cfg.impl == "naive_compiled" and cfg.backend not in _COMPILED
     fn = attention_fn or (naive_attention if cfg.impl == "naive" else compiled_attention(cfg.backend))
-    config = {**asdict(cfg), "causal": True, "dtype": "float32",
-              "accounting": attention_memory_accounting(cfg.batch_size, cfg.seq_len, cfg.d),
-              "device_total_bytes": _device_total_bytes(cfg.device)}  # fmt: skip
-    common = dict(problem=cfg.problem, name=f"d{cfg.d}", impl=cfg.impl_label, mode="fwd_bwd", dtype="fp32",
-                  x_name="seq_len", x_value=cfg.seq_len, config=config)  # fmt: skip
+    config = {
+        **asdict(cfg),
+        "causal": True,
+        "dtype": "float32",
+        "accounting": attention_memory_accounting(cfg.batch_size, cfg.seq_len, cfg.d),
+        "device_total_bytes": _device_total_bytes(cfg.device),
+    }
+    common = dict(
+        problem=cfg.problem,
+        name=f"d{cfg.d}",
+        impl=cfg.impl_label,
+        mode="fwd_bwd",
+        dtype="fp32",
+        x_name="seq_len",
+        x_value=cfg.seq_len,
+        config=config,
+    )
     cuda = _cuda(cfg.device)
     metrics = [("forward_time", "ms"), ("backward_time", "ms")]
     if cuda:
@@ -427,9 +439,15 @@ def memory_vs_accounting(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
         cfg = json.loads(r.config_json) if isinstance(r.config_json, str) else {}
         b, d, n = cfg.get("batch_size", BATCH_SIZE), _parse_d(r.name), int(r.x_value)
         acc = attention_memory_accounting(b, n, d)
-        rows.append({"d": d, "T": n, "measured_MiB": r.mean,
-                     "predicted_MiB": (acc["saved_for_backward"] + acc["output O"]) / MIB,
-                     "saved_T2_MiB": 3 * b * n * n * 4 / MIB})  # fmt: skip
+        rows.append(
+            {
+                "d": d,
+                "T": n,
+                "measured_MiB": r.mean,
+                "predicted_MiB": (acc["saved_for_backward"] + acc["output O"]) / MIB,
+                "saved_T2_MiB": 3 * b * n * n * 4 / MIB,
+            }
+        )
     return pd.DataFrame(rows).sort_values(["d", "T"]).reset_index(drop=True) if rows else pd.DataFrame()
 
 

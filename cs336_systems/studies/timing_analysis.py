@@ -44,12 +44,21 @@ def timing_stats(df: pd.DataFrame, *, x_name: str = "context_length") -> pd.Data
         )
     d = latest_run(df, KEYS)
     d = d[(d.x_name == x_name) & d.metric.str.endswith("_time")]
-    return pd.DataFrame({
-        "size": d["name"], "mode": d["mode"], "dtype": d["dtype"], "metric": d["metric"], "x": d["x_value"],
-        "mean": d["mean"], "std": d["std"], "cv": d["std"] / d["mean"], "n": d["n"],
-        "samples": d["samples"].map(lambda s: json.loads(s) if isinstance(s, str) and s else []),
-        "note": d["note"],
-    }).reset_index(drop=True)  # fmt: skip
+    return pd.DataFrame(
+        {
+            "size": d["name"],
+            "mode": d["mode"],
+            "dtype": d["dtype"],
+            "metric": d["metric"],
+            "x": d["x_value"],
+            "mean": d["mean"],
+            "std": d["std"],
+            "cv": d["std"] / d["mean"],
+            "n": d["n"],
+            "samples": d["samples"].map(lambda s: json.loads(s) if isinstance(s, str) and s else []),
+            "note": d["note"],
+        }
+    ).reset_index(drop=True)
 
 
 def _cell(r) -> str:
@@ -92,11 +101,16 @@ def ablation_steps(df: pd.DataFrame, bench_warmup: int = 5) -> pd.DataFrame:
 def ablation_table(steps: pd.DataFrame) -> pd.DataFrame:
     """Per (size, warm-up steps): first measured step, median of the others, their ratio, mean and std."""
     g = steps.groupby(["size", "warmup"])
-    t = pd.DataFrame({
-        "first step (ms)": g.apply(lambda x: x.sort_values("step").ms.iloc[0], include_groups=False),
-        "median of the rest (ms)": g.apply(lambda x: x.sort_values("step").ms.iloc[1:].median(), include_groups=False),
-        "mean (ms)": g.ms.mean(), "std (ms)": g.ms.std(ddof=0),
-    })  # fmt: skip
+    t = pd.DataFrame(
+        {
+            "first step (ms)": g.apply(lambda x: x.sort_values("step").ms.iloc[0], include_groups=False),
+            "median of the rest (ms)": g.apply(
+                lambda x: x.sort_values("step").ms.iloc[1:].median(), include_groups=False
+            ),
+            "mean (ms)": g.ms.mean(),
+            "std (ms)": g.ms.std(ddof=0),
+        }
+    )
     t["first / rest"] = t["first step (ms)"] / t["median of the rest (ms)"]
     return t.reindex(order_sizes(t.index.get_level_values(0)), level=0)
 
@@ -129,9 +143,13 @@ def plot_ablation(steps: pd.DataFrame):
 
 def mixed_table(stats: pd.DataFrame) -> pd.DataFrame:
     """Per size: fp32 and bf16-autocast mean times (ms) of each phase, and the speed-up fp32 / bf16."""
-    cols = [("forward", "forward_time", "forward (no_grad)"), ("train", "forward_time", "forward"),
-            ("train", "backward_time", "backward"), ("train", "optimizer_time", "optimizer step"),
-            ("train", "step_time", "train step")]  # fmt: skip
+    cols = [
+        ("forward", "forward_time", "forward (no_grad)"),
+        ("train", "forward_time", "forward"),
+        ("train", "backward_time", "backward"),
+        ("train", "optimizer_time", "optimizer step"),
+        ("train", "step_time", "train step"),
+    ]
     out = {}
     for mode, metric, label in cols:
         sel = stats[(stats["mode"] == mode) & (stats.metric == metric) & (stats.note == "")]
@@ -149,8 +167,13 @@ def plot_mixed(table: pd.DataFrame):
     width = 0.8 / max(len(phases), 1)
     x = np.arange(len(table.index))
     for i, phase in enumerate(phases):
-        ax.bar(x + (i - (len(phases) - 1) / 2) * width, table[(phase, "speed-up")], width, label=phase,
-               color=plt.cm.tab10(i))  # fmt: skip
+        ax.bar(
+            x + (i - (len(phases) - 1) / 2) * width,
+            table[(phase, "speed-up")],
+            width,
+            label=phase,
+            color=plt.cm.tab10(i),
+        )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(x, table.index)
     ax.set_ylabel("fp32 time / bf16-autocast time")
@@ -166,8 +189,11 @@ def dtype_frame(df: pd.DataFrame) -> pd.DataFrame:
     t = pd.DataFrame({"quantity": d["mode"].values, "dtype": d["dtype"].values})
     if len(d):
         cfg = json.loads(d["config_json"].iloc[0])
-        t.attrs.update(device=cfg.get("device", ""), autocast_dtype=cfg.get("autocast_dtype", ""),
-                       gpu_name=d["gpu_name"].iloc[0])  # fmt: skip
+        t.attrs.update(
+            device=cfg.get("device", ""),
+            autocast_dtype=cfg.get("autocast_dtype", ""),
+            gpu_name=d["gpu_name"].iloc[0],
+        )
     return t
 
 
@@ -194,5 +220,15 @@ def plot_class_shares(f: pd.DataFrame, context_length: int):
     return fig
 
 
-__all__ = ["ablation_steps", "ablation_table", "dtype_frame", "mixed_table", "order_sizes", "plot_ablation",
-           "plot_class_shares", "plot_mixed", "timing_stats", "timing_table"]  # fmt: skip
+__all__ = [
+    "ablation_steps",
+    "ablation_table",
+    "dtype_frame",
+    "mixed_table",
+    "order_sizes",
+    "plot_ablation",
+    "plot_class_shares",
+    "plot_mixed",
+    "timing_stats",
+    "timing_table",
+]
