@@ -23,21 +23,19 @@ measure = "auto"  # "auto": measure when a GPU is present, else render the commi
 quick = False  # debug model on the CPU in seconds; results go to a scratch dir
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import timing_analysis as A
-from cs336_systems.studies import timing_gpu_run as S
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies import timing_analysis, timing_gpu_run
 
 results_dir = nb.setup(quick)
-plan = S.make_plan(quick)
+plan = timing_gpu_run.make_plan(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    S.measure_benchmarking_script(plan, results_dir)
+    timing_gpu_run.measure_benchmarking_script(plan, results_dir)
 df = load_results("benchmarking_script", results_dir)
-stats = A.timing_stats(df)
+stats = timing_analysis.timing_stats(df)
 stats = stats[stats.x == plan.context_length]
-steps = A.ablation_steps(df, bench_warmup=plan.warmup)
+steps = timing_analysis.ablation_steps(df, bench_warmup=plan.warmup)
 
 # %% [markdown]
 # **(a) The script** is `python -m cs336_systems.studies.end_to_end` (in
@@ -54,7 +52,7 @@ steps = A.ablation_steps(df, bench_warmup=plan.warmup)
 # %% tags=["remove-input"]
 if nb.have_results(stats, "benchmarking_script"):
     show_table(
-        A.timing_table(stats),
+        timing_analysis.timing_table(stats),
         caption=f"Milliseconds per step, mean ± std over {plan.steps} steps after {plan.warmup} warm-up steps "
         f"(context {plan.context_length}, batch 4, fp32)",
         provenance_from=df[df.x_name == "context_length"],
@@ -67,7 +65,7 @@ ok = stats[(stats.note == "") & (stats["mode"] == "forward_backward")]
 if len(ok):
     fwd = ok[ok.metric == "forward_time"].set_index("size")["mean"]
     bwd = ok[ok.metric == "backward_time"].set_index("size")["mean"]
-    sizes = [s for s in A.SIZE_ORDER if s in fwd.index]
+    sizes = [s for s in timing_analysis.SIZE_ORDER if s in fwd.index]
     ratio = (bwd / fwd).reindex(sizes)
     cv = stats[stats.note == ""].set_index(["size", "mode", "metric"]).cv
     worst = cv.idxmax()
@@ -103,20 +101,20 @@ if len(ok):
 
 # %% tags=["remove-input"]
 if nb.have_results(steps, "the warm-up ablation"):
-    save_figure(A.plot_ablation(steps), "benchmarking_script__warmup_ablation")
+    save_figure(timing_analysis.plot_ablation(steps), "benchmarking_script__warmup_ablation")
     show_table(
-        A.ablation_table(steps).reset_index(),
+        timing_analysis.ablation_table(steps).reset_index(),
         caption="Training-step time per warm-up setting: the first measured step against the others",
         provenance_from=df[df.x_name == "warmup"],
     )
 
 # %% tags=["remove-input"]
 if len(steps):
-    t = A.ablation_table(steps)
+    t = timing_analysis.ablation_table(steps)
     cold = t.index.get_level_values("size")[0]
     later = [s for s in dict.fromkeys(t.index.get_level_values("size")) if s != cold]
     r = t["first / rest"]
-    opt = A.timing_stats(df, x_name="warmup")
+    opt = timing_analysis.timing_stats(df, x_name="warmup")
     opt = opt[(opt.metric == "optimizer_time") & (opt.x == 0) & (opt.note == "")].set_index("size").samples
     opt_ratio = {s: v[0] / (sum(v[1:]) / max(len(v) - 1, 1)) for s, v in opt.items() if len(v) > 1}
     nb.md(

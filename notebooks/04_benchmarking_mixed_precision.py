@@ -26,21 +26,18 @@ quick = False  # debug model on the CPU in seconds (bf16 autocast); results go t
 # %% tags=["remove-input"]
 import pandas as pd
 
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import autocast_study as M
-from cs336_systems.studies import timing_analysis as A
-from cs336_systems.studies import timing_gpu_run as S
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies import autocast_study, timing_analysis, timing_gpu_run
 
 results_dir = nb.setup(quick)
-plan = S.make_plan(quick)
+plan = timing_gpu_run.make_plan(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    S.measure_mixed_precision(plan, results_dir)
+    timing_gpu_run.measure_mixed_precision(plan, results_dir)
 df = load_results("benchmarking_mixed_precision", results_dir)
-dtypes = A.dtype_frame(df)
-stats = A.timing_stats(df)
+dtypes = timing_analysis.dtype_frame(df)
+stats = timing_analysis.timing_stats(df)
 stats = stats[stats.x == plan.context_length]
 
 # %% tags=["remove-input"]
@@ -60,7 +57,7 @@ if len(dtypes):
     low = dtypes.attrs["autocast_dtype"].replace("torch.", "")
     nb.md(
         f"**(a)** On {dtypes.attrs['gpu_name']} with {low} autocast: the parameters stay {d['model parameters (inside autocast)']} "
-        f"inside the autocast region (autocast never changes what is stored; it feeds the matmul {d[M.OPERANDS]} "
+        f"inside the autocast region (autocast never changes what is stored; it feeds the matmul {d[autocast_study.OPERANDS]} "
         f"copies of the weights and activations); the fc1 output is {d['fc1 output']}; the LayerNorm output is "
         f"{d['LayerNorm output']}; the logits are {d['logits (fc2 output)']}; the loss is {d['loss']}; the "
         f"gradients are {d['parameter gradients']}, the dtype of the parameters they belong to. "
@@ -82,8 +79,8 @@ if len(dtypes):
 # %% tags=["remove-input"]
 ln = pd.concat(
     [
-        M.layernorm_precision(spread=300.0).assign(spread=300.0),
-        M.layernorm_precision(spread=1.0).assign(spread=1.0),
+        autocast_study.layernorm_precision(spread=300.0).assign(spread=300.0),
+        autocast_study.layernorm_precision(spread=1.0).assign(spread=1.0),
     ],
     ignore_index=True,
 )
@@ -118,9 +115,9 @@ nb.md(
 )
 
 # %% tags=["remove-input"]
-table = A.mixed_table(stats)
+table = timing_analysis.mixed_table(stats)
 if nb.have_results(stats, "the fp32 vs bf16 timings"):
-    save_figure(A.plot_mixed(table), "benchmarking_mixed_precision__speedup")
+    save_figure(timing_analysis.plot_mixed(table), "benchmarking_mixed_precision__speedup")
     long = pd.concat(
         {phase: table[phase] for phase in table.columns.get_level_values(0).unique()}, names=["phase"]
     )

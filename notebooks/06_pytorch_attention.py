@@ -31,9 +31,8 @@ import json
 
 import torch
 
-from cs336_systems.measure.results import latest_run, load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import pytorch_attention as PA
+from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
+from cs336_systems.studies import pytorch_attention
 
 results_dir = nb.setup(quick)
 if quick:
@@ -41,8 +40,10 @@ if quick:
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    configs = PA.attention_grid(head_dims, seq_lens, extra_points=[tuple(p) for p in extra_points], reps=reps)
-    PA.attention_sweep(configs, results_dir=results_dir)
+    configs = pytorch_attention.attention_grid(
+        head_dims, seq_lens, extra_points=[tuple(p) for p in extra_points], reps=reps
+    )
+    pytorch_attention.attention_sweep(configs, results_dir=results_dir)
 df = latest_run(load_results("pytorch_attention", results_dir), keys=("name", "impl", "x_value", "metric"))
 df = df[df.impl == "naive"]
 
@@ -60,22 +61,24 @@ df = df[df.impl == "naive"]
 # of our H200; the extra point shows where the naive implementation stops fitting.
 
 # %% tags=["remove-input"]
-tab = PA.results_table(df)
+tab = pytorch_attention.results_table(df)
 if nb.have_results(tab, "pytorch_attention"):
     show_table(
         tab.reset_index(),
         caption="Naive causal attention, batch 8, fp32: mean ms per pass (100 passes) and MiB allocated before backward",
         provenance_from=df,
     )
-    save_figure(PA.plot_scaling(df), "pytorch_attention__scaling")
+    save_figure(pytorch_attention.plot_scaling(df), "pytorch_attention__scaling")
 
 # %% tags=["remove-input"]
-oom = PA.smallest_oom(df) if len(df) else None
+oom = pytorch_attention.smallest_oom(df) if len(df) else None
 cfg_rows = df[~df.gpu_name.astype(str).str.startswith("cpu")]
 device_bytes = next((json.loads(c).get("device_total_bytes") for c in cfg_rows.config_json), None)
 if oom is not None:
     d_oom, t_oom = oom
-    acc = PA.accounting_table(PA.BATCH_SIZE, t_oom, d_oom, device_bytes=device_bytes)
+    acc = pytorch_attention.accounting_table(
+        pytorch_attention.BATCH_SIZE, t_oom, d_oom, device_bytes=device_bytes
+    )
     show_table(
         acc,
         caption=f"Memory accounting of the smallest OOM configuration (batch 8, d = {d_oom}, T = {t_oom}, fp32)",
@@ -83,7 +86,7 @@ if oom is not None:
         provenance_from=f"computed from the shapes; device capacity from the measured rows ({df.gpu_name.iloc[0]})",
     )
     notes = df[(df.name == f"d{d_oom}") & (df.x_value == t_oom)].set_index("metric")["note"]
-    a = PA.attention_memory_accounting(PA.BATCH_SIZE, t_oom, d_oom)
+    a = pytorch_attention.attention_memory_accounting(pytorch_attention.BATCH_SIZE, t_oom, d_oom)
     phase = "forward" if notes.get("forward_time", "") == "OOM" else "backward"
     nb.md(
         f"**Smallest OOM configuration: d = {d_oom}, T = {t_oom}** (it fails in the {phase} phase). Each of the "
@@ -100,10 +103,10 @@ elif len(df):
     nb.md("No configuration ran out of memory.")
 
 # %% tags=["remove-input"]
-mem = PA.memory_vs_accounting(df)
+mem = pytorch_attention.memory_vs_accounting(df)
 if len(mem):
     big = mem[mem["T"] >= 1024]
-    exps = {d: PA.scaling_exponent(g["T"], g["measured_MiB"]) for d, g in big.groupby("d")}
+    exps = {d: pytorch_attention.scaling_exponent(g["T"], g["measured_MiB"]) for d, g in big.groupby("d")}
     err = (mem["measured_MiB"] / mem["predicted_MiB"] - 1).abs().max()
     nb.md(
         "**Scaling.** The memory the forward pass leaves allocated for backward (the output plus every tensor "

@@ -22,15 +22,14 @@ measure = "auto"  # "auto": measure when a GPU is present, else render the commi
 quick = False  # tiny attention grid (aot_eager backend) and the debug model eager, on the CPU
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, show_table
-from cs336_systems.studies import compile_study as C
+from cs336_systems.report import load_results, nb, show_table
+from cs336_systems.studies import compile_study
 
 results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    C.torch_compile_study(quick=quick, results_dir=str(results_dir))
+    compile_study.torch_compile_study(quick=quick, results_dir=str(results_dir))
 compiled = load_results("torch_compile", results_dir)
 eager_attn = load_results("pytorch_attention", results_dir)
 attn_c = compiled[compiled.x_name == "seq_len"]
@@ -44,7 +43,7 @@ model = compiled[compiled.x_name == "context_length"]
 # their backward into a few kernels, so the T x T intermediates are read and written fewer times.
 
 # %% tags=["remove-input"]
-tab = C.attention_speedup_table(eager_attn[eager_attn.impl == "naive"], attn_c)
+tab = compile_study.attention_speedup_table(eager_attn[eager_attn.impl == "naive"], attn_c)
 if nb.have_results(tab, "compiled attention (and its eager baseline)"):
     show_table(
         tab.reset_index(),
@@ -87,12 +86,12 @@ if len(tab) and ("forward", "speedup") in tab.columns:
     )
 
 # %% tags=["remove-input"]
-wm = C.whole_model_table(model)
+wm = compile_study.whole_model_table(model)
 any_skipped = len(wm) > 0 and wm["compiled (ms)"].str.startswith("skipped").any()
 nb.md(
     "**(b) Method.** `end_to_end.run_one` with `compile=True` wraps the model in `torch.compile` (whole model, "
     "default Inductor backend); compilation happens in the untimed warm-up, so the timed steps are steady state. "
-    f"Batch 4, fp32, naive attention, AdamW for the training step; {C.protocol(model) if len(model) else 'not run'}. "
+    f"Batch 4, fp32, naive attention, AdamW for the training step; {compile_study.protocol(model) if len(model) else 'not run'}. "
     '"compile (s)" is Dynamo\'s own account of the time spent compiling (forward and backward graphs).'
     + (
         ' Cells that did not fit in the time budget of the GPU session are marked "skipped".'

@@ -42,8 +42,7 @@ import numpy as np
 import pandas as pd
 
 from cs336_systems import accounting as acc
-from cs336_systems.measure.results import env_metadata
-from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.report import env_metadata, nb, save_figure, show_table
 
 results_dir = nb.setup(quick)
 

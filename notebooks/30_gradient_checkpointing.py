@@ -28,13 +28,12 @@ context_length = 2048
 # %% tags=["remove-input"]
 import torch
 
-from cs336_systems.measure.results import load_results
 from cs336_systems.model import get_config
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import checkpointing_study as CS
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies import checkpointing_study
 
 results_dir = nb.setup(quick)
-strategies = list(CS.STRATEGIES)
+strategies = list(checkpointing_study.STRATEGIES)
 if quick:
     size, batch_size, context_length = "debug", 2, 32
     strategies = [("block", 1), ("none", None), ("recursive", None)]
@@ -42,12 +41,12 @@ cfg = get_config(size, context_length=context_length)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    CS.checkpointing_sweep(
+    checkpointing_study.checkpointing_sweep(
         size=size, batch_size=batch_size, context_length=context_length, results_dir=results_dir
     )
 df = load_results("gradient_checkpointing", results_dir)
 df = df[df.name == size]
-cost = CS.cost_table(size, batch_size, context_length)
+cost = checkpointing_study.cost_table(size, batch_size, context_length)
 a = cost.attrs
 
 # %% [markdown]
@@ -102,7 +101,7 @@ nb.md(
 )
 
 # %% tags=["remove-input"]
-meas = CS.measured_table(df)
+meas = checkpointing_study.measured_table(df)
 if nb.have_results(meas, "gradient_checkpointing"):
     show_table(
         meas,
@@ -110,7 +109,10 @@ if nb.have_results(meas, "gradient_checkpointing"):
         "(peak allocated memory of the timed step; 0.5 = attention and MLP halves checkpointed separately)",
         provenance_from=df,
     )
-    save_figure(CS.plot_cost_model(cost[cost.group_size <= 16], df), "gradient_checkpointing__peak_vs_group")
+    save_figure(
+        checkpointing_study.plot_cost_model(cost[cost.group_size <= 16], df),
+        "gradient_checkpointing__peak_vs_group",
+    )
 
 # %% tags=["remove-input"]
 ok = df[(df.metric == "peak_memory") & (df.note == "")]

@@ -50,9 +50,8 @@ import pandas as pd
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from cs336_systems import accounting as acc
-from cs336_systems.measure.results import env_metadata
-from cs336_systems.model.config import get_config
-from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.model import get_config
+from cs336_systems.report import env_metadata, nb, save_figure, show_table
 
 results_dir = nb.setup(quick)
 SOURCE = f"computed analytically by cs336_systems.accounting at git {env_metadata()['git_sha']}"

@@ -26,8 +26,7 @@ size = "2.7B"
 context_lengths = [512, 2048]
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.results import latest_run, load_results
-from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
 from cs336_systems.studies import train_step
 
 results_dir = nb.setup(quick)
