@@ -188,3 +188,19 @@ def test_flash_model_check_and_sweep_quick(tmp_path):
     assert set(steps["impl"]) == set(FM.IMPLS) and steps["note"].isna().all()
     table = FM.speedup_table(df)
     assert "speed-up vs naive" in table.columns and len(table) == 1
+
+
+def test_row_fields_carry_the_configuration_and_take_overrides():
+    from cs336_systems.studies.end_to_end import EndToEndConfig, row_fields
+
+    cfg = EndToEndConfig(size="small", context_length=128, mode="forward", device="cpu")
+    fields = row_fields(cfg, "p")
+    assert (fields["problem"], fields["name"], fields["x_name"], fields["x_value"]) == (
+        "p",
+        "small",
+        "context_length",
+        128,
+    )
+    assert fields["config"]["model"]["d_model"] == 768
+    custom = row_fields(cfg, "p", impl="x", config={"a": 1})
+    assert custom["impl"] == "x" and custom["config"] == {"a": 1}

@@ -46,23 +46,9 @@ ALIGN = 16  # elements: tensors start at multiples of this in the flat buffers (
 
 @triton.jit
 def _adamw_block(
-    g_ptr,
-    p_ptr,
-    m_ptr,
-    v_ptr,
-    out_ptr,
-    idx,
-    n,
-    lr_t,
-    decay,
-    beta1,
-    beta2,
-    eps,
-    COPY_DTYPE: tl.constexpr,
-    WRITE_COPY: tl.constexpr,
-    DECAY_BEFORE: tl.constexpr,
-    MASKED: tl.constexpr,
-):
+    g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+    COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr, DECAY_BEFORE: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
     mask = idx < n if MASKED else None
     g = tl.load(g_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
     p = tl.load(p_ptr + idx, mask=mask, eviction_policy="evict_first")
@@ -91,104 +77,29 @@ def _adamw_block(
 
 @triton.jit
 def _adamw_kernel(
-    grad_ptrs,
-    copy_ptrs,
-    offsets,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    num_chunks,
-    master_ptr,
-    m_ptr,
-    v_ptr,
-    lr_t,
-    decay,
-    beta1,
-    beta2,
-    eps,
-    GRAD_DTYPE: tl.constexpr,
-    COPY_DTYPE: tl.constexpr,
-    WRITE_COPY: tl.constexpr,
-    DECAY_BEFORE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ALIGN: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):
+    grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, num_chunks, master_ptr, m_ptr,
+    v_ptr, lr_t, decay, beta1, beta2, eps,
+    GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
+    DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, PERSISTENT: tl.constexpr,
+):  # fmt: skip
     if PERSISTENT:  # chunks pid, pid + grid, ...: a small grid leaves SMs to other streams
         for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
-            _adamw_chunk(
-                c,
-                grad_ptrs,
-                copy_ptrs,
-                offsets,
-                numels,
-                chunk_tensor,
-                chunk_start,
-                master_ptr,
-                m_ptr,
-                v_ptr,
-                lr_t,
-                decay,
-                beta1,
-                beta2,
-                eps,
-                GRAD_DTYPE,
-                COPY_DTYPE,
-                WRITE_COPY,
-                DECAY_BEFORE,
-                BLOCK,
-                ALIGN,
-            )
+            _adamw_chunk(c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr,
+                         m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE, WRITE_COPY,
+                         DECAY_BEFORE, BLOCK, ALIGN)  # fmt: skip
     else:
-        _adamw_chunk(
-            tl.program_id(0),
-            grad_ptrs,
-            copy_ptrs,
-            offsets,
-            numels,
-            chunk_tensor,
-            chunk_start,
-            master_ptr,
-            m_ptr,
-            v_ptr,
-            lr_t,
-            decay,
-            beta1,
-            beta2,
-            eps,
-            GRAD_DTYPE,
-            COPY_DTYPE,
-            WRITE_COPY,
-            DECAY_BEFORE,
-            BLOCK,
-            ALIGN,
-        )
+        _adamw_chunk(tl.program_id(0), grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start,
+                     master_ptr, m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE,
+                     WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN)  # fmt: skip
 
 
 @triton.jit
 def _adamw_chunk(
-    c,
-    grad_ptrs,
-    copy_ptrs,
-    offsets,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    master_ptr,
-    m_ptr,
-    v_ptr,
-    lr_t,
-    decay,
-    beta1,
-    beta2,
-    eps,
-    GRAD_DTYPE: tl.constexpr,
-    COPY_DTYPE: tl.constexpr,
-    WRITE_COPY: tl.constexpr,
-    DECAY_BEFORE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
+    c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr, m_ptr, v_ptr,
+    lr_t, decay, beta1, beta2, eps,
+    GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
+    DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
     i = tl.load(chunk_tensor + c)
     start = tl.multiple_of(tl.load(chunk_start + c), BLOCK)
     n = tl.load(numels + i)
@@ -201,43 +112,11 @@ def _adamw_chunk(
     idx = start + tl.arange(0, BLOCK)
     p_ptr, m_ptr, v_ptr = master_ptr + base, m_ptr + base, v_ptr + base
     if start + BLOCK <= n:  # a full chunk: no mask, so nothing stops vectorised access
-        _adamw_block(
-            g_ptr,
-            p_ptr,
-            m_ptr,
-            v_ptr,
-            out_ptr,
-            idx,
-            n,
-            lr_t,
-            decay,
-            beta1,
-            beta2,
-            eps,
-            COPY_DTYPE,
-            WRITE_COPY,
-            DECAY_BEFORE,
-            MASKED=False,
-        )
+        _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=False)  # fmt: skip
     else:
-        _adamw_block(
-            g_ptr,
-            p_ptr,
-            m_ptr,
-            v_ptr,
-            out_ptr,
-            idx,
-            n,
-            lr_t,
-            decay,
-            beta1,
-            beta2,
-            eps,
-            COPY_DTYPE,
-            WRITE_COPY,
-            DECAY_BEFORE,
-            MASKED=True,
-        )
+        _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=True)  # fmt: skip
 
 
 @dataclass(frozen=True)

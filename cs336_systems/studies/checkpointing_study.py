@@ -41,7 +41,7 @@ from cs336_systems.model.checkpointing import (
     optimal_group_size,
     saved_tensors,
 )
-from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, _config_record, build_workload
+from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, build_workload, row_fields
 from cs336_systems.studies.memory import _make_block, block_saved_memory, residual_stream_bytes
 
 PROBLEM = "gradient_checkpointing"
@@ -140,19 +140,17 @@ def study_config(
     )
 
 
+def strategy_row_fields(strategy: str, group: int | None, cfg: EndToEndConfig) -> dict[str, Any]:
+    """Row keywords of one strategy: the strategy is the impl, its group size the x axis."""
+    return row_fields(
+        cfg, PROBLEM, impl=strategy, mode="train", x_name="group_size", x_value=strategy_x(strategy, group)
+    )
+
+
 def run_strategy(strategy: str, group: int | None, cfg: EndToEndConfig) -> list[dict[str, Any]]:
     """Train `cfg` with one checkpointing strategy; rows of phase times, step time, peak memory."""
-    config = {**_config_record(cfg), "strategy": strategy, "group_size": group}
-    common = dict(
-        problem=PROBLEM,
-        name=cfg.size,
-        impl=strategy,
-        mode="train",
-        dtype=cfg.dtype_label,
-        x_name="group_size",
-        x_value=strategy_x(strategy, group),
-        config=config,
-    )
+    common = strategy_row_fields(strategy, group, cfg)
+    common["config"] |= {"strategy": strategy, "group_size": group}
     cuda = torch.device(cfg.device).type == "cuda" and torch.cuda.is_available()
     outcome: dict[str, str] = {}
     timer = PhaseTimer(device=cfg.device, enabled=False)
@@ -230,16 +228,7 @@ def checkpointing_sweep(
         if strategy == "none":  # expected to OOM within the first forward
             estimate = min(estimate, 10.0)
         if budget is not None and not budget.can_afford(estimate):
-            common = dict(
-                problem=PROBLEM,
-                name=size,
-                impl=strategy,
-                mode="train",
-                dtype=cfg.dtype_label,
-                x_name="group_size",
-                x_value=strategy_x(strategy, group),
-                config=_config_record(cfg),
-            )
+            common = strategy_row_fields(strategy, group, cfg)
             why = budget.skip_note(f"~{estimate:.0f} s needed")
             rows = [
                 skipped_row(metric=m, unit=u, reason=why, **common)

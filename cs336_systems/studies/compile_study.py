@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from cs336_systems.measure.budget import TimeBudget, skipped_row
 from cs336_systems.measure.results import append_rows, make_row
 from cs336_systems.model import SIZES_2025, get_config
-from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, _config_record, run_one
+from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, row_fields, run_one
 from cs336_systems.studies.pytorch_attention import HEAD_DIMS, SEQ_LENS, attention_grid, attention_sweep
 
 PROBLEM = "torch_compile"
@@ -113,16 +113,7 @@ def whole_model_compile_sweep(
             compile=compiled,
             device=dev,
         )
-        common = dict(
-            problem=PROBLEM,
-            name=size,
-            impl=cfg.impl_label,
-            mode=mode,
-            dtype=cfg.dtype_label,
-            x_name="context_length",
-            x_value=context_length,
-            config=_config_record(cfg),
-        )
+        common = row_fields(cfg, PROBLEM, x_name="context_length", x_value=context_length)
         mcfg = get_config(size)
         n_steps = warmup + steps
         per_step = step_s.get((size, mode)) or last_eager_per_param.get(mode, 1e-9) * mcfg.num_params()

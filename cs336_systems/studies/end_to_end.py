@@ -132,18 +132,25 @@ def _config_record(cfg: EndToEndConfig) -> dict[str, Any]:
     return {**dataclasses.asdict(cfg), "model": mcfg.as_kwargs(), "num_params": mcfg.num_params()}
 
 
+def row_fields(cfg: EndToEndConfig, problem: str, **overrides: Any) -> dict[str, Any]:
+    """The keywords every results row of one configuration carries (for make_row, failure_row and
+    skipped_row): problem, size as name, impl, mode, dtype, the x axis and the config record.
+    `overrides` replace any of them (e.g. a study's own impl or x axis)."""
+    fields = {
+        "problem": problem,
+        "name": cfg.size,
+        "impl": cfg.impl_label,
+        "mode": cfg.mode,
+        "dtype": cfg.dtype_label,
+        "x_name": cfg.x_axis,
+        "x_value": getattr(cfg, cfg.x_axis),
+    }
+    return fields | {"config": overrides.pop("config", None) or _config_record(cfg)} | overrides
+
+
 def run_one(cfg: EndToEndConfig, problem: str = "benchmarking_script") -> list[dict[str, Any]]:
     """Measure one configuration; returns tidy rows (failure rows on OOM or error)."""
-    common = dict(
-        problem=problem,
-        name=cfg.size,
-        impl=cfg.impl_label,
-        mode=cfg.mode,
-        dtype=cfg.dtype_label,
-        x_name=cfg.x_axis,
-        x_value=getattr(cfg, cfg.x_axis),
-        config=_config_record(cfg),
-    )
+    common = row_fields(cfg, problem)
     outcome: dict[str, str] = {}
     timer = PhaseTimer(device=cfg.device)
     peak_gib = None

@@ -30,7 +30,6 @@ there) with results in a scratch directory unless `CS336_RESULTS_DIR` says other
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -49,8 +48,9 @@ from cs336_systems.model import SIZES_2025
 from cs336_systems.studies import memory as mem
 from cs336_systems.studies.checkpointing_study import checkpointing_sweep
 from cs336_systems.studies.compile_study import attention_compile_sweep, whole_model_compile_sweep
-from cs336_systems.studies.end_to_end import _config_record
+from cs336_systems.studies.end_to_end import row_fields
 from cs336_systems.studies.pytorch_attention import attention_grid, attention_sweep
+from cs336_systems.studies.timing_gpu_run import gpu_run_parser
 
 PARTS = ("memory", "checkpointing", "block_saved", "attention", "attention_compiled", "compile_model")
 # Seconds per part (the last part takes the remainder of the total budget).
@@ -79,16 +79,7 @@ def run_memory(
     for cfg in grid:
         key = (cfg.mode, cfg.dtype_label, cfg.context_length)
         if budget.exhausted():
-            common = dict(
-                problem=mem.PROBLEM,
-                name=cfg.size,
-                impl=cfg.impl_label,
-                mode=cfg.mode,
-                dtype=cfg.dtype_label,
-                x_name="context_length",
-                x_value=cfg.context_length,
-                config=_config_record(cfg),
-            )
+            common = row_fields(cfg, mem.PROBLEM, x_name="context_length", x_value=cfg.context_length)
             rows = [
                 skipped_row(metric=m, unit="GiB", reason=budget.skip_note(), **common)
                 for m in ("peak_memory", "resident_memory")
@@ -164,20 +155,17 @@ def memory_profiling_study(
 
 def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     """Run the parts; `start` (default: now) is when the budget began (the script passes its import time)."""
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = gpu_run_parser(
+        __doc__,
+        out={
+            "default": str(REPO_ROOT / "figures" / "data" / "memory_profiling"),
+            "help": "directory for snapshots (.pickle.gz), preview figures and manifest.json",
+        },
+        quick_help="tiny sizes (runs on a CPU); scratch results directory",
+        budget=("--budget", 360.0, "total wall-clock seconds for all parts"),
     )
-    p.add_argument(
-        "--out",
-        default=str(REPO_ROOT / "figures" / "data" / "memory_profiling"),
-        help="directory for snapshots (.pickle.gz), preview figures and manifest.json",
-    )
-    p.add_argument("--budget", type=float, default=360.0, help="total wall-clock seconds for all parts")
     p.add_argument(
         "--parts", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run, in this order"
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="tiny sizes (runs on a CPU); scratch results directory"
     )
     p.add_argument(
         "--attn-reps", type=int, default=100, help="forward and backward passes per attention config"

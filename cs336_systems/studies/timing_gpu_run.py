@@ -48,7 +48,7 @@ from cs336_systems.measure.results import REPO_ROOT, append_rows, failure_row, l
 from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.model import SIZES_2025, get_config
 from cs336_systems.studies import autocast_study, profile
-from cs336_systems.studies.end_to_end import MODES, PHASES, EndToEndConfig, grid, run_one
+from cs336_systems.studies.end_to_end import MODES, PHASES, EndToEndConfig, grid, row_fields, run_one
 
 BENCH = "benchmarking_script"
 MIXED = autocast_study.PROBLEM
@@ -119,16 +119,7 @@ def predicted_seconds(
 
 
 def _skipped_rows(cfg: EndToEndConfig, problem: str, note: str) -> list[dict[str, Any]]:
-    common = dict(
-        problem=problem,
-        name=cfg.size,
-        impl=cfg.impl_label,
-        mode=cfg.mode,
-        dtype=cfg.dtype_label,
-        x_name=cfg.x_axis,
-        x_value=getattr(cfg, cfg.x_axis),
-        config=dataclasses.asdict(cfg),
-    )
+    common = row_fields(cfg, problem, config=dataclasses.asdict(cfg))
     return [failure_row(metric=f"{p}_time", unit="ms", note=note, **common) for p in PHASES[cfg.mode]]
 
 
@@ -351,16 +342,28 @@ def _git_sha() -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def gpu_run_parser(
+    doc: str, *, out: dict[str, Any], quick_help: str, budget: tuple[str, float, str]
+) -> argparse.ArgumentParser:
+    """The options every GPU-session script has: `--out` (add_argument keywords), `--quick` and a
+    wall-clock budget `(flag, default seconds, help)`; the description is the module docstring's
+    first paragraph."""
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--out", required=True, help="directory for summary.json and the timeline PNG")
-    p.add_argument(
-        "--quick", action="store_true", help="debug model on the CPU, short protocols (a smoke run)"
-    )
-    p.add_argument(
-        "--budget-s", type=float, default=285.0, help="wall-clock budget of the whole run (seconds)"
+    p.add_argument("--out", **out)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    flag, default, budget_help = budget
+    p.add_argument(flag, type=float, default=default, help=budget_help)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = gpu_run_parser(
+        __doc__,
+        out={"required": True, "help": "directory for summary.json and the timeline PNG"},
+        quick_help="debug model on the CPU, short protocols (a smoke run)",
+        budget=("--budget-s", 285.0, "wall-clock budget of the whole run (seconds)"),
     )
     p.add_argument(
         "--results-dir",
