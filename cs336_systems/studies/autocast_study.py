@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_systems.measure.results import make_row
 from cs336_systems.model import SIZES_2025
+from cs336_systems.studies import timing_analysis
 from cs336_systems.studies.end_to_end import EndToEndConfig, grid
 
 PROBLEM = "benchmarking_mixed_precision"
@@ -204,3 +205,56 @@ def timing_configs(
         steps=steps,
         **kw,
     )
+
+
+def layernorm_frame(spreads: Sequence[float] = (300.0, 1.0)) -> pd.DataFrame:
+    """`layernorm_precision` for a wide and a narrow input spread, one frame with a `spread` column."""
+    return pd.concat([layernorm_precision(spread=s).assign(spread=s) for s in spreads], ignore_index=True)
+
+
+def facts(df: pd.DataFrame, *, context_length: int) -> dict[str, Any]:
+    """The numbers the benchmarking_mixed_precision answers state: (a) the toy model's dtypes, (b) the
+    LayerNorm precision experiment (computed live), (c) the bf16 speed-ups at `context_length`.
+    (a) and (c) are absent when `df` has no such rows."""
+    out: dict[str, Any] = {}
+    dtypes = timing_analysis.dtype_frame(df)
+    if len(dtypes):
+        out["gpu_name"] = dtypes.attrs["gpu_name"]
+        out["autocast_dtype"] = dtypes.attrs["autocast_dtype"].replace("torch.", "")
+        out["dtype_of"] = dict(
+            zip(dtypes.quantity, dtypes.dtype.str.replace("torch.", "", regex=False), strict=True)
+        )
+    ln = layernorm_frame()
+    wide, narrow = ln[ln.spread == 300.0].set_index("dtype"), ln[ln.spread == 1.0].set_index("dtype")
+    fp16_max = wide.loc["float16", "largest finite value"]
+    out |= {
+        "fp16_largest_finite": fp16_max,
+        "fp16_overflow_deviation": fp16_max**0.5,
+        "fp16_output_error_wide": wide.loc["float16", "output max abs error"],
+        "bf16_variance_error_wide": wide.loc["bfloat16", "variance rel. error"],
+        "bf16_output_error_narrow": narrow.loc["bfloat16", "output max abs error"],
+        "bf16_over_fp16_error_narrow": narrow.loc["bfloat16", "output max abs error"]
+        / narrow.loc["float16", "output max abs error"],
+        "fp32_output_error_narrow": narrow.loc["float32", "output max abs error"],
+    }
+    stats = timing_analysis.timing_stats(df)
+    table = timing_analysis.mixed_table(stats[stats.x == context_length])
+    if len(table):
+        speedup = table.xs("speed-up", axis=1, level=1)
+        step = speedup["train step"]
+        out["speedup"] = {
+            "sizes": list(speedup.index),
+            "step_first": step.iloc[0],
+            "step_last": step.iloc[-1],
+            "grows_with_size": bool(step.iloc[-1] > step.iloc[0]),
+            **{
+                f"{name}_{end}": getattr(speedup[phase], end)()
+                for name, phase in (
+                    ("forward", "forward"),
+                    ("backward", "backward"),
+                    ("optimizer", "optimizer step"),
+                )
+                for end in ("min", "max")
+            },
+        }
+    return out
