@@ -41,3 +41,34 @@ def test_autocast_facts_on_the_committed_run():
     assert speedup["step_last"] == pytest.approx(mean["2.7B", "fp32"] / mean["2.7B", "bf16-autocast"])
     assert speedup["grows_with_size"] and speedup["step_last"] > 3
     assert speedup["forward_min"] <= speedup["forward_max"]
+
+
+def test_benchmarking_script_facts_on_the_committed_run():
+    import json
+
+    from cs336_systems.studies import timing_analysis
+
+    df = committed("benchmarking_script")
+    facts = timing_analysis.facts(df, context_length=512, warmup=5)
+    timing = facts["timing"]
+    rows = df[
+        (df.x_name == "context_length")
+        & (df.x_value.astype(str) == "512")
+        & (df["mode"] == "forward_backward")
+    ]
+    mean = rows.groupby(["name", "metric"])["mean"].last()
+    assert timing["sizes"] == ["small", "medium", "large", "xl", "2.7B"]
+    assert timing["forward_first_ms"] == pytest.approx(mean["small", "forward_time"])
+    assert timing["backward_last_ms"] == pytest.approx(mean["2.7B", "backward_time"])
+    ratios = [mean[s, "backward_time"] / mean[s, "forward_time"] for s in timing["sizes"]]
+    assert timing["backward_over_forward_min"] == pytest.approx(min(ratios))
+    assert 1.5 < min(ratios) <= max(ratios) < 3  # about two matmuls per forward matmul
+    assert timing["cv_median"] <= timing["cv_max"] and timing["failed"] == []
+    # (c): the cold first step is the first sample of the warm-up-0 row of the first ablation size
+    ablation = facts["ablation"]
+    cold = df[(df.x_name == "warmup") & (df.x_value.astype(str) == "0") & (df.metric == "step_time")]
+    cold = cold[cold.name == ablation["cold_size"]]
+    samples = json.loads(cold["samples"].iloc[-1])
+    assert ablation["cold"]["first_ms"] == pytest.approx(samples[0])
+    assert ablation["first_over_rest"][0] == pytest.approx(samples[0] / pd.Series(samples[1:]).median())
+    assert ablation["first_over_rest"][0] > 2 > ablation["first_over_rest"][1]  # one warm-up step is enough

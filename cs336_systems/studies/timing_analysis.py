@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
 import matplotlib.ticker as mticker
@@ -232,3 +233,71 @@ __all__ = [
     "timing_stats",
     "timing_table",
 ]
+
+
+def facts(df: pd.DataFrame, *, context_length: int, warmup: int) -> dict[str, Any]:
+    """The numbers the benchmarking_script answers state. `"timing"` (b): forward and backward times,
+    their ratio, and the spread (std / mean) of every phase at `context_length`; `"ablation"` (c): the
+    first measured step against the others per number of warm-up steps (`warmup` is the (b) grid's, the
+    fully warmed-up reference). Each part is absent when `df` has no rows for it."""
+    out: dict[str, Any] = {}
+    stats = timing_stats(df)
+    stats = stats[stats.x == context_length]
+    done = stats[stats.note == ""]
+    ok = done[done["mode"] == "forward_backward"]
+    if len(ok):
+        fwd = ok[ok.metric == "forward_time"].set_index("size")["mean"]
+        bwd = ok[ok.metric == "backward_time"].set_index("size")["mean"]
+        sizes = [s for s in SIZE_ORDER if s in fwd.index]
+        ratio = (bwd / fwd).reindex(sizes)
+        by_phase = done.set_index(["size", "mode", "metric"])
+        cv, short = by_phase.cv, by_phase["mean"] < 100  # ms: a "short" phase
+        worst = cv.idxmax()
+        failed = stats[stats.note != ""].drop_duplicates("size")
+        out["timing"] = {
+            "sizes": sizes,
+            "forward_first_ms": fwd[sizes[0]],
+            "forward_last_ms": fwd[sizes[-1]],
+            "backward_first_ms": bwd[sizes[0]],
+            "backward_last_ms": bwd[sizes[-1]],
+            "backward_over_forward_min": ratio.min(),
+            "backward_over_forward_max": ratio.max(),
+            "cv_max": cv.max(),
+            "cv_max_at": {"size": worst[0], "mode": worst[1], "phase": worst[2].replace("_time", "")},
+            "cv_median": cv.median(),
+            # the spread of phases below / above 100 ms, when both kinds exist and the spread is notable
+            "cv_split": (
+                {"short_max": cv[short].max(), "long_max": cv[~short].max()}
+                if cv.max() >= 0.05 and short.any() and (~short).any()
+                else None
+            ),
+            "failed": [(r.size, r.note) for r in failed.itertuples()],
+        }
+    steps = ablation_steps(df, bench_warmup=warmup)
+    if len(steps):
+        t = ablation_table(steps)
+        cold = t.index.get_level_values("size")[0]
+        ratio = t["first / rest"]
+        opt = timing_stats(df, x_name="warmup")
+        opt = (
+            opt[(opt.metric == "optimizer_time") & (opt.x == 0) & (opt.note == "")].set_index("size").samples
+        )
+        opt_ratio = [v[0] / (sum(v[1:]) / max(len(v) - 1, 1)) for v in opt if len(v) > 1]
+
+        def row(warm: int) -> dict[str, float] | None:
+            if (cold, warm) not in t.index:
+                return None
+            r = t.loc[(cold, warm)]
+            return {"first_ms": r["first step (ms)"], "mean_ms": r["mean (ms)"], "std_ms": r["std (ms)"]}
+
+        later = [s for s in dict.fromkeys(t.index.get_level_values("size")) if s != cold]
+        out["ablation"] = {
+            "cold_size": cold,
+            "cold": row(0),
+            "warmed": row(warmup),
+            "first_over_rest": {w: ratio.get((cold, w), float("nan")) for w in (0, 1, 2)},
+            "later_first_over_rest": [(s, ratio[(s, 0)]) for s in later if (s, 0) in ratio.index],
+            "later_sizes": later,
+            "optimizer_first_over_rest_max": max(opt_ratio) if opt_ratio else None,
+        }
+    return out
