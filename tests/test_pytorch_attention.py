@@ -10,7 +10,7 @@ import torch
 from cs336_systems.measure.budget import TimeBudget
 from cs336_systems.measure.results import load_results
 from cs336_systems.model.checkpointing import saved_tensors
-from cs336_systems.studies import memory_attention_gpu_run
+from cs336_systems.studies import attention_results, memory_attention_gpu_run
 from cs336_systems.studies import pytorch_attention as pa
 from cs336_systems.studies.compile_study import attention_compile_sweep, whole_model_compile_sweep
 
@@ -87,7 +87,7 @@ def test_oom_paths_become_rows(ok_calls):
     fwd, bwd = (rows[rows.metric == m].iloc[0] for m in ("forward_time", "backward_time"))
     assert fwd.note == "" and fwd.n == 2 and bwd.note == "OOM"
     assert ("first_backward_time" in set(rows.metric)) == bool(ok_calls)
-    assert pa.smallest_oom(
+    assert attention_results.smallest_oom(
         pd.DataFrame(
             [
                 {"note": "OOM", "name": "d32", "x_value": 8192},
@@ -127,10 +127,10 @@ def test_compiled_sweep_replays_backward(tmp_path):
 
 
 def test_scaling_exponent():
-    assert pa.scaling_exponent([256, 1024, 4096], [3 * t * t for t in (256, 1024, 4096)]) == pytest.approx(
-        2.0
-    )
-    assert math.isnan(pa.scaling_exponent([256], [1.0]))
+    assert attention_results.scaling_exponent(
+        [256, 1024, 4096], [3 * t * t for t in (256, 1024, 4096)]
+    ) == pytest.approx(2.0)
+    assert math.isnan(attention_results.scaling_exponent([256], [1.0]))
 
 
 def test_whole_model_sweep_eager_and_skipped(tmp_path):

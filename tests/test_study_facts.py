@@ -72,3 +72,45 @@ def test_benchmarking_script_facts_on_the_committed_run():
     assert ablation["cold"]["first_ms"] == pytest.approx(samples[0])
     assert ablation["first_over_rest"][0] == pytest.approx(samples[0] / pd.Series(samples[1:]).median())
     assert ablation["first_over_rest"][0] > 2 > ablation["first_over_rest"][1]  # one warm-up step is enough
+
+
+def test_pytorch_attention_facts_on_the_committed_run():
+    from cs336_systems.measure.results import latest_run
+    from cs336_systems.studies import attention_results
+
+    df = latest_run(committed("pytorch_attention"), keys=("name", "impl", "x_value", "metric"))
+    facts = attention_results.facts(df[df.impl == "naive"])
+    oom = facts["oom"]
+    # the extra point d = 16, T = 32768 is the only one past the H200's 141 GB
+    assert (oom["d"], oom["T"], oom["phase"]) == (16, 32768, "forward")
+    assert oom["probabilities_GiB"] == 8 * 32768**2 * 4 / 2**30  # one (8, T, T) fp32 tensor
+    assert oom["inputs_MiB"] == 3 * 8 * 32768 * 16 * 4 / 2**20
+    assert oom["saved_for_backward_GiB"] == pytest.approx(
+        3 * oom["probabilities_GiB"] + 32768**2 / 2**30, abs=0.01
+    )
+    assert oom["backward_peak_GiB"] > facts["device_bytes"] / 2**30
+    scaling = facts["scaling"]
+    assert 1.95 < scaling["exponent_min"] <= scaling["exponent_max"] < 2.05  # quadratic in T
+    assert scaling["saved_T2_MiB_max"] == 3 * 8 * scaling["T_max"] ** 2 * 4 / 2**20
+    assert scaling["max_relative_error"] < 0.01
+
+
+def test_gradient_checkpointing_facts_on_the_committed_run():
+    from cs336_systems.studies import checkpointing_study
+
+    df = committed("gradient_checkpointing")
+    df = df[df.name == "xl_2026"]
+    facts = checkpointing_study.facts(df, checkpointing_study.cost_table("xl_2026", 4, 2048))
+    model, measured = facts["model"], facts["measured"]
+    assert model["num_blocks"] == 32 and model["recursive_forward_passes"] == 6  # ceil(log2 32) + 1
+    assert model["recursive_GiB"] < model["one_level_GiB"] < model["none_GiB"]
+    peaks = df[(df.metric == "peak_memory") & (df.impl == "block") & (df.note == "")]
+    peaks = peaks.groupby("x_value")["mean"].last()
+    assert measured["best_k"] == peaks.idxmin() and measured["best_GiB"] == pytest.approx(peaks.min())
+    assert measured["next_k"] == sorted(k for k in peaks.index if k > peaks.idxmin())[0]
+    assert measured["none_note"] == "OOM"
+    assert (
+        measured["sub_block_at_floor"]
+        and measured["sub_block_minus_best_MiB"] < 0.05 * measured["best_GiB"] * 1024
+    )
+    assert measured["step_recursive_ms"] > measured["step_best_ms"]  # more recomputation

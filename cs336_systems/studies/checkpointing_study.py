@@ -319,3 +319,53 @@ def plot_cost_model(cost: pd.DataFrame, measured: pd.DataFrame | None = None):
     ax.set_ylabel("peak memory (GiB)")
     ax.legend(fontsize=7, loc="upper left")
     return fig
+
+
+def facts(df: pd.DataFrame, cost: pd.DataFrame) -> dict[str, Any]:
+    """The numbers the gradient_checkpointing answers state. `cost` is `cost_table(...)` (the model:
+    `"model"`); `df` the measured rows of one size (`"measured"`, absent without block rows)."""
+    a = cost.attrs
+    rec = cost[cost.strategy == "recursive"].iloc[0]
+    one = cost[(cost.strategy == "block") & (cost.group_size == a["optimal_group"])].iloc[0]
+    out: dict[str, Any] = {
+        "model": {
+            "num_blocks": a["num_blocks"],
+            "c_MiB": a["c"] / 2**20,
+            "r_MiB": a["r"] / 2**20,
+            "r_GiB": a["r"] / 2**30,
+            "optimal_group": a["optimal_group"],
+            "k_star": (a["num_blocks"] * a["c"] / a["r"]) ** 0.5,
+            "recursive_forward_passes": rec.forward_passes,
+            "recursive_GiB": rec.peak_activation_GiB,
+            "one_level_GiB": one.peak_activation_GiB,
+            "sub_block_GiB": cost[cost.strategy == "sub_block"].peak_activation_GiB.iloc[0],
+            "none_GiB": cost[cost.strategy == "none"].peak_activation_GiB.iloc[0],
+        }
+    }
+    ok = df[(df.metric == "peak_memory") & (df.note == "")]
+    block = ok[ok.impl == "block"].set_index("x_value")["mean"]
+    if len(block):
+        best = block.idxmin()
+        bigger = block[block.index > best]
+        sub = ok[ok.impl == "sub_block"]["mean"]
+        rec_peak = ok[ok.impl == "recursive"]["mean"]
+        none_note = df[(df.impl == "none") & (df.metric == "peak_memory")].note
+        steps = df[(df.metric == "step_time") & (df.note == "")].set_index(["impl", "x_value"])["mean"]
+        sub_peak = sub.iloc[0] if len(sub) else None
+        out["measured"] = {
+            "best_k": best,
+            "best_GiB": block[best],
+            "next_k": bigger.index[0] if len(bigger) else None,
+            "next_GiB": bigger.iloc[0] if len(bigger) else None,
+            "sub_block_GiB": sub_peak,
+            "recursive_GiB": rec_peak.iloc[0] if len(rec_peak) else None,
+            # the halves reach the same floor as the best block grouping (within 5%)
+            "sub_block_at_floor": sub_peak is not None
+            and abs(sub_peak - block[best]) < 0.05 * block[best]
+            and len(rec_peak) > 0,
+            "sub_block_minus_best_MiB": abs(sub_peak - block[best]) * 1024 if sub_peak is not None else None,
+            "none_note": none_note.iloc[0] if len(none_note) and none_note.iloc[0] else None,
+            "step_best_ms": steps.get(("block", best)),
+            "step_recursive_ms": steps.get(("recursive", 1.0)),
+        }
+    return out
