@@ -114,3 +114,36 @@ def test_gradient_checkpointing_facts_on_the_committed_run():
         and measured["sub_block_minus_best_MiB"] < 0.05 * measured["best_GiB"] * 1024
     )
     assert measured["step_recursive_ms"] > measured["step_best_ms"]  # more recomputation
+
+
+def test_torch_compile_facts_on_the_committed_runs():
+    from cs336_systems.measure.results import latest_run
+    from cs336_systems.studies import compile_study
+
+    compiled, eager = committed("torch_compile"), committed("pytorch_attention")
+    facts = compile_study.facts(compiled, eager[eager.impl == "naive"])
+    attention = facts["attention"]
+    keys = ("name", "impl", "x_value", "metric")
+
+    def forward_ms(df, d, t):
+        rows = latest_run(df, keys=keys)
+        rows = rows[
+            (rows.name == f"d{d}") & (rows.x_value.astype(float) == t) & (rows.metric == "forward_time")
+        ]
+        return rows["mean"].iloc[-1]
+
+    longest = attention["longest_T"]
+    for d, speedup in attention["forward_at_longest_by_d"]:
+        expected = forward_ms(eager[eager.impl == "naive"], d, longest) / forward_ms(
+            compiled[compiled.x_name == "seq_len"], d, longest
+        )
+        assert speedup == pytest.approx(expected, abs=0.006)  # the table rounds to 2 decimals
+    assert attention["forward_min"] <= attention["forward_at_longest"] <= attention["forward_max"]
+    # the eager attention ran out of memory at the extra point, the compiled one did not
+    assert [(d, t, eager_note) for d, t, eager_note, *_ in attention["only_compiled_ran"]] == [
+        (16, 32768, "OOM")
+    ]
+    model = facts["model"]
+    assert model["context_length"] == 512 and model["attention_T_near_context"] == [256, 1024]
+    assert {mode for mode, *_ in model["speedup_by_mode"]} == {"forward", "train"}
+    assert all(1 < lo <= hi < 2 for _, lo, hi in model["speedup_by_mode"])
