@@ -26,6 +26,8 @@ size = "2.7B"
 context_lengths = [512, 2048]
 
 # %% tags=["remove-input"]
+import pandas as pd
+
 from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
 from cs336_systems.studies import train_step
 
@@ -54,8 +56,6 @@ for ctx, f in sorted((k, v) for k, v in facts.items() if isinstance(k, int)):
                 "MFU measured peak": f[f"{path}_mfu_measured_peak"],
             }
         )
-import pandas as pd
-
 show_table(
     pd.DataFrame(rows),
     caption=f"{size}, batch 4: median step and phase times, ours vs stock in one process",

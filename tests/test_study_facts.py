@@ -147,3 +147,22 @@ def test_torch_compile_facts_on_the_committed_runs():
     assert model["context_length"] == 512 and model["attention_T_near_context"] == [256, 1024]
     assert {mode for mode, *_ in model["speedup_by_mode"]} == {"forward", "train"}
     assert all(1 < lo <= hi < 2 for _, lo, hi in model["speedup_by_mode"])
+
+
+def test_training_step_facts_on_the_committed_run():
+    from cs336_systems.measure.results import latest_run
+    from cs336_systems.studies import train_step
+
+    df = latest_run(committed(train_step.PROBLEM), keys=("name", "impl", "x_value", "metric"))
+    facts = train_step.facts(df)
+    compare = df[(df.name == "compare") & (df.metric == "step_ms")]
+    for ctx in (512, 2048):
+        p50 = compare[compare.x_value.astype(float) == ctx].set_index("impl")["p50"]
+        assert facts[ctx]["ratio"] == pytest.approx(p50["ours"] / p50["stock"])
+        assert facts[ctx]["ratio"] < 1  # ours is faster than the stock compiled step at both contexts
+    bandwidth = df[df.name == "bandwidth"].set_index("impl")["p50"]
+    assert facts["adamw_fraction_of_copy"] == pytest.approx(bandwidth["fused_adamw"] / bandwidth["copy"])
+    assert 0.5 < facts["adamw_fraction_of_copy"] <= 1
+    waterfall = facts["waterfall"]
+    assert waterfall["handout fp32"] > waterfall["+ bf16 autocast"] > waterfall["+ bf16 compute weights"]
+    assert facts["check_steps"] == 20 and facts["check_max_loss_diff"] < 0.01
