@@ -193,38 +193,25 @@ def run_strategy(strategy: str, group: int | None, cfg: EndToEndConfig) -> list[
 def checkpointing_sweep(
     strategies: Sequence[tuple[str, int | None]] = STRATEGIES,
     *,
-    size: str = SIZE,
-    batch_size: int = BATCH_SIZE,
-    context_length: int = CONTEXT_LENGTH,
-    warmup: int = 1,
-    steps: int = 1,
-    device: str | None = None,
     budget: TimeBudget | None = None,
     step_estimate_s: float = 8.0,
     save: bool = True,
     results_dir: str | None = None,
     progress: bool = True,
+    **config: Any,
 ) -> pd.DataFrame:
     """Run the strategies in order under an optional time budget (skipped ones get "skipped:" rows).
 
+    config: the keywords of `study_config` (size, batch_size, context_length, warmup, steps, device).
     step_estimate_s: assumed seconds per training step until the first strategy has been measured.
     """
     all_rows = []
     per_step = step_estimate_s
     for strategy, group in tqdm(strategies, desc=PROBLEM, disable=not progress):
-        cfg = study_config(
-            strategy,
-            group,
-            size=size,
-            batch_size=batch_size,
-            context_length=context_length,
-            warmup=warmup,
-            steps=steps,
-            device=device,
-        )
+        cfg = study_config(strategy, group, **config)
         # recomputation adds forwards: the recursive scheme runs about log2(N) + 1 of them
         factor = 1.0 + (0.6 if strategy == "recursive" else 0.0)
-        estimate = (warmup + steps) * per_step * factor + 5.0
+        estimate = (cfg.warmup + cfg.steps) * per_step * factor + 5.0
         if strategy == "none":  # expected to OOM within the first forward
             estimate = min(estimate, 10.0)
         if budget is not None and not budget.can_afford(estimate):
@@ -239,7 +226,7 @@ def checkpointing_sweep(
             rows = run_strategy(strategy, group, cfg)
             measured = any(r["metric"] == "step_time" and r["n"] for r in rows)
             if measured and strategy == "block":  # calibrate (model build included: conservative)
-                per_step = (timeit.default_timer() - start) / (warmup + steps)
+                per_step = (timeit.default_timer() - start) / (cfg.warmup + cfg.steps)
         if save:
             append_rows(PROBLEM, rows, results_dir)
         all_rows.extend(rows)

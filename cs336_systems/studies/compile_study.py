@@ -103,16 +103,9 @@ def whole_model_compile_sweep(
     compile_per_layer: dict[str, float] = {}  # mode -> measured compile seconds per layer
     last_eager_per_param: dict[str, float] = {}
     cells = [(s, m, c) for s in sizes for m in modes for c in (False, True)]
+    run_settings = {"context_length": context_length, "warmup": warmup, "steps": steps, "device": dev}
     for size, mode, compiled in tqdm(cells, desc=PROBLEM, disable=not progress):
-        cfg = EndToEndConfig(
-            size=size,
-            context_length=context_length,
-            mode=mode,
-            warmup=warmup,
-            steps=steps,
-            compile=compiled,
-            device=dev,
-        )
+        cfg = EndToEndConfig(size=size, mode=mode, compile=compiled, **run_settings)
         common = row_fields(cfg, PROBLEM, x_name="context_length", x_value=context_length)
         mcfg = get_config(size)
         n_steps = warmup + steps
