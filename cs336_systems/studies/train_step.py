@@ -31,6 +31,7 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pandas as pd
 import torch
@@ -53,6 +54,12 @@ from cs336_systems.training.fused_adamw import mixed_precision_groups
 
 PROBLEM = "training_step"
 PHASES = ("forward", "backward", "optimizer")
+# the command-line options recorded as each context length's run config
+RUN_CONFIG_KEYS = ("size", "batch_size", "rounds", "steps", "warmup", "compile", "attention")
+# per-path metrics of the comparison that facts() reports
+PATH_METRICS = ("peak_memory_gib", "mfu_datasheet", "mfu_measured_peak", "first_step_s")
+PATH_METRICS += tuple(f"{p}_ms" for p in PHASES)
+PARTS = ("bandwidth", "check", "compare", "waterfall")
 
 STAGES: list[tuple[str, dict]] = [
     ("handout fp32", {}),
@@ -164,34 +171,36 @@ def bandwidth_rows(cfg: ModelConfig, device, run_cfg: dict) -> list[dict]:
     numel = sum(p.numel() for p in model.parameters())
     adamw_ms = kernel_time(opt.step, device=device)["p50"]
     rows = []
+    bandwidth = {"problem": PROBLEM, "name": "bandwidth", "metric": "bandwidth", "unit": "GB/s"}
     for impl, ms, nbytes in [("copy", copy_ms, 2 * 4 * n), ("fused_adamw", adamw_ms, 28 * numel)]:
-        rows.append(
-            make_row(
-                problem=PROBLEM, name="bandwidth", impl=impl, metric="bandwidth", unit="GB/s",
-                value=nbytes / (ms * 1e-3) / 1e9, config=run_cfg | {"bytes": nbytes, "ms": ms, "blocks": blocks},
-            )
-        )  # fmt: skip
+        config = run_cfg | {"bytes": nbytes, "ms": ms, "blocks": blocks}
+        rows.append(make_row(impl=impl, value=nbytes / (ms * 1e-3) / 1e9, config=config, **bandwidth))
     return rows
 
 
+def _at_context(run_cfg: dict) -> dict[str, Any]:
+    """Row keywords of this run: the problem, its context length as the x axis, and `run_cfg` as config."""
+    at = {"x_name": "context_length", "x_value": run_cfg["context_length"]}
+    return {"problem": PROBLEM, "config": run_cfg, **at}
+
+
+def _step_failure(name: str, impl: str, note: str, run_cfg: dict) -> dict[str, Any]:
+    """The row of a path whose step could not run (an OOM or an error); the other paths go on."""
+    return failure_row(name=name, impl=impl, metric="step_ms", unit="ms", note=note, **_at_context(run_cfg))
+
+
 def _rows_for_path(path: str, name: str, times: list[dict], extra: dict, run_cfg: dict) -> list[dict]:
-    rows = []
-    for metric in ("step", *PHASES):
-        rows.append(
-            make_row(
-                problem=PROBLEM, name=name, impl=path, mode="train", dtype="bf16", x_name="context_length",
-                x_value=run_cfg["context_length"], metric=f"{metric}_ms", unit="ms",
-                samples=[t[metric] for t in times], config=run_cfg | extra,
-            )
-        )  # fmt: skip
-    for metric, (unit, value) in extra.items():
-        if isinstance(value, float | int):
-            rows.append(
-                make_row(
-                    problem=PROBLEM, name=name, impl=path, mode="train", dtype="bf16", x_name="context_length",
-                    x_value=run_cfg["context_length"], metric=metric, unit=unit, value=value, config=run_cfg,
-                )
-            )  # fmt: skip
+    train = {"name": name, "impl": path, "mode": "train", "dtype": "bf16"}
+    timed = [(f"{m}_ms", [t[m] for t in times]) for m in ("step", *PHASES)]
+    rows = [
+        make_row(metric=metric, unit="ms", samples=samples, **train, **_at_context(run_cfg | extra))
+        for metric, samples in timed
+    ]
+    rows += [
+        make_row(metric=metric, unit=unit, value=value, **train, **_at_context(run_cfg))
+        for metric, (unit, value) in extra.items()
+        if isinstance(value, float | int)
+    ]
     return rows
 
 
@@ -226,9 +235,7 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
     rows = []
 
     def failed(path: str, note: str) -> None:  # an OOM or error is a row, and the other paths go on
-        rows.append(failure_row(problem=PROBLEM, name="compare", impl=path, metric="step_ms", unit="ms",
-                                note=note, x_name="context_length", x_value=run_cfg["context_length"],
-                                config=run_cfg))  # fmt: skip
+        rows.append(_step_failure("compare", path, note, run_cfg))
         steps.pop(path, None)
         gc.collect()
         if torch.cuda.is_available():
@@ -289,13 +296,12 @@ def waterfall(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches) -> li
                 timed_step(step, *batches[i % len(batches)])
             marks = [timed_step(step, *batches[i % len(batches)])[1] for i in range(args.steps)]
             synchronize()
-            rows += _rows_for_path(label, "waterfall", [phase_ms(m) for m in marks],
-                                   {"first_step_s": ("s", first)}, run_cfg | {"stage": stage})  # fmt: skip
+            extra = {"first_step_s": ("s", first)}
+            times = [phase_ms(m) for m in marks]
+            rows += _rows_for_path(label, "waterfall", times, extra, run_cfg | {"stage": stage})
             del step
         if outcome:
-            rows.append(failure_row(problem=PROBLEM, name="waterfall", impl=label, metric="step_ms", unit="ms",
-                                    note=outcome["note"], x_name="context_length",
-                                    x_value=run_cfg["context_length"], config=run_cfg | {"stage": stage}))  # fmt: skip
+            rows.append(_step_failure("waterfall", label, outcome["note"], run_cfg | {"stage": stage}))
         torch._dynamo.reset()  # compiled code must not keep the stage's model alive
         gc.collect()
         if torch.cuda.is_available():
@@ -306,23 +312,21 @@ def waterfall(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches) -> li
 def check(cfg: ModelConfig, args, state: dict, batches, num_steps: int = 20) -> list[dict]:
     """Loss of each of `num_steps` steps: ours vs the plain reference step (reference AdamW, no fusions)."""
     attention = "sdpa" if not torch.cuda.is_available() else args.attention
+    optimizer = {"lr": args.lr, "weight_decay": args.weight_decay}
     configs = {
-        "reference": TrainStepConfig(autocast=True, attention="sdpa", lr=args.lr, weight_decay=args.weight_decay),
-        "ours": TrainStepConfig.fastest(attention=attention, compile=args.compile, lr=args.lr,
-                                        weight_decay=args.weight_decay),
-    }  # fmt: skip
+        "reference": TrainStepConfig(autocast=True, attention="sdpa", **optimizer),
+        "ours": TrainStepConfig.fastest(attention=attention, compile=args.compile, **optimizer),
+    }
+    loss = {"problem": PROBLEM, "name": "check", "mode": "train", "dtype": "bf16", "metric": "loss"}
+    check_config = {"size": args.size_name, "context_length": cfg.context_length}
+    loss |= {"x_name": "step", "unit": "nats", "config": check_config}
     rows = []
     for name, tc in configs.items():
         model = BasicsTransformerLM.from_config(cfg, device=args.device)
         model.load_state_dict(state)
         step = build_train_step(model, tc)
         losses = [step(*batches[i % len(batches)]).item() for i in range(num_steps)]
-        rows += [
-            make_row(problem=PROBLEM, name="check", impl=name, mode="train", dtype="bf16", x_name="step",
-                     x_value=i + 1, metric="loss", unit="nats", value=v,
-                     config={"size": args.size_name, "context_length": cfg.context_length})
-            for i, v in enumerate(losses)
-        ]  # fmt: skip
+        rows += [make_row(impl=name, x_value=i + 1, value=v, **loss) for i, v in enumerate(losses)]
         del step, model
         gc.collect()
     return rows
@@ -332,12 +336,11 @@ def run(args) -> pd.DataFrame:
     rows: list[dict] = []
     device = torch.device(args.device)
     peak = matmul_peak(device)
-    rows.append(make_row(problem=PROBLEM, name="matmul_peak", impl="torch.mm", dtype="bf16",
-                         metric="tflops", unit="TFLOP/s", value=peak / 1e12))  # fmt: skip
+    matmul = {"problem": PROBLEM, "name": "matmul_peak", "impl": "torch.mm", "dtype": "bf16"}
+    rows.append(make_row(metric="tflops", unit="TFLOP/s", value=peak / 1e12, **matmul))
     for ctx in args.context_length:
         cfg = MODEL_SIZES[args.size].replace(context_length=ctx)
-        run_cfg = dict(size=args.size, context_length=ctx, batch_size=args.batch_size, rounds=args.rounds,
-                       steps=args.steps, warmup=args.warmup, compile=args.compile, attention=args.attention)  # fmt: skip
+        run_cfg = {key: getattr(args, key) for key in RUN_CONFIG_KEYS} | {"context_length": ctx}
         torch.manual_seed(0)
         state = {
             k: v.detach().cpu()
@@ -431,10 +434,8 @@ def facts(df: pd.DataFrame) -> dict:
                 "stock_ms": get["stock", "step_ms"],
                 "ours_ms": get["ours", "step_ms"],
                 "ratio": get["ours", "step_ms"] / get["stock", "step_ms"],
-                **{f"{p}_{m}": get.get((p, m), math.nan) for p in ("stock", "ours")
-                   for m in ("peak_memory_gib", "mfu_datasheet", "mfu_measured_peak", "first_step_s",
-                             "forward_ms", "backward_ms", "optimizer_ms")},
-            }  # fmt: skip
+                **{f"{p}_{m}": get.get((p, m), math.nan) for p in ("stock", "ours") for m in PATH_METRICS},
+            }
     return out
 
 
@@ -451,12 +452,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds of stock and ours")
     p.add_argument("--steps", type=int, default=8, help="timed steps per path per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compile) step")
-    p.add_argument("--parts", nargs="+", choices=["bandwidth", "check", "compare", "waterfall"],
-                   default=["bandwidth", "check", "compare", "waterfall"])  # fmt: skip
-    p.add_argument("--attention", choices=["flash_triton", "sdpa"], default="sdpa",
-                   help="attention of our step")  # fmt: skip
-    p.add_argument("--overlap-programs", nargs="+", type=int, default=[0],
-                   help="grid cap(s) of our overlapped optimizer launches, one 'ours' path each (0: uncapped)")  # fmt: skip
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument(
+        "--attention", choices=["flash_triton", "sdpa"], default="sdpa", help="attention of our step"
+    )
+    p.add_argument(
+        "--overlap-programs",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="grid cap(s) of our overlapped optimizer launches, one 'ours' path each (0: uncapped)",
+    )
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager stock and ours")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
