@@ -29,7 +29,7 @@ context_lengths = [512, 2048]
 import pandas as pd
 
 from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
-from cs336_systems.studies import train_step
+from cs336_systems.studies import train_step, train_step_results
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, quick=quick):
@@ -37,7 +37,7 @@ if nb.should_measure(measure, quick=quick):
             else ["--size", size, "--context-length", *map(str, context_lengths)])  # fmt: skip
     train_step.main([*argv, "--results-dir", str(results_dir)])
 df = latest_run(load_results(train_step.PROBLEM, results_dir), keys=("name", "impl", "x_value", "metric"))
-facts = train_step.facts(df)
+facts = train_step_results.facts(df)
 nb.have_results(df)
 
 # %% tags=["remove-input"]
@@ -75,12 +75,12 @@ show_table(
 
 # %% tags=["remove-input"]
 if "waterfall" in facts:
-    save_figure(train_step.plot_waterfall(df), "training_step__waterfall")
+    save_figure(train_step_results.plot_waterfall(df), "training_step__waterfall")
 
 # %% tags=["remove-input"]
 if "waterfall" in facts:
     show_table(
-        train_step.waterfall_table(df).reset_index(names="stage"),
+        train_step_results.waterfall_table(df).reset_index(names="stage"),
         caption="Waterfall: each optimisation added to the previous stage (median ms)",
         formats={c: "{:.1f}" for c in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")},
         provenance_from=df,

@@ -151,10 +151,10 @@ def test_torch_compile_facts_on_the_committed_runs():
 
 def test_training_step_facts_on_the_committed_run():
     from cs336_systems.measure.results import latest_run
-    from cs336_systems.studies import train_step
+    from cs336_systems.studies import train_step, train_step_results
 
     df = latest_run(committed(train_step.PROBLEM), keys=("name", "impl", "x_value", "metric"))
-    facts = train_step.facts(df)
+    facts = train_step_results.facts(df)
     compare = df[(df.name == "compare") & (df.metric == "step_ms")]
     for ctx in (512, 2048):
         p50 = compare[compare.x_value.astype(float) == ctx].set_index("impl")["p50"]

@@ -10,6 +10,7 @@ through `cs336_systems.measure.results`) and analyses its rows for the notebooks
   2026 section 8), computed from `cs336_systems.accounting`.
 * `flash_bench`, `flash_model`: FlashAttention-2 benchmarks, the leaderboard, our kernel in the model.
 * `distributed/`: all-reduce, DDP, optimizer-sharding and FSDP benchmarks (torchrun workers) and plots.
+* `train_step` (+ `train_step_results`, its rows' waterfall and facts): the 2026 training_step problem.
 * `readme_summary`: the README's headline results, computed from the committed rows.
 
 Layer: may import the library, `measure` and (for plotting only) `report`; notebooks import studies.
