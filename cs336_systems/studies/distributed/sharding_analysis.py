@@ -50,8 +50,22 @@ def memory_table(df: pd.DataFrame, rank: int | None = 0, digits: int | None = 3)
     if m.empty:
         return pd.DataFrame()
     t = m.pivot_table(index=["impl", "mode"], columns="metric", values="mean", aggfunc="last")
-    order = [c for c in ("allocated", "peak", "activations_peak", "params", "expected_params", "grads",
-                         "expected_grads", "optimizer_state", "expected_optimizer_state", "other") if c in t]  # fmt: skip
+    order = [
+        c
+        for c in (
+            "allocated",
+            "peak",
+            "activations_peak",
+            "params",
+            "expected_params",
+            "grads",
+            "expected_grads",
+            "optimizer_state",
+            "expected_optimizer_state",
+            "other",
+        )
+        if c in t
+    ]
     t = t[order]
     t = t.reindex(sorted(t.index, key=lambda ix: (list(IMPL.values()).index(ix[0]), POINTS.index(ix[1]))))
     return t.round(digits) if digits is not None else t
@@ -135,10 +149,17 @@ def zero1_comparison(size: str = "xl", world_size: int = 2) -> pd.DataFrame:
         ("ZeRO stage 1 (P_os)", 1, accounting.zero1_comm_volume(p, world_size)),
     ):
         mem = accounting.zero_memory_per_device(p, world_size, stage=stage)
-        rows.append({"scheme": name, "weights GiB": mem.weights / GiB, "grads GiB": mem.gradients / GiB,
-                     "optimizer GiB": mem.optimizer_state / GiB, "state GiB": mem.state / GiB,
-                     "sent per device GB": comm.total / 1e9,
-                     "collectives": " + ".join(comm.parts)})  # fmt: skip
+        rows.append(
+            {
+                "scheme": name,
+                "weights GiB": mem.weights / GiB,
+                "grads GiB": mem.gradients / GiB,
+                "optimizer GiB": mem.optimizer_state / GiB,
+                "state GiB": mem.state / GiB,
+                "sent per device GB": comm.total / 1e9,
+                "collectives": " + ".join(comm.parts),
+            }
+        )
     return pd.DataFrame(rows).set_index("scheme")
 
 
