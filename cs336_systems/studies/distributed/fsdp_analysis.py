@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.studies.distributed.fsdp_bench import PROBLEM, VARIANTS
 from cs336_systems.studies.distributed.fsdp_trace import plot_timeline
+from cs336_systems.studies.distributed.rank_memory import GiB
 from cs336_systems.studies.profile import load_trace
 
 
@@ -143,3 +146,117 @@ def render_figures(df: pd.DataFrame, results_dir=None, figures_dir=None) -> list
             )
             names.append(name)
     return names
+
+
+def _value(
+    df: pd.DataFrame, impl: str, metric: str, mode: str | None = None, rank: int | None = None
+) -> float:
+    from cs336_systems.studies.distributed.sharding_analysis import value
+
+    return value(df, impl, metric, mode, rank)
+
+
+def expected_table(size: str, world_size: int = 2) -> pd.DataFrame:
+    """Expected per-rank GiB of params, grads, optimizer_state and their sum, replicated vs FSDP, and the saving."""
+    from cs336_systems.studies.distributed.fsdp_bench import expected_state_bytes
+
+    keys = ("params", "grads", "optimizer_state", "state")
+    rep = expected_state_bytes(size, world_size, sharded=False)
+    shard = expected_state_bytes(size, world_size, sharded=True)
+    table = pd.DataFrame(
+        {
+            "replicated (DDP) GiB": {k: rep[k] / GiB for k in keys},
+            "FSDP GiB": {k: shard[k] / GiB for k in keys},
+        }
+    )
+    table["saved GiB"] = table.iloc[:, 0] - table.iloc[:, 1]
+    return table
+
+
+def facts(df: pd.DataFrame, size: str, world_size: int = 2) -> dict[str, float]:
+    """Every number of notebook 31's answer (a): expectation (GiB), measured peaks, saving, transients."""
+    from cs336_systems.model import get_config
+    from cs336_systems.studies.distributed.fsdp_bench import expected_working_set_bytes
+
+    expect = expected_table(size, world_size)
+    out = {
+        "num_params_b": get_config(size).num_params() / 1e9,
+        "expected_saving": float(expect.loc["state", "saved GiB"]),
+        "replicated_state": float(expect.loc["state", "replicated (DDP) GiB"]),
+        "fsdp_state": float(expect.loc["state", "FSDP GiB"]),
+        "optimizer_sharding_saving": float(expect.loc["optimizer_state", "saved GiB"]),
+        "working_set_fp32": expected_working_set_bytes(size, 4) / GiB,
+        "measured_saving": _value(df, "fsdp", "measured_saving") if len(df) else math.nan,
+    }
+    for impl in VARIANTS:
+        peak = _value(df, impl, "iteration_peak", "steady", 0) if len(df) else math.nan
+        steady = _value(df, impl, "allocated", "steady:before_step", 0) if len(df) else math.nan
+        out[f"{impl}_peak"] = peak
+        out[f"{impl}_transient"] = peak - steady
+        out[f"{impl}_other"] = _value(df, impl, "other", "steady:before_step", 0) if len(df) else math.nan
+        out[f"{impl}_step_ms"] = _value(df, impl, "step_time") if len(df) else math.nan
+    out["saving_share"] = out["measured_saving"] / out["expected_saving"]
+    out["shortfall"] = out["expected_saving"] - out["measured_saving"]
+    return out
+
+
+def _pct(x: float) -> str:
+    """A share as a percentage, with one decimal near 0 and 100 % (no false "100 %")."""
+    return f"{x:.0%}" if x in (0.0, 1.0) or 0.005 <= x <= 0.995 else f"{x:.1%}"
+
+
+def _fmt(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.2f}"
+
+
+def allgather_answer(df: pd.DataFrame) -> str:
+    """The markdown of notebook 31's answer (b) from `slack_table(df)` and the step times."""
+    rows = {(i, m): r for (i, m), r in slack_table(df).iterrows()}
+    parts = [
+        f"{impl} {phase}: {_pct(r.hidden_share)} of {int(r.waits)} waits hidden, {r.exposed_ms + 0.0:.2f} ms "
+        f"exposed in total, median slack {r.median_slack_us / 1e3:.2f} ms"
+        + (
+            f" (median all-gather {r.median_gather_us / 1e3:.2f} ms)"
+            if not math.isnan(r.median_gather_us)
+            else ""
+        )
+        for (impl, phase), r in rows.items()
+    ]
+    fwd, bwd, fwd16 = (
+        rows.get(("fsdp", "forward")),
+        rows.get(("fsdp", "backward")),
+        rows.get(("fsdp_bf16", "forward")),
+    )
+    if fwd is None or math.isnan(fwd.median_gather_us):
+        verdict = (
+            "On a CPU (gloo) quick run every wait blocks the host, so all slacks are negative; "
+            "the GPU run answers the question."
+        )
+    else:
+        if fwd.hidden_share >= 0.9:
+            verdict = (
+                "In fp32 nearly all forward all-gathers finish before the layer needs them: the one-layer-ahead "
+                "prefetch keeps the communication off the critical path."
+            )
+        else:
+            verdict = (
+                f"In fp32 only {_pct(fwd.hidden_share)} of the forward all-gathers finish before the layer needs "
+                f"them: the compute stream waits {fwd.exposed_ms:.1f} ms in total for them (median slack "
+                f"{fwd.median_slack_us:.0f} us, worst {fwd.min_slack_us:.0f} us). The one-layer-ahead prefetch hides "
+                "a gather only when the layer before it computes for longer than the gather takes, and at this small "
+                f"per-GPU batch many forward layers do not (median fp32 gather {fwd.median_gather_us / 1e3:.2f} ms)"
+            )
+            if bwd is not None:
+                verdict += (
+                    f"; in backward, with twice the matmuls per layer, {_pct(bwd.hidden_share)} are hidden"
+                )
+            if fwd16 is not None and not math.isnan(fwd16.median_gather_us):
+                verdict += (
+                    f". The bf16 gathers move half the bytes and take {fwd16.median_gather_us / 1e3:.2f} ms at the "
+                    f"median; {_pct(fwd16.hidden_share)} of the forward waits are hidden."
+                )
+            else:
+                verdict += "."
+        steps = ", ".join(f"{i} {_fmt(_value(df, i, 'step_time'))}" for i in VARIANTS)
+        verdict += f" The step times (ms) are {steps}."
+    return "**(b)** " + "; ".join(parts) + ". " + verdict

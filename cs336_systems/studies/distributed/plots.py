@@ -179,8 +179,8 @@ def render_figures(results_dir: str | os.PathLike | None, figures_dir: str | os.
     from cs336_systems.report.figures import save_figure
     from cs336_systems.report.style import apply_style
     from cs336_systems.studies.distributed.comm_bench import PROBLEM as COMM
-    from cs336_systems.studies.distributed.train_bench import PROBLEM as DDP
     from cs336_systems.studies.distributed.ddp_analysis import bucket_model, summary
+    from cs336_systems.studies.distributed.train_bench import PROBLEM as DDP
 
     apply_style()
     comm, ddp = load_results(COMM, results_dir), load_results(DDP, results_dir)

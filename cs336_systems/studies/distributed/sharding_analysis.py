@@ -204,6 +204,7 @@ def facts(df: pd.DataFrame) -> dict[str, float]:
     out["sharded_saving_steady"] = (
         out["unsharded_allocated_steady:before_step"] - out["sharded_allocated_steady:before_step"]
     )
+    out["exact_half_state"] = out["unsharded_expected_state_r0"] / 2
     out["worst_error_gib"] = worst_expectation_error(df)
     for variant in ("sharded", "torch_zero"):
         out[f"{variant}_step_change_pct"] = (out[f"{variant}_step_ms"] / out["unsharded_step_ms"] - 1) * 100
