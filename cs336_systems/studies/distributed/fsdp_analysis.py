@@ -10,6 +10,7 @@ from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.studies.distributed.fsdp_bench import PROBLEM, VARIANTS
 from cs336_systems.studies.distributed.fsdp_trace import plot_timeline
 from cs336_systems.studies.distributed.rank_memory import GiB
+from cs336_systems.studies.distributed.sharding_analysis import MEASURED_VS_EXPECTED, gib_by_point
 from cs336_systems.studies.profile import load_trace
 
 
@@ -18,24 +19,9 @@ def memory_table(df: pd.DataFrame, rank: int = 0, digits: int | None = 2) -> pd.
     m = m[m.x_value.astype(float) == rank]
     if m.empty:
         return pd.DataFrame()
-    t = m.pivot_table(index=["impl", "mode"], columns="metric", values="mean", aggfunc="last")
-    order = [
-        c
-        for c in (
-            "allocated",
-            "iteration_peak",
-            "params",
-            "expected_params",
-            "grads",
-            "expected_grads",
-            "optimizer_state",
-            "expected_optimizer_state",
-            "other",
-            "expected_state",
-        )
-        if c in t
-    ]
-    return t[order].round(digits) if digits is not None else t[order]
+    columns = ("allocated", "iteration_peak", *MEASURED_VS_EXPECTED, "expected_state")
+    t = gib_by_point(m, columns)
+    return t.round(digits) if digits is not None else t
 
 
 def saving_table(df: pd.DataFrame) -> pd.DataFrame:

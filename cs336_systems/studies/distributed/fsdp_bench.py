@@ -439,38 +439,14 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    runner.add_worker_arguments(p)
-    p.add_argument("--size", default="xl_2026")
-    p.add_argument("--context-length", type=int, default=512)
-    p.add_argument("--batch-per-rank", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--attention", default="naive")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--trace", nargs="*", default=["fsdp", "fsdp_bf16"], choices=VARIANTS)
-    p.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, debug model, 2 steps")
-    p.add_argument("--results-dir", default=None)
-    p.add_argument("--figures-dir", default=None)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per torchrun launch")
+    defaults = FsdpBenchConfig()
+    runner.add_training_arguments(p, defaults, VARIANTS, timeout_s=300.0)
+    p.add_argument("--trace", nargs="*", default=list(defaults.trace), choices=VARIANTS)
     args = p.parse_args(argv)
     if args.worker is not None:
         runner.run_config_worker(STUDY, FsdpBenchConfig, args)
         return None
-    fields = dict(
-        size=args.size,
-        context_length=args.context_length,
-        batch_per_rank=args.batch_per_rank,
-        warmup=args.warmup,
-        steps=args.steps,
-        attention=args.attention,
-        variants=tuple(args.variants),
-        trace=tuple(args.trace),
-        backend=args.backend,
-    )
-    if args.quick:
-        fields.update(QUICK)
+    fields = {"trace": tuple(args.trace), **runner.training_fields(args, QUICK)}
     cfg = FsdpBenchConfig(**fields)
     print("resolved config:", json.dumps(asdict(cfg)), flush=True)
     df = run(

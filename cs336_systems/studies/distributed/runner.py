@@ -206,6 +206,41 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress-file", default=None, help=argparse.SUPPRESS)
 
 
+def add_training_arguments(
+    parser: argparse.ArgumentParser, defaults: Any, known: Sequence[str], *, timeout_s: float
+) -> None:
+    """The flags of a dataclass-configured study's CLI (`defaults` is its default config)."""
+    add_worker_arguments(parser)
+    parser.add_argument("--size", default=defaults.size)
+    parser.add_argument("--context-length", type=int, default=defaults.context_length)
+    parser.add_argument("--batch-per-rank", type=int, default=defaults.batch_per_rank)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--attention", default=defaults.attention)
+    parser.add_argument("--variants", nargs="+", default=list(known), choices=known)
+    parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, debug model, 2 steps")
+    parser.add_argument("--results-dir", default=None)
+    parser.add_argument("--figures-dir", default=None, help="render the figures here after measuring")
+    parser.add_argument("--timeout", type=float, default=timeout_s, help="seconds per torchrun launch")
+
+
+def training_fields(args: argparse.Namespace, quick: dict[str, Any]) -> dict[str, Any]:
+    """The config fields given by `add_training_arguments`' flags (`quick` overrides them with --quick)."""
+    fields = dict(
+        size=args.size,
+        context_length=args.context_length,
+        batch_per_rank=args.batch_per_rank,
+        warmup=args.warmup,
+        steps=args.steps,
+        attention=args.attention,
+        variants=tuple(args.variants),
+        backend=args.backend,
+    )
+    return {**fields, **(quick if args.quick else {})}
+
+
 def run_config_worker(study: Study, config_class: type, args: argparse.Namespace) -> None:
     """Worker entry of a dataclass-configured study: `--worker` holds the config as JSON."""
     raw = json.loads(args.worker)

@@ -42,6 +42,18 @@ def value(
     return float(m.sort_values("timestamp")["mean"].iloc[-1]) if len(m) else math.nan
 
 
+MEASURED_VS_EXPECTED = (
+    *(name for c in ("params", "grads", "optimizer_state") for name in (c, f"expected_{c}")),
+    "other",
+)
+
+
+def gib_by_point(rows: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataFrame:
+    """GiB rows -> (impl, point) x metric, the `columns` that are present, in that order."""
+    t = rows.pivot_table(index=["impl", "mode"], columns="metric", values="mean", aggfunc="last")
+    return t[[c for c in columns if c in t]]
+
+
 def memory_table(df: pd.DataFrame, rank: int | None = 0, digits: int | None = 3) -> pd.DataFrame:
     """GiB per (variant, point): measured allocated / peak and each component next to its expectation."""
     m = df[(df.unit == "GiB") & (df.note == "")]
@@ -49,24 +61,7 @@ def memory_table(df: pd.DataFrame, rank: int | None = 0, digits: int | None = 3)
         m = m[m.x_value.astype(float) == rank]
     if m.empty:
         return pd.DataFrame()
-    t = m.pivot_table(index=["impl", "mode"], columns="metric", values="mean", aggfunc="last")
-    order = [
-        c
-        for c in (
-            "allocated",
-            "peak",
-            "activations_peak",
-            "params",
-            "expected_params",
-            "grads",
-            "expected_grads",
-            "optimizer_state",
-            "expected_optimizer_state",
-            "other",
-        )
-        if c in t
-    ]
-    t = t[order]
+    t = gib_by_point(m, ("allocated", "peak", "activations_peak", *MEASURED_VS_EXPECTED))
     t = t.reindex(sorted(t.index, key=lambda ix: (list(IMPL.values()).index(ix[0]), POINTS.index(ix[1]))))
     return t.round(digits) if digits is not None else t
 

@@ -174,16 +174,7 @@ def run_variant(
         "comm_time": COMM_MEANING.get(variant.kind, "none (no separate phase)"),
         "statistic": "per step, the slowest rank (wall time and its phases)",
     }
-    keys = dict(
-        problem=PROBLEM,
-        name=cfg.size,
-        impl=variant.impl,
-        mode="train",
-        dtype="fp32",
-        x_name="bucket_size_mb",
-        x_value=variant.x_value,
-        config=record,
-    )
+    keys = _row_keys(cfg, variant, record)
     # Step i is represented by its slowest rank (all phases from that rank, so they add up to its step).
     slowest = [max(all_samples, key=lambda per_rank: per_rank[i]["step"])[i] for i in range(cfg.steps)]
     rows = [make_row(metric="step_time", unit="ms", samples=[x["step"] for x in slowest], **keys)]
@@ -288,21 +279,20 @@ def _measure_label(
 def failure_rows(cfg: TrainBenchConfig, label: str, note: str, world: int) -> list[dict[str, Any]]:
     variant = Variant.parse(label)
     record = {**dataclasses.asdict(cfg), "variant": variant.label, "world_size": world}
-    return [
-        failure_row(
-            problem=PROBLEM,
-            metric="step_time",
-            unit="ms",
-            note=note,
-            name=cfg.size,
-            impl=variant.impl,
-            mode="train",
-            dtype="fp32",
-            x_name="bucket_size_mb",
-            x_value=variant.x_value,
-            config=record,
-        )
-    ]
+    return [failure_row(metric="step_time", unit="ms", note=note, **_row_keys(cfg, variant, record))]
+
+
+def _row_keys(cfg: TrainBenchConfig, variant: Variant, record: dict[str, Any]) -> dict[str, Any]:
+    return dict(
+        problem=PROBLEM,
+        name=cfg.size,
+        impl=variant.impl,
+        mode="train",
+        dtype="fp32",
+        x_name="bucket_size_mb",
+        x_value=variant.x_value,
+        config=record,
+    )
 
 
 def study(inject_failure: str | None = None) -> runner.Study:
