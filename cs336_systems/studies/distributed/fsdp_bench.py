@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.measure.annotations import annotate
-from cs336_systems.measure.results import failure_row, make_row
+from cs336_systems.measure.results import make_row
 from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config
@@ -327,42 +327,13 @@ def gap_rows(compact: dict[str, Any], cfg: FsdpBenchConfig, variant: str) -> lis
     )
     rows = []
     for r in t.itertuples():
-        rows.append(
-            make_row(
-                metric="allgather_slack",
-                unit="us",
-                value=r.slack_us,
-                mode=r.phase,
-                x_name=f"order:{r.weight}",
-                x_value=r.order,
-                **common,
-            )
-        )
+        wait = dict(mode=r.phase, x_name=f"order:{r.weight}", x_value=r.order, **common)
+        rows.append(make_row(metric="allgather_slack", unit="us", value=r.slack_us, **wait))
         if not math.isnan(r.gather_us):
-            rows.append(
-                make_row(
-                    metric="allgather_time",
-                    unit="us",
-                    value=r.gather_us,
-                    mode=r.phase,
-                    x_name=f"order:{r.weight}",
-                    x_value=r.order,
-                    **common,
-                )
-            )
+            rows.append(make_row(metric="allgather_time", unit="us", value=r.gather_us, **wait))
             # The brief's "gap": compute start - all-gather end (>= 0 on a GPU, where the compute stream
             # waits for the gather; ~0 when it waited, larger when the weight was early).
-            rows.append(
-                make_row(
-                    metric="allgather_gap",
-                    unit="us",
-                    value=r.lead_us,
-                    mode=r.phase,
-                    x_name=f"order:{r.weight}",
-                    x_value=r.order,
-                    **common,
-                )
-            )
+            rows.append(make_row(metric="allgather_gap", unit="us", value=r.lead_us, **wait))
     for phase, g in t.groupby("phase"):
         rows.append(
             make_row(
@@ -390,21 +361,7 @@ def gap_rows(compact: dict[str, Any], cfg: FsdpBenchConfig, variant: str) -> lis
 
 
 def failure_rows(cfg: FsdpBenchConfig, variant: str, note: str, world_size: int) -> list[dict[str, Any]]:
-    return [
-        failure_row(
-            problem=PROBLEM,
-            name=cfg.size,
-            impl=variant,
-            mode="train",
-            dtype=DTYPE_LABEL[variant],
-            x_name="world_size",
-            x_value=world_size,
-            metric="step_time",
-            unit="ms",
-            note=note,
-            config=asdict(cfg),
-        )
-    ]
+    return runner.step_failure_rows(PROBLEM, cfg, variant, DTYPE_LABEL[variant], note, world_size)
 
 
 STUDY = runner.Study(

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from cs336_systems.distributed.launch import run_variants
 from cs336_systems.distributed.process_group import cleanup_process_group, rank0_print, setup_process_group
 from cs336_systems.measure.annotations import annotate
-from cs336_systems.measure.results import append_rows, child_env, load_results, make_row
+from cs336_systems.measure.results import append_rows, child_env, failure_row, load_results, make_row
 from cs336_systems.measure.timing import PhaseTimer, synchronize
 from cs336_systems.model import BasicsTransformerLM, get_config, random_batch
 from cs336_systems.studies.distributed.rank_memory import allocated, reset_peak
@@ -246,6 +246,14 @@ def run_config_worker(study: Study, config_class: type, args: argparse.Namespace
     raw = json.loads(args.worker)
     cfg = config_class(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
     run_worker(study, cfg, cfg.variants, backend=cfg.backend, progress_file=args.progress_file)
+
+
+def step_failure_rows(problem: str, cfg: Any, impl: str, dtype: str, note: str, world_size: int) -> Rows:
+    """The one failure row (metric step_time) of a variant of a dataclass-configured study."""
+    keys = dict(problem=problem, name=cfg.size, impl=impl, mode="train", dtype=dtype, config=asdict(cfg))
+    return [
+        failure_row(x_name="world_size", x_value=world_size, metric="step_time", unit="ms", note=note, **keys)
+    ]
 
 
 def run_config_study(

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
-from cs336_systems.measure.results import failure_row, make_row
+from cs336_systems.measure.results import make_row
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.model import AdamW, cross_entropy
 from cs336_systems.studies.distributed import runner
@@ -196,21 +196,7 @@ def run_variant(
 
 
 def failure_rows(cfg: BenchConfig, variant: str, note: str, world_size: int) -> list[dict[str, Any]]:
-    return [
-        failure_row(
-            problem=PROBLEM,
-            name=cfg.size,
-            impl=IMPL[variant],
-            mode="train",
-            dtype="fp32",
-            x_name="world_size",
-            x_value=world_size,
-            metric="step_time",
-            unit="ms",
-            note=note,
-            config=asdict(cfg),
-        )
-    ]
+    return runner.step_failure_rows(PROBLEM, cfg, IMPL[variant], "fp32", note, world_size)
 
 
 STUDY = runner.Study(problem=PROBLEM, module=MODULE, measure=run_variant, failure_rows=failure_rows)
