@@ -7,11 +7,47 @@ import math
 import pandas as pd
 
 from cs336_systems.measure.results import results_dir as default_results_dir
-from cs336_systems.studies.distributed.fsdp_bench import PROBLEM, VARIANTS
+from cs336_systems.model import BasicsTransformerLM, get_config
 from cs336_systems.studies.distributed.fsdp_trace import plot_timeline
 from cs336_systems.studies.distributed.rank_memory import GiB
 from cs336_systems.studies.distributed.sharding_analysis import MEASURED_VS_EXPECTED, gib_by_point
 from cs336_systems.studies.profile import load_trace
+
+PROBLEM = "fsdp_accounting"
+VARIANTS = ("replicated", "fsdp", "fsdp_bf16")
+
+
+# --------------------------------------------------------------------------------------------------
+# Analytic expectation (fsdp_bench's [Note: memory accounting])
+# --------------------------------------------------------------------------------------------------
+
+
+def expected_state_bytes(size: str, world_size: int, *, sharded: bool) -> dict[str, float]:
+    """Per-rank bytes of weights, gradients and AdamW state; FSDP shards Linear/Embedding weights."""
+    model = BasicsTransformerLM.from_config(get_config(size), device="meta")
+    elems = 0
+    largest = 0
+    for mod in model.modules():
+        w = mod._parameters.get("weight")
+        if w is None:
+            continue
+        is_sharded = sharded and mod.__class__.__name__ in ("Linear", "Embedding")
+        elems += -(-w.numel() // world_size) if is_sharded else w.numel()
+        largest = max(largest, w.numel() if is_sharded else 0)
+    return {
+        "params": 4.0 * elems,
+        "grads": 4.0 * elems,
+        "optimizer_state": 8.0 * elems,
+        "state": 16.0 * elems,
+        "largest_weight_elems": float(largest),
+    }
+
+
+def expected_working_set_bytes(size: str, compute_bytes: int) -> float:
+    """FSDP's transient buffers at their largest: two gathered weights and one full-weight gradient in the
+    compute dtype, plus two fp32 gradients waiting in reduce-scatters (all of the largest weight's size)."""
+    largest = expected_state_bytes(size, 1, sharded=True)["largest_weight_elems"]
+    return largest * (3 * compute_bytes + 2 * 4)
 
 
 def memory_table(df: pd.DataFrame, rank: int = 0, digits: int | None = 2) -> pd.DataFrame:
@@ -144,8 +180,6 @@ def _value(
 
 def expected_table(size: str, world_size: int = 2) -> pd.DataFrame:
     """Expected per-rank GiB of params, grads, optimizer_state and their sum, replicated vs FSDP, and the saving."""
-    from cs336_systems.studies.distributed.fsdp_bench import expected_state_bytes
-
     keys = ("params", "grads", "optimizer_state", "state")
     rep = expected_state_bytes(size, world_size, sharded=False)
     shard = expected_state_bytes(size, world_size, sharded=True)
@@ -161,8 +195,6 @@ def expected_table(size: str, world_size: int = 2) -> pd.DataFrame:
 
 def facts(df: pd.DataFrame, size: str, world_size: int = 2) -> dict[str, float]:
     """Every number of notebook 31's answer (a): expectation (GiB), measured peaks, saving, transients."""
-    from cs336_systems.model import get_config
-    from cs336_systems.studies.distributed.fsdp_bench import expected_working_set_bytes
 
     expect = expected_table(size, world_size)
     out = {

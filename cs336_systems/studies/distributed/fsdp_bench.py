@@ -52,8 +52,14 @@ from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import make_row
 from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.measure.timing import synchronize
-from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config
-from cs336_systems.studies.distributed import runner
+from cs336_systems.model import AdamW, cross_entropy
+from cs336_systems.studies.distributed import fsdp_analysis, runner
+from cs336_systems.studies.distributed.fsdp_analysis import (
+    PROBLEM,
+    VARIANTS,
+    expected_state_bytes,
+    expected_working_set_bytes,
+)
 from cs336_systems.studies.distributed.fsdp_trace import allgather_timing, compact_trace
 from cs336_systems.studies.distributed.rank_memory import (
     GiB,
@@ -64,9 +70,7 @@ from cs336_systems.studies.distributed.rank_memory import (
 )
 from cs336_systems.studies.profile import load_trace, save_trace
 
-PROBLEM = "fsdp_accounting"
 MODULE = "cs336_systems.studies.distributed.fsdp_bench"
-VARIANTS = ("replicated", "fsdp", "fsdp_bf16")
 COMPUTE_DTYPE = {"replicated": None, "fsdp": None, "fsdp_bf16": torch.bfloat16}
 DTYPE_LABEL = {"replicated": "fp32", "fsdp": "fp32", "fsdp_bf16": "bf16"}
 ADAMW_KWARGS = dict(lr=1e-4, weight_decay=0.01)
@@ -88,39 +92,6 @@ class FsdpBenchConfig:
 
     def __post_init__(self) -> None:
         runner.check_training_config(self, VARIANTS)
-
-
-# --------------------------------------------------------------------------------------------------
-# Analytic expectation ([Note: memory accounting])
-# --------------------------------------------------------------------------------------------------
-
-
-def expected_state_bytes(size: str, world_size: int, *, sharded: bool) -> dict[str, float]:
-    """Per-rank bytes of weights, gradients and AdamW state; FSDP shards Linear/Embedding weights."""
-    model = BasicsTransformerLM.from_config(get_config(size), device="meta")
-    elems = 0
-    largest = 0
-    for mod in model.modules():
-        w = mod._parameters.get("weight")
-        if w is None:
-            continue
-        is_sharded = sharded and mod.__class__.__name__ in ("Linear", "Embedding")
-        elems += -(-w.numel() // world_size) if is_sharded else w.numel()
-        largest = max(largest, w.numel() if is_sharded else 0)
-    return {
-        "params": 4.0 * elems,
-        "grads": 4.0 * elems,
-        "optimizer_state": 8.0 * elems,
-        "state": 16.0 * elems,
-        "largest_weight_elems": float(largest),
-    }
-
-
-def expected_working_set_bytes(size: str, compute_bytes: int) -> float:
-    """FSDP's transient buffers at their largest: two gathered weights and one full-weight gradient in the
-    compute dtype, plus two fp32 gradients waiting in reduce-scatters (all of the largest weight's size)."""
-    largest = expected_state_bytes(size, 1, sharded=True)["largest_weight_elems"]
-    return largest * (3 * compute_bytes + 2 * 4)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -378,8 +349,6 @@ def run(
     timeout_s: float = 300.0,
 ) -> pd.DataFrame:
     """Launch the workers (relaunching after a crashed variant), then render the figures."""
-    from cs336_systems.studies.distributed import fsdp_analysis
-
     cfg = FsdpBenchConfig(**{**asdict(cfg), "run_id": cfg.run_id or uuid.uuid4().hex[:8]})
     df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
     if figures_dir is not None:
@@ -391,8 +360,6 @@ QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
-    from cs336_systems.studies.distributed import fsdp_analysis
-
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )

@@ -14,8 +14,10 @@ import pandas as pd
 from cs336_systems import accounting
 from cs336_systems.model import get_config
 from cs336_systems.studies.distributed.rank_memory import GiB
-from cs336_systems.studies.distributed.sharding_bench import IMPL, PROBLEM
 
+PROBLEM = "optimizer_state_sharding_accounting"
+VARIANTS = ("unsharded", "sharded", "torch_zero")
+IMPL = {"unsharded": "unsharded", "sharded": "sharded_optimizer", "torch_zero": "zero_redundancy_optimizer"}
 POINTS = ("after_init", "first:before_step", "first:after_step", "steady:before_step", "steady:after_step")
 COMPONENTS = ("params", "grads", "optimizer_state", "other")
 

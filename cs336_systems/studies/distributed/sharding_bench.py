@@ -55,18 +55,16 @@ from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
 from cs336_systems.measure.results import make_row
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.model import AdamW, cross_entropy
-from cs336_systems.studies.distributed import runner
+from cs336_systems.studies.distributed import runner, sharding_analysis
 from cs336_systems.studies.distributed.rank_memory import (
     GiB,
     all_reduce_gradients,
     memory_snapshot,
     release_memory,
 )
+from cs336_systems.studies.distributed.sharding_analysis import IMPL, PROBLEM, VARIANTS
 
-PROBLEM = "optimizer_state_sharding_accounting"
 MODULE = "cs336_systems.studies.distributed.sharding_bench"
-VARIANTS = ("unsharded", "sharded", "torch_zero")
-IMPL = {"unsharded": "unsharded", "sharded": "sharded_optimizer", "torch_zero": "zero_redundancy_optimizer"}
 ADAMW_KWARGS = dict(lr=1e-4, weight_decay=0.01)
 ADAM_STATE_BYTES_PER_PARAM = 8  # m and v in fp32
 
@@ -211,8 +209,6 @@ def run(
     timeout_s: float = 240.0,
 ) -> pd.DataFrame:
     """Launch the workers (relaunching after a crashed variant), then render figures; returns the rows."""
-    from cs336_systems.studies.distributed import sharding_analysis
-
     cfg = BenchConfig(**{**asdict(cfg), "run_id": cfg.run_id or uuid.uuid4().hex[:8]})
     df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
     if figures_dir is not None and not df.empty:
@@ -224,8 +220,6 @@ QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
-    from cs336_systems.studies.distributed import sharding_analysis
-
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
