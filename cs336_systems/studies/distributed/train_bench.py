@@ -422,18 +422,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Tests only: make the last rank fail in "<variant>" (or raise an OOM for "oom:<variant>").
     p.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    cfg = TrainBenchConfig(
-        size=args.size,
-        context_length=args.context_length,
-        global_batch=args.global_batch,
-        warmup=args.warmup,
-        steps=args.steps,
-        attention=args.attention,
-        backend=args.backend,
-        seed=args.seed,
-        trace=tuple(args.trace),
-        pg_timeout_s=args.pg_timeout_s,
-    )
+    names = [f.name for f in dataclasses.fields(TrainBenchConfig)]  # each flag's dest is its field
+    cfg = TrainBenchConfig(**{name: getattr(args, name) for name in names} | {"trace": tuple(args.trace)})
     if "WORLD_SIZE" in os.environ:
         run_worker(
             cfg,
