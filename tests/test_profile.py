@@ -13,6 +13,7 @@ import torch
 
 from cs336_systems.measure.annotations import ATTENTION_RANGES, naive_annotated_attention
 from cs336_systems.measure.results import COLUMNS, append_rows, load_results
+from cs336_systems.measure.traces import load_trace, save_trace, short_kernel_name, slim_trace
 from cs336_systems.model import get_attention, get_config
 from cs336_systems.studies import profile as P
 
@@ -99,11 +100,11 @@ def test_classify_kernel(name, cat, cls):
     ],
 )
 def test_short_kernel_name(name, short):
-    assert P.short_kernel_name(name) == short
+    assert short_kernel_name(name) == short
 
 
 def test_short_kernel_name_is_bounded():
-    assert len(P.short_kernel_name("k" * 300, max_len=40)) == 40
+    assert len(short_kernel_name("k" * 300, max_len=40)) == 40
 
 
 # --------------------------------------------------------------------------------------------------
@@ -217,8 +218,8 @@ def test_timeline_of_a_gpu_trace(gpu_trace, tmp_path):
 
 
 def test_slim_trace_roundtrip(gpu_trace, tmp_path):
-    path = P.save_trace(P.slim_trace(gpu_trace), tmp_path / "t.json.gz")
-    back = P.load_trace(path)
+    path = save_trace(slim_trace(gpu_trace), tmp_path / "t.json.gz")
+    back = load_trace(path)
     assert not any(e.get("cat") == "cpu_op" for e in back["traceEvents"])
     kt = P.kernel_table(back)
     assert len(kt) == 11

@@ -51,7 +51,6 @@ from cs336_systems.measure.traces import (
     kineto_logs_filtered,
     load_trace,
     save_trace,
-    short_kernel_name,
     slim_trace,
 )
 from cs336_systems.model import get_config
@@ -82,8 +81,8 @@ from cs336_systems.studies.profile_tables import (
 )
 
 PROBLEM = "nsys_profile"
-# Re-exported: callers (timing_analysis, timing_gpu_run, distributed/fsdp_bench and trace_plot, the
-# notebook) import these names from this module.
+# Re-exported from profile_tables/profile_analysis (and load_trace from measure.traces): notebook 02 and
+# timing_analysis import these names from this module.
 __all__ = [
     "CLASS_COLORS",
     "KERNEL_CLASSES",
@@ -113,9 +112,6 @@ __all__ = [
     "range_summary",
     "range_table",
     "run_profile",
-    "save_trace",
-    "short_kernel_name",
-    "slim_trace",
     "summarize",
     "top_kernels",
 ]
