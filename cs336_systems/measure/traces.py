@@ -37,7 +37,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -71,6 +71,7 @@ __all__ = [
     "events_frame",
     "intersection_length",
     "kineto_logs_filtered",
+    "load_dict",
     "load_trace",
     "open_maybe_gzip",
     "overlap_stats",
@@ -94,13 +95,18 @@ def open_maybe_gzip(path: str | os.PathLike, mode: str) -> IO:
     return (gzip.open if path.suffix == ".gz" else open)(path, mode)
 
 
+def load_dict(path: str | os.PathLike, load: Callable[[IO[bytes]], Any], *, key: str, what: str) -> dict:
+    """`load(file)` of a gzip'd or plain file, which must give a dict holding `key` (else ValueError)."""
+    with open_maybe_gzip(path, "rb") as f:
+        obj = load(f)
+    if not isinstance(obj, dict) or key not in obj:
+        raise ValueError(f"{path} is not {what} (no '{key}')")
+    return obj
+
+
 def load_trace(path: str | os.PathLike) -> dict[str, Any]:
     """A Chrome trace (torch.profiler export) from `.json` or `.json.gz`."""
-    with open_maybe_gzip(path, "rt") as f:
-        trace = json.load(f)
-    if not isinstance(trace, dict) or "traceEvents" not in trace:
-        raise ValueError(f"{path} is not a Chrome trace (no 'traceEvents')")
-    return trace
+    return load_dict(path, json.load, key="traceEvents", what="a Chrome trace")
 
 
 def save_trace(trace: Mapping[str, Any], path: str | os.PathLike) -> Path:

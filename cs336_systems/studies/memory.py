@@ -38,7 +38,7 @@ import torch
 
 from cs336_systems.measure.results import REPO_ROOT, capture_failure, failure_row, latest_run, make_row
 from cs336_systems.measure.timing import PhaseTimer, synchronize
-from cs336_systems.measure.traces import kineto_logs_filtered, open_maybe_gzip
+from cs336_systems.measure.traces import kineto_logs_filtered, load_dict, open_maybe_gzip
 from cs336_systems.studies.end_to_end import EndToEndConfig, build_workload, row_fields
 from cs336_systems.studies.memory_block import (
     PROBLEM,
@@ -322,11 +322,7 @@ def save_snapshot(snapshot: dict[str, Any], path: str | os.PathLike) -> Path:
 
 
 def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
-    with open_maybe_gzip(path, "rb") as f:
-        snap = pickle.load(f)
-    if not isinstance(snap, dict) or "device_traces" not in snap:
-        raise ValueError(f"{path} is not a memory snapshot (no 'device_traces')")
-    return snap
+    return load_dict(path, pickle.load, key="device_traces", what="a memory snapshot")
 
 
 def snapshot_name(cfg: EndToEndConfig) -> str:

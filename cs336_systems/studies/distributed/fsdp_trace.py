@@ -54,27 +54,19 @@ def compact_trace(trace: dict[str, Any]) -> dict[str, Any]:
     for tid, g in launched.groupby("launch_tid", sort=False):
         device.loc[g.index, "range"] = range_at(g.launch_us.tolist(), fsdp_ranges[fsdp_ranges.tid == tid])
     out = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
-    out += [
-        dict(name=r.name, cat=r.cat, ph="X", ts=r.start_us, dur=r.dur_us, pid=r.pid, tid=r.tid)
-        for r in ranges.itertuples()
-    ]
+    out += [_event(r, r.name) for r in ranges.itertuples()]
     for r in device.itertuples():
         args = {"stream": r.args.get("stream", r.tid)}
         if r.attribution == "launch":
             args.update(launch_ts=r.launch_us, launch_tid=r.launch_tid, range=r.range)
-        out.append(
-            dict(
-                name=_short(r.name),
-                cat=r.cat,
-                ph="X",
-                ts=r.start_us,
-                dur=r.dur_us,
-                pid=r.pid,
-                tid=r.tid,
-                args=args,
-            )
-        )
+        out.append(_event(r, _short(r.name), args=args))
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def _event(r, name: str, **extra: Any) -> dict[str, Any]:
+    """A complete event of the compact trace from a row of `events_frame`."""
+    fields = dict(cat=r.cat, ph="X", ts=r.start_us, dur=r.dur_us, pid=r.pid, tid=r.tid)
+    return {"name": name, **fields, **extra}
 
 
 def _short(name: str) -> str:
