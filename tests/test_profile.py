@@ -21,10 +21,14 @@ from cs336_systems.studies import profile as P
 # Classification and names
 # --------------------------------------------------------------------------------------------------
 
-EXP = ("void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda(at::TensorIteratorBase&)::"
-       "{lambda()#1}::operator()() const::{lambda(float)#1}, at::detail::Array<char*, 2> >(int, at::detail::Array<char*, 2>)")  # fmt: skip
-MAX = ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, "
-       "float, 4, 4> >(at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, float, 4, 4>)")  # fmt: skip
+EXP = (
+    "void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda(at::TensorIteratorBase&)::"
+    "{lambda()#1}::operator()() const::{lambda(float)#1}, at::detail::Array<char*, 2> >(int, at::detail::Array<char*, 2>)"
+)
+MAX = (
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, "
+    "float, 4, 4> >(at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, float, 4, 4>)"
+)
 GEMM = (
     "sm90_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off_kernel"
 )
@@ -120,19 +124,59 @@ class _Trace:
         self.corr = 100
 
     def range(self, name, ts, dur, tid=1):
-        self.events.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": tid, "ts": ts,
-                            "dur": dur, "args": {}})  # fmt: skip
+        self.events.append(
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": name,
+                "pid": 1,
+                "tid": tid,
+                "ts": ts,
+                "dur": dur,
+                "args": {},
+            }
+        )
 
     def launch(self, kernel, at, runs_at, dur, *, tid=1, stream=7, op="aten::mm", cat="kernel", launch=True):
         self.corr += 1
         ext = self.corr + 10_000
-        self.events.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": 1, "tid": tid, "ts": at - 1.0,
-                            "dur": 3.0, "args": {"External id": ext}})  # fmt: skip
+        self.events.append(
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": op,
+                "pid": 1,
+                "tid": tid,
+                "ts": at - 1.0,
+                "dur": 3.0,
+                "args": {"External id": ext},
+            }
+        )
         if launch:
-            self.events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": tid,
-                                "ts": at, "dur": 1.0, "args": {"correlation": self.corr, "External id": ext}})  # fmt: skip
-        self.events.append({"ph": "X", "cat": cat, "name": kernel, "pid": 0, "tid": stream, "ts": runs_at, "dur": dur,
-                            "args": {"correlation": self.corr, "External id": ext, "stream": stream, "device": 0}})  # fmt: skip
+            self.events.append(
+                {
+                    "ph": "X",
+                    "cat": "cuda_runtime",
+                    "name": "cudaLaunchKernel",
+                    "pid": 1,
+                    "tid": tid,
+                    "ts": at,
+                    "dur": 1.0,
+                    "args": {"correlation": self.corr, "External id": ext},
+                }
+            )
+        self.events.append(
+            {
+                "ph": "X",
+                "cat": cat,
+                "name": kernel,
+                "pid": 0,
+                "tid": stream,
+                "ts": runs_at,
+                "dur": dur,
+                "args": {"correlation": self.corr, "External id": ext, "stream": stream, "device": 0},
+            }
+        )
 
     def trace(self):
         return {"schemaVersion": 1, "traceEvents": list(self.events)}
@@ -329,8 +373,12 @@ def test_profiler_none_gives_timer_rows_only():
     )
     rows = P.profile_rows(P.profile_config(cfg))
     assert {r["metric"] for r in rows} == {"python_timer"}
-    assert pd.DataFrame(rows)["mode"].tolist() == ["inference/forward", "train/forward", "train/backward",
-                                                   "train/optimizer_step"]  # fmt: skip
+    assert pd.DataFrame(rows)["mode"].tolist() == [
+        "inference/forward",
+        "train/forward",
+        "train/backward",
+        "train/optimizer_step",
+    ]
 
 
 def test_facts_on_the_committed_results():
