@@ -13,6 +13,9 @@ slack >= 0: the weight was there before the compute stream could use it (hidden)
 compute stream sat idle for about -slack waiting for it. The gap is never negative on a GPU (the
 compute stream waits on the gather's completion), so it alone cannot tell "just in time" from "late". On a CPU (gloo) trace the wait blocks the
 host, so slack = -(duration of the wait range).
+
+Traces are read with `measure.traces.events_frame` (launch attribution: `range_at` on the launch
+thread's `fsdp::` ranges) and drawn with `report.timeline.plot_timeline` (`timeline_bars` is its input).
 """
 
 from __future__ import annotations
