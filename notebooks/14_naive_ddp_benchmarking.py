@@ -35,13 +35,10 @@ variants = ["single", "naive"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-from cs336_systems.report import load_results, nb
+from cs336_systems.report import nb
 from cs336_systems.studies.distributed import ddp_analysis, train_bench
 
-results_dir = nb.setup(quick)
-if nb.should_measure(measure, gpus=2, quick=quick):
-    train_bench.measure(variants, quick=quick, results_dir=results_dir, only_missing=only_missing)
-df = load_results(train_bench.PROBLEM, results_dir)
+results_dir, df = ddp_analysis.measure_or_load(measure, variants, quick=quick, only_missing=only_missing)
 facts = ddp_analysis.facts(df)
 
 # %% tags=["remove-input"]

@@ -260,6 +260,30 @@ VARIANT_COLUMNS = (
 )
 
 
+def measure_or_load(
+    measure: bool | str,
+    variants: Sequence[str],
+    *,
+    quick: bool = False,
+    only_missing: bool = True,
+    trace: Sequence[str] = (),
+) -> tuple[Any, pd.DataFrame]:
+    """Notebook block of the DDP benchmarks: set up the results directory, measure `variants` when
+    `measure` asks for it and 2 GPUs are present (or in quick mode), then load the ddp_training rows.
+
+    Returns (results directory, rows).
+    """
+    from cs336_systems.report import load_results, nb
+    from cs336_systems.studies.distributed import train_bench
+
+    results_dir = nb.setup(quick)
+    if nb.should_measure(measure, gpus=2, quick=quick):
+        train_bench.measure(
+            variants, quick=quick, results_dir=results_dir, trace=trace, only_missing=only_missing
+        )
+    return results_dir, load_results(train_bench.PROBLEM, results_dir)
+
+
 def show_measurements(df: pd.DataFrame, variants: Sequence[str], figure_name: str) -> None:
     """Notebook block: the setup sentence, the step-breakdown figure and the summary table of `variants`."""
     from cs336_systems.report import nb, save_figure, show_table
