@@ -31,13 +31,16 @@ only_missing = True  # the DDP notebooks share ddp_training.csv: measure only va
 # %% tags=["remove-input"]
 from cs336_systems.report import nb
 from cs336_systems.studies.distributed import ddp_analysis, train_bench
+from cs336_systems.studies.distributed.plots import plot_step_breakdown
 
 results_dir, df = ddp_analysis.measure_or_load(measure, variants, quick=quick, only_missing=only_missing)
 facts = ddp_analysis.facts(df)
 
 # %% tags=["remove-input"]
 if nb.have_results(df, train_bench.PROBLEM) and facts["flat_measured"]:
-    ddp_analysis.show_measurements(df, variants, "minimal_ddp_flat_benchmarking__step_breakdown")
+    ddp_analysis.show_measurements(
+        df, variants, plot_step_breakdown, "minimal_ddp_flat_benchmarking__step_breakdown"
+    )
 
 # %% tags=["remove-input"]
 if facts["naive_ok"] and facts["flat_ok"]:

@@ -40,7 +40,7 @@ only_missing = True  # the DDP notebooks share ddp_training.csv: measure only va
 # %% tags=["remove-input"]
 from cs336_systems.report import nb, save_figure
 from cs336_systems.studies.distributed import ddp_analysis, train_bench
-from cs336_systems.studies.distributed.plots import plot_ddp_timelines
+from cs336_systems.studies.distributed.plots import plot_ddp_timelines, plot_step_breakdown
 
 problem = "ddp_overlap_individual_parameters_benchmarking"
 results_dir, df = ddp_analysis.measure_or_load(
@@ -50,7 +50,7 @@ facts = ddp_analysis.facts(df)
 
 # %% tags=["remove-input"]
 if nb.have_results(df, train_bench.PROBLEM) and facts["overlap_ok"]:
-    ddp_analysis.show_measurements(df, variants, f"{problem}__step_breakdown")
+    ddp_analysis.show_measurements(df, variants, plot_step_breakdown, f"{problem}__step_breakdown")
 
 # %% tags=["remove-input"]
 if facts["overlap_ok"] and facts["naive_ok"] and facts["flat_ok"]:

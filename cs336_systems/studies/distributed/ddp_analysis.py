@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -284,14 +284,21 @@ def measure_or_load(
     return results_dir, load_results(train_bench.PROBLEM, results_dir)
 
 
-def show_measurements(df: pd.DataFrame, variants: Sequence[str], figure_name: str) -> None:
-    """Notebook block: the setup sentence, the step-breakdown figure and the summary table of `variants`."""
+def show_measurements(
+    df: pd.DataFrame,
+    variants: Sequence[str],
+    plot: Callable[[pd.DataFrame, Sequence[str]], Any],
+    figure_name: str,
+) -> None:
+    """Notebook block: the setup sentence, the figure `plot(summary, variants)` (saved as `figure_name`)
+    and the summary table of `variants`. The plot comes in as an argument because `plots` imports
+    this module.
+    """
     from cs336_systems.report import nb, save_figure, show_table
-    from cs336_systems.studies.distributed.plots import plot_step_breakdown
 
     summ = summary(df)
     nb.md(f"Measured: {describe_setup(df)}.")
-    save_figure(plot_step_breakdown(summ, variants), figure_name)
+    save_figure(plot(summ, variants), figure_name)
     show_table(
         summary_table(summ, variants),
         caption="time per training step (ms, mean over timed steps)",
