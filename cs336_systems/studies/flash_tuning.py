@@ -52,16 +52,9 @@ DKDV_CANDIDATES_SMALL = [
 ]  # (block_m1, block_n1, warps, stages, early_dp, maxnreg)
 DQ_CANDIDATES_SMALL = [(128, 64, 8, 4)]
 FWD_CANDIDATES_SMALL = [(128, 64, 8, 3)]
-DQ_CANDIDATES = [
-    (128, 64, 4, 3),
-    (128, 64, 4, 2),
-    (128, 64, 4, 4),
-    (128, 64, 8, 3),
-    (64, 64, 4, 3),
-    (128, 128, 8, 2),
-    (256, 64, 8, 2),
-    (128, 32, 4, 3),
-]  # (block_m2, block_n2, warps, stages)
+# (block_m2, block_n2, warps, stages)
+DQ_CANDIDATES = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 64, 8, 3)]
+DQ_CANDIDATES += [(64, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 2), (128, 32, 4, 3)]
 
 
 def run_tuning(
