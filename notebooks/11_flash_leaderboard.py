@@ -29,10 +29,6 @@ model_size = "2.7B"  # the model of the end-to-end section (measured only with a
 model_contexts = [512, 1024, 2048]  # batch 4; context 4096 is measured at batch 2 (batch 4 OOMs for all)
 
 # %% tags=["remove-input"]
-import json
-
-import pandas as pd
-
 from cs336_systems.report import load_results, nb, save_figure, show_table
 from cs336_systems.studies import flash_leaderboard, flash_model, flash_tuning
 
@@ -105,11 +101,17 @@ if len(split):
 
 # %% tags=["remove-input"]
 if len(variants):
-    show_table(variants, caption="Kernel versions at 16 x 16384 x 64, bf16, causal (median ms)",
-               provenance_from=df[df.name == "variant"])  # fmt: skip
+    show_table(
+        variants,
+        caption="Kernel versions at 16 x 16384 x 64, bf16, causal (median ms)",
+        provenance_from=df[df.name == "variant"],
+    )
 if len(tuning):
-    show_table(tuning, caption="Fastest tile candidates per kernel, each pass timed alone",
-               provenance_from=tuning.attrs["source"])  # fmt: skip
+    show_table(
+        tuning,
+        caption="Fastest tile candidates per kernel, each pass timed alone",
+        provenance_from=tuning.attrs["source"],
+    )
 if len(protocol):
     save_figure(
         flash_leaderboard.plot_leaderboard(protocol, variants, target),
@@ -151,59 +153,39 @@ if len(table):
 
 # %% tags=["remove-input"]
 if len(protocol) and not quick:
-    final = flash_leaderboard.final_runs(runs)
-    s = split.set_index(["impl", "mode"])
-    fwd_pct, bwd_pct = (
-        s.loc[("flash_triton", "fwd"), "of measured matmul peak"],
-        s.loc[("flash_triton", "bwd"), "of measured matmul peak"],
-    )
-    our_fwd, our_bwd, our_bwd_tf = (
-        s.loc[("flash_triton", "fwd"), "median ms"],
-        s.loc[("flash_triton", "bwd"), "median ms"],
-        s.loc[("flash_triton", "bwd"), "TFLOP/s"],
-    )
-    cud_bwd = s.loc[("sdpa_cudnn", "bwd"), "median ms"]
-    v = variants.set_index("version")
-    r = final["ours / sdpa_flash"]
-    met = int((r <= target).sum())
-    h100 = (
-        runs[runs.gpu.str.contains("H100")]["ours / sdpa_flash"].iloc[-1]
-        if runs.gpu.str.contains("H100").any()
-        else float("nan")
-    )
-    nk = table
+    facts = flash_leaderboard.facts(df, target, ncu=table)
+    v, ncu = facts["version_ms"], facts.get("ncu")
     nb.md(
-        f"**Answer.** With the final kernels our Triton FlashAttention-2 took {final['ours ms'].min():.2f} to "
-        f"{final['ours ms'].max():.2f} ms in {len(final)} full-protocol runs on the {final.gpu.iloc[-1]}, i.e. "
-        f"**{r.median():.3f}x** SDPA's FlashAttention-2 backend (median; best {r.min():.3f}x, worst {r.max():.3f}x; "
-        f"SDPA-flash {final['sdpa_flash ms'].median():.2f} ms). The {target:g}x goal was met in {met} of {len(final)} "
-        f"runs, so it is reached only at the edge of the run-to-run spread, not reliably. SDPA's cuDNN backend "
-        f"takes {final['sdpa_cudnn ms'].median():.2f} ms ({(final['sdpa_cudnn ms'] / final['sdpa_flash ms']).median():.2f}x). "
-        f"Our forward runs at {fwd_pct:.0%} of the measured matmul peak, like cuDNN's "
-        f"{s.loc[('sdpa_cudnn', 'fwd'), 'of measured matmul peak']:.0%}; the backward at {bwd_pct:.0%} "
-        f"({our_bwd:.2f} ms against cuDNN's {cud_bwd:.2f} ms) is where the gap is. "
-        f"The steps that paid: skipping causally masked tiles ({v.loc['v0_mask_all_tiles', 'fwd+bwd ms']:.1f} -> "
-        f"{v.loc['v1_skip_masked_tiles', 'fwd+bwd ms']:.1f} ms on the H100), masking only diagonal tiles "
-        f"(-> {v.loc['v2_split_diagonal', 'fwd+bwd ms']:.1f} ms), tuning each backward pass on its own "
-        f"(-> {v.loc['v5_tuned_tiles', 'fwd+bwd ms']:.1f} ms; the H100 sessions ended at {h100:.3f}x), "
+        f"**Answer.** With the final kernels our Triton FlashAttention-2 took {facts['ours_ms_min']:.2f} to "
+        f"{facts['ours_ms_max']:.2f} ms in {facts['final_runs']} full-protocol runs on the {facts['final_gpu']}, i.e. "
+        f"**{facts['ratio_median']:.3f}x** SDPA's FlashAttention-2 backend (median; best {facts['ratio_best']:.3f}x, "
+        f"worst {facts['ratio_worst']:.3f}x; SDPA-flash {facts['sdpa_flash_ms']:.2f} ms). The {target:g}x goal was met "
+        f"in {facts['runs_meeting_target']} of {facts['final_runs']} runs, so it is reached only at the edge of the "
+        f"run-to-run spread, not reliably. SDPA's cuDNN backend takes {facts['sdpa_cudnn_ms']:.2f} ms "
+        f"({facts['cudnn_vs_flash']:.2f}x). Our forward runs at {facts['fwd_peak_fraction']:.0%} of the measured "
+        f"matmul peak, like cuDNN's {facts['cudnn_fwd_peak_fraction']:.0%}; the backward at "
+        f"{facts['bwd_peak_fraction']:.0%} ({facts['bwd_ms']:.2f} ms against cuDNN's {facts['cudnn_bwd_ms']:.2f} ms) "
+        f"is where the gap is. The steps that paid: skipping causally masked tiles ({v['v0_mask_all_tiles']:.1f} -> "
+        f"{v['v1_skip_masked_tiles']:.1f} ms on the H100), masking only diagonal tiles "
+        f"(-> {v['v2_split_diagonal']:.1f} ms), tuning each backward pass on its own "
+        f"(-> {v['v5_tuned_tiles']:.1f} ms; the H100 sessions ended at {facts['h100_last_ratio']:.3f}x), "
         "and on the H200 the early-dP order with a register cap that keeps three dK/dV CTAs per SM (tables above). "
         "Fusing both backward passes into one launch, 128-query dK/dV steps and 8-warp dK/dV tiles did not help; "
         "the dQ side stream is within the noise. "
         + (
             f"The profile says what limits the dK/dV pass: with the cap it spills "
-            f"({nk.loc['Local Memory Spilling Requests', 'dkdv (final)']} local-memory requests) yet runs faster, "
-            f"because only {nk.loc['Achieved Active Warps Per SM (warp)', 'dkdv (final)']} warps per SM are active "
-            f"and each scheduler has {nk.loc['Eligible Warps Per Scheduler (warp)', 'dkdv (final)']} eligible warps per "
+            f"({ncu['dkdv_spill_requests']} local-memory requests) yet runs faster, "
+            f"because only {ncu['dkdv_active_warps']} warps per SM are active "
+            f"and each scheduler has {ncu['dkdv_eligible_warps']} eligible warps per "
             f"cycle: Triton waits for every wgmma right after issuing it, so tensor-core work overlaps softmax "
             f"arithmetic only across CTAs, and more CTAs is the only lever. The dQ kernel, with 128-row tiles, keeps its "
-            f"tensor pipe {nk.loc['busiest pipeline', 'dq (final)'].split()[-1]} busy against "
-            f"{nk.loc['busiest pipeline', 'dkdv (final)'].split()[-1]} for dK/dV. "
-            if "dkdv (final)" in nk.columns and "dq (final)" in nk.columns
+            f"tensor pipe {ncu['dq_busiest_pipe']} busy against {ncu['dkdv_busiest_pipe']} for dK/dV. "
+            if ncu
             else ""
         )
         + f"The two-pass backward also issues 7 instead of 5 N^2 d products (S and dP are recomputed for dQ); "
-        f"counted on the products it issues it runs at {our_bwd_tf * 7 / 5:.0f} TFLOP/s. Going further needs what "
-        "Triton does not expose on Hopper: deferred wgmma waits or warp-specialised producer/consumer pipelines "
+        f"counted on the products it issues it runs at {facts['bwd_tflops_issued']:.0f} TFLOP/s. Going further needs "
+        "what Triton does not expose on Hopper: deferred wgmma waits or warp-specialised producer/consumer pipelines "
         "(FlashAttention-3), or a one-pass backward with atomic fp32 dQ."
     )
 
@@ -220,43 +202,34 @@ if len(protocol) and not quick:
 e2e = load_results(flash_model.PROBLEM, results_dir)
 checks, speed = flash_model.check_table(e2e), flash_model.speedup_table(e2e)
 if len(checks):
-    show_table(checks.reset_index(), caption="Model outputs and gradients against naive attention (2.7B, batch 2)",
-               provenance_from=e2e[e2e["mode"] == "check"],
-               formats={m: "{:.1e}" for m in flash_model.CHECK_METRICS})  # fmt: skip
+    show_table(
+        checks.reset_index(),
+        caption="Model outputs and gradients against naive attention (2.7B, batch 2)",
+        provenance_from=e2e[e2e["mode"] == "check"],
+        formats={m: "{:.1e}" for m in flash_model.CHECK_METRICS},
+    )
 if len(speed):
-    show_table(speed.reset_index(), caption="2.7B training step, bf16 autocast (OOM: out of memory on the GPU)",
-               provenance_from=e2e[e2e["mode"] == "train"])  # fmt: skip
+    show_table(
+        speed.reset_index(),
+        caption="2.7B training step, bf16 autocast (OOM: out of memory on the GPU)",
+        provenance_from=e2e[e2e["mode"] == "train"],
+    )
     save_figure(flash_model.plot_training(e2e), "flash_leaderboard__model_training")
 
 # %% tags=["remove-input"]
 if len(speed) and len(checks) and not quick:
-    tr = e2e[(e2e["mode"] == "train") & (e2e.metric == "step_time")]
-    ms = tr[tr.note.fillna("") == ""].pivot_table(
-        index="x_value", columns="impl", values="mean", aggfunc="last"
-    )
-    bs = {int(c): json.loads(cj)["batch_size"] for c, cj in zip(tr.x_value, tr.config_json)}
-    fails = e2e[(e2e["mode"] == "train") & (e2e.impl == "naive") & e2e.note.str.startswith("OOM")]
-    ooms = sorted({int(c) for c in fails.x_value})
-    bs |= {int(c): json.loads(cj)["batch_size"] for c, cj in zip(fails.x_value, fails.config_json)}
-    both = ms.dropna(subset=["naive", "flash_triton"])
-    err = lambda dtype, impl: checks.xs((dtype, impl), level=("dtype", "impl"))["max_grad_rel_err"].max()
+    model_facts = flash_model.facts(e2e)
+    err, oom = model_facts["max_grad_rel_err"], model_facts["naive_oom_context"]
     nb.md(
         f"**Answer.** All checks pass: in float32 the largest relative gradient error of our kernel against "
-        f"naive attention is {err('fp32', 'flash_triton'):.1e} (SDPA's {err('fp32', 'sdpa'):.1e}), "
-        f"in bf16 autocast {err('bf16-autocast', 'flash_triton'):.1e} (SDPA's {err('bf16-autocast', 'sdpa'):.1e}), "
+        f"naive attention is {err[('fp32', 'flash_triton')]:.1e} (SDPA's {err[('fp32', 'sdpa')]:.1e}), "
+        f"in bf16 autocast {err[('bf16-autocast', 'flash_triton')]:.1e} (SDPA's {err[('bf16-autocast', 'sdpa')]:.1e}), "
         "from rounding to bf16. In training, our kernel against naive attention: "
-        + ", ".join(
-            f"{both.loc[c, 'naive'] / both.loc[c, 'flash_triton']:.2f}x faster at context {c}"
-            for c in both.index
-        )
-        + f"; naive attention runs out of memory from context {ooms[0] if ooms else 'n/a'} "
-        f"(batch {bs.get(ooms[0], '?') if ooms else '?'}), while ours (and SDPA) still run there. Against SDPA "
-        "(which dispatches to its own FlashAttention-2 kernel for bf16) ours is "
-        + ", ".join(
-            f"{ms.loc[c, 'flash_triton'] / ms.loc[c, 'sdpa']:.2f}x the step time at {c}"
-            for c in ms.index
-            if pd.notna(ms.loc[c].get("sdpa")) and pd.notna(ms.loc[c].get("flash_triton"))
-        )
+        + ", ".join(f"{r:.2f}x faster at context {c}" for c, r in model_facts["speedup_vs_naive"].items())
+        + f"; naive attention runs out of memory from context {oom if oom else 'n/a'} "
+        f"(batch {model_facts['naive_oom_batch'] if oom else '?'}), while ours (and SDPA) still run there. "
+        "Against SDPA (which dispatches to its own FlashAttention-2 kernel for bf16) ours is "
+        + ", ".join(f"{r:.2f}x the step time at {c}" for c, r in model_facts["vs_sdpa"].items())
         + ": the 2.7B model's head dimension is 80, which our kernels pad to 128 (tl.arange needs powers of two), "
         "so their QK^T and PV products do 1.6x the work SDPA's do, and its tiles were tuned for d = 64. Peak memory "
         "is the same as SDPA's: both keep O(N) state per head instead of the T x T scores."

@@ -5,24 +5,40 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pytest
 import torch
 
 from cs336_systems.attention.flash_triton import launch
-from cs336_systems.studies import flash_leaderboard, flash_tuning
+from cs336_systems.measure.results import REPO_ROOT
+from cs336_systems.studies import flash_leaderboard, flash_model, flash_tuning
 
 FWD = repr(launch.heuristic_fwd(16384, 16384, 64, torch.bfloat16, interpreter=False))
 BWD = launch.heuristic_bwd(16384, 16384, 64, torch.bfloat16, interpreter=False)
 
 
 def _run(run_id, ours, flash, *, bwd=BWD, rep=10000.0, order=("sdpa_flash", "flash_triton", "sdpa_cudnn")):
-    cfg = {"rep_ms": rep, "warmup_ms": 1000.0, "run_id": run_id, "tiles_fwd": FWD, "tiles_bwd": bwd if isinstance(bwd, str) else repr(bwd),
-           "tiles_source": "heuristic"}  # fmt: skip
+    cfg = {
+        "rep_ms": rep,
+        "warmup_ms": 1000.0,
+        "run_id": run_id,
+        "tiles_fwd": FWD,
+        "tiles_bwd": bwd if isinstance(bwd, str) else repr(bwd),
+        "tiles_source": "heuristic",
+    }
     ms = {"flash_triton": ours, "sdpa_flash": flash, "sdpa_cudnn": 4.5}
     return [
-        {"name": "protocol", "metric": "latency", "impl": impl, "p50": ms[impl], "config_json": json.dumps(cfg),
-         "gpu_name": "NVIDIA H200", "git_sha": f"sha{run_id}", "timestamp": f"2026-11-23T10:0{run_id}:00"}
+        {
+            "name": "protocol",
+            "metric": "latency",
+            "impl": impl,
+            "p50": ms[impl],
+            "config_json": json.dumps(cfg),
+            "gpu_name": "NVIDIA H200",
+            "git_sha": f"sha{run_id}",
+            "timestamp": f"2026-11-23T10:0{run_id}:00",
+        }
         for impl in order
-    ]  # fmt: skip
+    ]
 
 
 def test_runs_are_grouped_by_run_id_and_final_runs_follow_the_heuristic_table():
@@ -30,13 +46,19 @@ def test_runs_are_grouped_by_run_id_and_final_runs_follow_the_heuristic_table():
     # an older row: same kernels, the dQ pass on a side stream (a switch that has left the kernels): final
     streams = repr(BWD)[:-1] + ", fused=False, tma1=None, tma2=None, streams=True)"
     df = pd.DataFrame(
-        _run(1, 5.0, 7.0) + _run(2, 5.2, 7.0, bwd=other) + _run(3, 5.0, 7.0, rep=3000.0)
+        _run(1, 5.0, 7.0)
+        + _run(2, 5.2, 7.0, bwd=other)
+        + _run(3, 5.0, 7.0, rep=3000.0)
         + _run(4, 5.3, 7.1, bwd=streams, order=("flash_triton", "sdpa_cudnn", "sdpa_flash"))
-    )  # fmt: skip
+    )
     runs = flash_leaderboard.protocol_runs(df, target=0.72)
     assert list(runs["git sha"]) == ["sha1", "sha2", "sha3", "sha4"]
-    assert runs["ours / sdpa_flash"].round(6).tolist() == [round(5.0 / 7.0, 6), round(5.2 / 7.0, 6),
-                                                           round(5.0 / 7.0, 6), round(5.3 / 7.1, 6)]  # fmt: skip
+    assert runs["ours / sdpa_flash"].round(6).tolist() == [
+        round(5.0 / 7.0, 6),
+        round(5.2 / 7.0, 6),
+        round(5.0 / 7.0, 6),
+        round(5.3 / 7.1, 6),
+    ]
     assert runs["<= target"].tolist() == [True, False, True, False]
     assert list(flash_leaderboard.final_runs(runs)["git sha"]) == ["sha1", "sha4"]
 
@@ -79,3 +101,50 @@ def test_sweep_facts_on_the_committed_results():
     gpu = ~df.gpu_name.astype(str).str.startswith("cpu")
     tf = df[gpu & (df.metric == "throughput") & (df.impl == "flash_triton") & (df["mode"] == "fwd_bwd")]
     assert facts["best_tflops"]["tflops"] == tf[tf["dtype"] == "bfloat16"].p50.max()
+
+
+def test_leaderboard_facts_on_the_committed_results():
+    from cs336_systems.report import load_results
+
+    df = load_results(flash_leaderboard.LEADERBOARD)
+    ncu = flash_tuning.ncu_table(REPO_ROOT / "figures" / "data")
+    facts = flash_leaderboard.facts(df, 0.72, ncu=ncu)
+    # direct: the full-protocol runs whose tiles are today's heuristic ones, on the H200
+    runs = flash_leaderboard.protocol_runs(df)
+    final = flash_leaderboard.final_runs(runs)
+    ratio = final["ours ms"] / final["sdpa_flash ms"]
+    assert facts["final_runs"] == len(final) >= 2 and facts["final_gpu"] == "H200"
+    assert facts["ratio_median"] == ratio.median() and facts["ratio_best"] == ratio.min() < 0.72
+    assert facts["runs_meeting_target"] == int((ratio <= 0.72).sum()) >= 1
+    split = df[(df.name == "split") & (df.metric == "throughput")]
+    last = split[split.git_sha == split.git_sha.iloc[-1]].set_index(["impl", "mode"]).p50
+    peak = df[df.name == "matmul_peak"].p50.iloc[-1]
+    assert facts["bwd_peak_fraction"] == pytest.approx(last[("flash_triton", "bwd")] / peak)
+    assert facts["bwd_tflops_issued"] == pytest.approx(last[("flash_triton", "bwd")] * 1.4)
+    v0 = df[(df.name == "variant") & (df.impl == "v0_mask_all_tiles") & (df["mode"] == "fwd_bwd")]
+    assert facts["version_ms"]["v0_mask_all_tiles"] == v0.p50.iloc[-1]
+    h100 = runs[runs.gpu.str.contains("H100")]
+    assert facts["h100_last_ratio"] == h100["ours ms"].iloc[-1] / h100["sdpa_flash ms"].iloc[-1]
+    assert facts["ncu"]["dkdv_spill_requests"] == ncu.loc["Local Memory Spilling Requests", "dkdv (final)"]
+    assert "ncu" not in flash_leaderboard.facts(df)  # no profile table, no profile facts
+
+
+def test_model_facts_on_the_committed_results():
+    from cs336_systems.report import load_results
+
+    df = load_results(flash_model.PROBLEM)
+    facts = flash_model.facts(df)
+    checks = df[(df["mode"] == "check") & (df.metric == "max_grad_rel_err")]
+    for (dtype, impl), g in checks.groupby(["dtype", "impl"]):
+        assert facts["max_grad_rel_err"][(dtype, impl)] == g["mean"].max()
+    step = df[(df["mode"] == "train") & (df.metric == "step_time")]
+    ok = step[step.note.fillna("") == ""].set_index(["x_value", "impl"])["mean"]
+    train = df[df["mode"] == "train"]
+    oom = train[(train.impl == "naive") & train.note.fillna("").str.startswith("OOM")]
+    assert facts["naive_oom_context"] == int(oom.x_value.min())
+    assert facts["naive_oom_batch"] == json.loads(oom.config_json.iloc[0])["batch_size"]
+    assert set(facts["speedup_vs_naive"]) == {c for c in (512, 1024, 2048, 4096) if (c, "naive") in ok.index}
+    for c, r in facts["speedup_vs_naive"].items():
+        assert r == pytest.approx(ok[(c, "naive")] / ok[(c, "flash_triton")])
+    assert sorted(facts["vs_sdpa"]) == [512, 1024, 2048, 4096]
+    assert facts["vs_sdpa"][4096] == pytest.approx(ok[(4096, "flash_triton")] / ok[(4096, "sdpa")])

@@ -104,17 +104,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--tune-small", action="store_true", help="--tune over the short later-round lists")
     p.add_argument("--lb-runs", type=int, default=1, help="how many times to run the leaderboard protocol")
     p.add_argument(
-        "--once", action="store_true",
+        "--once",
+        action="store_true",
         help="one forward+backward at the leaderboard shape with the current tiles, nothing timed or saved "
-             "(the workload to wrap in `ncu`/`nsys`)",
-    )  # fmt: skip
+        "(the workload to wrap in `ncu`/`nsys`)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
 
     if args.once:
         cfg = LeaderboardConfig(device=args.device)
-        x = torch.randn(3, cfg.heads, cfg.seq_len, cfg.d, device=args.device, dtype=torch.bfloat16,
-                        requires_grad=True)  # fmt: skip
+        x = torch.randn(
+            3, cfg.heads, cfg.seq_len, cfg.d, device=args.device, dtype=torch.bfloat16, requires_grad=True
+        )
         q, k, v = x.unbind(0)
         FlashAttentionTriton.apply(q, k, v, True).sum().backward()
         synchronize(args.device)
@@ -137,13 +139,22 @@ def main(argv: Sequence[str] | None = None) -> None:
             cfg = quick_config(args.device)
         else:
             cfg = SweepConfig(
-                seq_lens=args.seq_lens, head_dims=args.head_dims, dtypes=args.dtypes, impls=args.impls,
-                warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, call_cap_ms=args.call_cap_ms, budget_s=args.budget_s,
+                seq_lens=args.seq_lens,
+                head_dims=args.head_dims,
+                dtypes=args.dtypes,
+                impls=args.impls,
+                warmup_ms=args.warmup_ms,
+                rep_ms=args.rep_ms,
+                call_cap_ms=args.call_cap_ms,
+                budget_s=args.budget_s,
                 pytorch_head_dims=args.pytorch_head_dims,
-                max_n={"flash_pytorch": args.pytorch_max_n, "flash_pytorch_compiled": args.pytorch_max_n,
-                       "flash_triton_ptbwd": 16384},
+                max_n={
+                    "flash_pytorch": args.pytorch_max_n,
+                    "flash_pytorch_compiled": args.pytorch_max_n,
+                    "flash_triton_ptbwd": 16384,
+                },
                 device=args.device,
-            )  # fmt: skip
+            )
         print(cfg)
         rows = run_sweep(cfg)
         measured = sum(1 for r in rows if r["metric"] == "latency" and not r["note"])

@@ -60,6 +60,24 @@ class LeaderboardConfig:
     matmul_n: int = 8192  # size of the matmul whose rate is the "measured peak"
     device: str = "cuda"
 
+    def shape(self) -> dict[str, Any]:
+        """The causal attention problem as `flash_sweep.measure_config` keywords (batch 1)."""
+        return dict(batch=1, heads=self.heads, n=self.seq_len, d=self.d, causal=True, device=self.device)
+
+
+def _row_keys(name: str, impl: str, mode: str, dtype: str, n: int, config: dict[str, Any]) -> dict[str, Any]:
+    """The identifying fields of one leaderboard row at sequence length n."""
+    return dict(
+        problem=LEADERBOARD,
+        name=name,
+        impl=impl,
+        mode=mode,
+        dtype=dtype,
+        x_name="seq_len",
+        x_value=n,
+        config=config,
+    )
+
 
 def _leaderboard_fn(impl: str, x: torch.Tensor) -> Callable[[], None]:
     q, k, v = x  # the protocol's unpacking along dim 0: (heads, N, d) views of x
@@ -111,22 +129,14 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
     results: dict[str, dict[str, float]] = {}
     for impl in cfg.impls:
         torch.manual_seed(0)
-        x = torch.randn(
-            3,
-            cfg.heads,
-            cfg.seq_len,
-            cfg.d,
-            device=cfg.device,
-            dtype=getattr(torch, cfg.dtype),
-            requires_grad=True,
-        )
+        shape = (3, cfg.heads, cfg.seq_len, cfg.d)
+        x = torch.randn(shape, device=cfg.device, dtype=getattr(torch, cfg.dtype), requires_grad=True)
         outcome: dict[str, str] = {}
         with capture_failure(outcome):
             step = _leaderboard_fn(impl, x)
             step()  # compile outside the timed region (do_bench's warm-up would also absorb it)
             results[impl] = bench_all(step, cfg.warmup_ms, cfg.rep_ms)
-        common = dict(problem=LEADERBOARD, name="protocol", impl=impl, mode="fwd_bwd", dtype=cfg.dtype,
-                      x_name="seq_len", x_value=cfg.seq_len, config=config)  # fmt: skip
+        common = _row_keys("protocol", impl, "fwd_bwd", cfg.dtype, cfg.seq_len, config)
         if impl in results:
             rows.append(make_row(metric="latency", unit="ms", stats=results[impl], **common))
         else:
@@ -137,8 +147,10 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
         gc.collect()
         torch.cuda.empty_cache()
     flops = attention_flops(1, cfg.heads, cfg.seq_len, cfg.seq_len, cfg.d, causal=True, mode="fwd_bwd")
-    print(f"\nFA2 leaderboard protocol on {gpu}: bf16, causal, {cfg.heads} x {cfg.seq_len} x {cfg.d}, "
-          f"do_bench(rep={cfg.rep_ms:g}, warmup={cfg.warmup_ms:g})")  # fmt: skip
+    print(
+        f"\nFA2 leaderboard protocol on {gpu}: bf16, causal, {cfg.heads} x {cfg.seq_len} x {cfg.d}, "
+        f"do_bench(rep={cfg.rep_ms:g}, warmup={cfg.warmup_ms:g})"
+    )
     base = results.get("sdpa_flash", {}).get("p50")
     print(f"{'impl':<16}{'median ms':>11}{'mean ms':>10}{'TFLOP/s':>9}{'vs sdpa_flash':>15}")
     for impl in cfg.impls:
@@ -158,19 +170,33 @@ def _leaderboard_split(cfg: LeaderboardConfig, config: dict[str, Any]) -> list[d
     """Forward-only and backward-only times at the protocol shape, and the bf16 matmul peak."""
     rows = []
     peak = matmul_peak_tflops(cfg.device, cfg.matmul_n, getattr(torch, cfg.dtype))
-    rows.append(make_row(problem=LEADERBOARD, name="matmul_peak", impl="torch.matmul", mode="", dtype=cfg.dtype,
-                         metric="throughput", unit="TFLOP/s", value=peak, config={"shape": f"{cfg.matmul_n}^3"}))  # fmt: skip
+    rows.append(
+        make_row(
+            problem=LEADERBOARD,
+            name="matmul_peak",
+            impl="torch.matmul",
+            mode="",
+            dtype=cfg.dtype,
+            metric="throughput",
+            unit="TFLOP/s",
+            value=peak,
+            config={"shape": f"{cfg.matmul_n}^3"},
+        )
+    )
     print(f"\nmeasured {cfg.dtype} matmul peak: {peak:.1f} TFLOP/s")
     print(f"{'impl':<16}{'mode':<9}{'median ms':>11}{'TFLOP/s':>9}{'of peak':>9}")
     for impl in cfg.impls:
         fn = attention_fn(impl, cfg.device)
         stats, _, note = measure_config(
-            fn, batch=1, heads=cfg.heads, n=cfg.seq_len, d=cfg.d, dtype=getattr(torch, cfg.dtype), causal=True,
-            device=cfg.device, warmup_ms=cfg.warmup_ms / 10, rep_ms=cfg.rep_ms / 10, modes=("fwd", "bwd"),
-        )  # fmt: skip
+            fn,
+            **cfg.shape(),
+            dtype=getattr(torch, cfg.dtype),
+            warmup_ms=cfg.warmup_ms / 10,
+            rep_ms=cfg.rep_ms / 10,
+            modes=("fwd", "bwd"),
+        )
         for mode in ("fwd", "bwd"):
-            common = dict(problem=LEADERBOARD, name="split", impl=impl, mode=mode, dtype=cfg.dtype,
-                          x_name="seq_len", x_value=cfg.seq_len, config=config)  # fmt: skip
+            common = _row_keys("split", impl, mode, cfg.dtype, cfg.seq_len, config)
             if mode not in stats:
                 rows.append(failure_row(metric="latency", unit="ms", note=note or "not measured", **common))
                 continue
@@ -217,15 +243,18 @@ def run_variants(
         fn = lambda q, k, v, c, b=bwd_impl: FlashAttentionTriton.apply(q, k, v, c, b)
         pin_fwd = None if spec.get("bwd") == "tuned" else tiles.heuristic_fwd(n, n, d, torch.bfloat16)
         with tiles.use_configs(fwd=pin_fwd, bwd=bwd_cfg, options=spec["options"]):
-            stats, _, note = measure_config(
-                fn, batch=1, heads=cfg.heads, n=n, d=d, dtype=torch.bfloat16, causal=True, device=cfg.device,
-                warmup_ms=50, rep_ms=400,
-            )  # fmt: skip
-        config = {"heads": cfg.heads, "seq_len": n, "d": d, "options": repr(spec["options"]), "bwd": repr(bwd_cfg),
-                  "bwd_impl": bwd_impl, "fwd": repr(pin_fwd or tiles.cached("fwd", tiles.tuning_key(n, n, d, torch.bfloat16, True)))}  # fmt: skip
+            stats, _, note = measure_config(fn, **cfg.shape(), dtype=torch.bfloat16, warmup_ms=50, rep_ms=400)
+        config = {
+            "heads": cfg.heads,
+            "seq_len": n,
+            "d": d,
+            "options": repr(spec["options"]),
+            "bwd": repr(bwd_cfg),
+            "bwd_impl": bwd_impl,
+            "fwd": repr(pin_fwd or tiles.cached("fwd", tiles.tuning_key(n, n, d, torch.bfloat16, True))),
+        }
         for mode in MODES:
-            common = dict(problem=LEADERBOARD, name="variant", impl=name, mode=mode, dtype="bfloat16",
-                          x_name="seq_len", x_value=n, config=config)  # fmt: skip
+            common = _row_keys("variant", name, mode, "bfloat16", n, config)
             if mode in stats:
                 rows.append(make_row(metric="latency", unit="ms", stats=stats[mode], **common))
             else:
@@ -265,11 +294,18 @@ def leaderboard_table(df: pd.DataFrame) -> pd.DataFrame:
         1, cfg["heads"], cfg["seq_len"], cfg["seq_len"], cfg["d"], causal=True, mode="fwd_bwd"
     )
     base = lb.set_index("impl").p50.get("sdpa_flash", math.nan)
-    out = pd.DataFrame({
-        "impl": lb.impl, "median ms": lb.p50, "mean ms": lb["mean"], "p20 ms": lb.p20, "p80 ms": lb.p80,
-        "TFLOP/s": [tflops(flops, ms) if pd.notna(ms) else math.nan for ms in lb.p50],
-        "vs sdpa_flash": lb.p50 / base, "note": lb.note,
-    })  # fmt: skip
+    out = pd.DataFrame(
+        {
+            "impl": lb.impl,
+            "median ms": lb.p50,
+            "mean ms": lb["mean"],
+            "p20 ms": lb.p20,
+            "p80 ms": lb.p80,
+            "TFLOP/s": [tflops(flops, ms) if pd.notna(ms) else math.nan for ms in lb.p50],
+            "vs sdpa_flash": lb.p50 / base,
+            "note": lb.note,
+        }
+    )
     order = {i: k for k, i in enumerate(IMPL_ORDER)}
     out = out.sort_values("impl", key=lambda s: s.map(order)).reset_index(drop=True)
     out.attrs["source"] = lb  # the rows behind the table (provenance)
@@ -292,16 +328,22 @@ def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame
         ms = g.set_index("impl").p50
         cfg = json.loads(g.config_json.iloc[0])
         bwd_text = cfg.get("tiles_bwd", "")
-        runs.append({
-            "gpu": g.gpu_name.iloc[0].replace("NVIDIA ", ""), "git sha": g.git_sha.iloc[0],
-            "time (UTC)": str(g.timestamp.iloc[0])[:16].replace("T", " "),
-            "do_bench rep/warmup ms": f"{cfg.get('rep_ms', math.nan):g}/{cfg.get('warmup_ms', math.nan):g}",
-            "our tiles": cfg.get("tiles_source", "heuristic (not recorded)")
-            + (", <=168 regs" if "maxnreg1=168" in bwd_text else "") + (", dQ side stream" if "streams=True" in bwd_text else ""),
-            "ours ms": ms.get("flash_triton", math.nan), "sdpa_flash ms": ms.get("sdpa_flash", math.nan),
-            "sdpa_cudnn ms": ms.get("sdpa_cudnn", math.nan),
-            "tiles_fwd": cfg.get("tiles_fwd", ""), "tiles_bwd": bwd_text,
-        })  # fmt: skip
+        runs.append(
+            {
+                "gpu": g.gpu_name.iloc[0].replace("NVIDIA ", ""),
+                "git sha": g.git_sha.iloc[0],
+                "time (UTC)": str(g.timestamp.iloc[0])[:16].replace("T", " "),
+                "do_bench rep/warmup ms": f"{cfg.get('rep_ms', math.nan):g}/{cfg.get('warmup_ms', math.nan):g}",
+                "our tiles": cfg.get("tiles_source", "heuristic (not recorded)")
+                + (", <=168 regs" if "maxnreg1=168" in bwd_text else "")
+                + (", dQ side stream" if "streams=True" in bwd_text else ""),
+                "ours ms": ms.get("flash_triton", math.nan),
+                "sdpa_flash ms": ms.get("sdpa_flash", math.nan),
+                "sdpa_cudnn ms": ms.get("sdpa_cudnn", math.nan),
+                "tiles_fwd": cfg.get("tiles_fwd", ""),
+                "tiles_bwd": bwd_text,
+            }
+        )
     out = pd.DataFrame(runs)
     out["ours / sdpa_flash"] = out["ours ms"] / out["sdpa_flash ms"]
     if target is not None:
@@ -311,8 +353,18 @@ def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame
 
 # BwdConfig fields that choose kernels and tiles (not the memory path, which is TMA whenever the GPU
 # allows, nor the stream the dQ pass was launched on in older runs); older rows also say fused=False.
-_KERNEL_FIELDS = ("block_m1", "block_n1", "block_m2", "block_n2", "num_warps1", "num_stages1", "num_warps2",
-                  "num_stages2", "early_dp", "maxnreg1")  # fmt: skip
+_KERNEL_FIELDS = (
+    "block_m1",
+    "block_n1",
+    "block_m2",
+    "block_n2",
+    "num_warps1",
+    "num_stages1",
+    "num_warps2",
+    "num_stages2",
+    "early_dp",
+    "maxnreg1",
+)
 
 
 def _kernel_fields(text: str) -> tuple:
@@ -396,3 +448,49 @@ def plot_leaderboard(protocol: pd.DataFrame, variants: pd.DataFrame, target: flo
         ax2.legend(frameon=False, fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def facts(df: pd.DataFrame, target: float = 0.72, ncu: pd.DataFrame | None = None) -> dict[str, Any]:
+    """The numbers notebook 11's leaderboard answer states: the final-kernel protocol runs (times,
+    ratio to SDPA-flash, how many met `target`), forward/backward shares of the measured matmul peak,
+    the optimisation log's fwd+bwd times per version, the last H100 ratio and, when `ncu` (the
+    `flash_tuning.ncu_table` of the committed reports) has the final dK/dV and dQ columns, the profile
+    metrics quoted. The two-pass backward issues 7 rather than 5 N^2 d products, hence
+    `bwd_tflops_issued` = TFLOP/s x 7 / 5."""
+    runs = protocol_runs(df, target)
+    final = final_runs(runs)
+    s = split_table(df).set_index(["impl", "mode"])
+    ratio = final["ours / sdpa_flash"]
+    h100 = runs[runs.gpu.str.contains("H100")]["ours / sdpa_flash"]
+    out = {
+        "target": target,
+        "final_runs": len(final),
+        "final_gpu": final.gpu.iloc[-1],
+        "ours_ms_min": final["ours ms"].min(),
+        "ours_ms_max": final["ours ms"].max(),
+        "ratio_median": ratio.median(),
+        "ratio_best": ratio.min(),
+        "ratio_worst": ratio.max(),
+        "runs_meeting_target": int((ratio <= target).sum()),
+        "sdpa_flash_ms": final["sdpa_flash ms"].median(),
+        "sdpa_cudnn_ms": final["sdpa_cudnn ms"].median(),
+        "cudnn_vs_flash": (final["sdpa_cudnn ms"] / final["sdpa_flash ms"]).median(),
+        "fwd_peak_fraction": s.loc[("flash_triton", "fwd"), "of measured matmul peak"],
+        "bwd_peak_fraction": s.loc[("flash_triton", "bwd"), "of measured matmul peak"],
+        "cudnn_fwd_peak_fraction": s.loc[("sdpa_cudnn", "fwd"), "of measured matmul peak"],
+        "bwd_ms": s.loc[("flash_triton", "bwd"), "median ms"],
+        "cudnn_bwd_ms": s.loc[("sdpa_cudnn", "bwd"), "median ms"],
+        "bwd_tflops_issued": s.loc[("flash_triton", "bwd"), "TFLOP/s"] * 7 / 5,
+        "version_ms": variants_table(df).set_index("version")["fwd+bwd ms"].to_dict(),
+        "h100_last_ratio": h100.iloc[-1] if len(h100) else math.nan,
+    }
+    if ncu is not None and {"dkdv (final)", "dq (final)"} <= set(ncu.columns):
+        dkdv, dq = ncu["dkdv (final)"], ncu["dq (final)"]
+        out["ncu"] = {
+            "dkdv_spill_requests": dkdv["Local Memory Spilling Requests"],
+            "dkdv_active_warps": dkdv["Achieved Active Warps Per SM (warp)"],
+            "dkdv_eligible_warps": dkdv["Eligible Warps Per Scheduler (warp)"],
+            "dkdv_busiest_pipe": dkdv["busiest pipeline"].split()[-1],
+            "dq_busiest_pipe": dq["busiest pipeline"].split()[-1],
+        }
+    return out

@@ -98,8 +98,14 @@ def check_equivalence(
         inputs, targets = random_batch(batch_size, n, mcfg.vocab_size, device=device, generator=gen)
         for dtype_label in dtypes:
             tol = TOLERANCE[dtype_label]
-            common = dict(problem=PROBLEM, name=size, mode="check", dtype=dtype_label, x_name="context_length",
-                          x_value=n)  # fmt: skip
+            common = dict(
+                problem=PROBLEM,
+                name=size,
+                mode="check",
+                dtype=dtype_label,
+                x_name="context_length",
+                x_value=n,
+            )
             model.set_attention(reference)
             ref = _forward_backward(model, inputs, targets, dtype_label, device)
             ref = (ref[0], ref[1], {k: g.clone() for k, g in ref[2].items()})
@@ -109,18 +115,32 @@ def check_equivalence(
                 with capture_failure(outcome):
                     model.set_attention(impl)
                     errs = compare(ref, _forward_backward(model, inputs, targets, dtype_label, device))
-                config = {"reference": reference, "batch_size": batch_size, "tolerance": tol, "seed": seed,
-                          "model": mcfg.as_kwargs()}  # fmt: skip
+                config = {
+                    "reference": reference,
+                    "batch_size": batch_size,
+                    "tolerance": tol,
+                    "seed": seed,
+                    "model": mcfg.as_kwargs(),
+                }
                 if errs is None:
-                    rows += [failure_row(metric=m, unit="", note=outcome["note"], impl=impl, config=config, **common)
-                             for m in CHECK_METRICS]  # fmt: skip
+                    rows += [
+                        failure_row(
+                            metric=m, unit="", note=outcome["note"], impl=impl, config=config, **common
+                        )
+                        for m in CHECK_METRICS
+                    ]
                     continue
                 passed = errs["logits_rel_err"] <= tol and errs["max_grad_rel_err"] <= tol
                 config["passed"] = passed
-                rows += [make_row(metric=m, unit="", value=v, impl=impl, config=config, **common)
-                         for m, v in errs.items()]  # fmt: skip
-                print(f"{size} T={n} {dtype_label:>13} {impl:>12} vs {reference}: "
-                      + ", ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  (tol {tol:g}: {'ok' if passed else 'FAIL'})")  # fmt: skip
+                rows += [
+                    make_row(metric=m, unit="", value=v, impl=impl, config=config, **common)
+                    for m, v in errs.items()
+                ]
+                print(
+                    f"{size} T={n} {dtype_label:>13} {impl:>12} vs {reference}: "
+                    + ", ".join(f"{k}={v:.2e}" for k, v in errs.items())
+                    + f"  (tol {tol:g}: {'ok' if passed else 'FAIL'})"
+                )
             del ref
         del model, inputs, targets
         gc.collect()
@@ -143,8 +163,17 @@ def training_sweep(
     results_dir=None,
 ) -> pd.DataFrame:
     """Training-step time and peak memory per (context length, implementation); OOMs are rows."""
-    configs = e2e.grid(size=size, context_length=list(context_lengths), attention=list(impls), mode="train",
-                       batch_size=batch_size, autocast=autocast, warmup=warmup, steps=steps, device=device)  # fmt: skip
+    configs = e2e.grid(
+        size=size,
+        context_length=list(context_lengths),
+        attention=list(impls),
+        mode="train",
+        batch_size=batch_size,
+        autocast=autocast,
+        warmup=warmup,
+        steps=steps,
+        device=device,
+    )
     return e2e.sweep(configs, problem=PROBLEM, results_dir=results_dir, progress=True)
 
 
@@ -231,6 +260,33 @@ def plot_training(df: pd.DataFrame):
     return fig
 
 
+def facts(df: pd.DataFrame, ours: str = "flash_triton") -> dict[str, Any]:
+    """The numbers notebook 11's model answer states: the largest relative gradient error against
+    naive attention per (dtype, impl) over the checked contexts; per context, the naive / ours
+    training-step ratio (contexts where both ran) and ours / SDPA (contexts where both ran); the
+    first context where naive attention ran out of memory and the batch size it was run at."""
+    checks = check_table(df)
+    train = df[df["mode"] == "train"]
+    steps = train[train.metric == "step_time"]
+    ms = steps[steps.note.fillna("") == ""].pivot_table(
+        index="x_value", columns="impl", values="mean", aggfunc="last"
+    )
+    ms.index = ms.index.astype(int)
+    batch = {int(c): json.loads(cj)["batch_size"] for c, cj in zip(steps.x_value, steps.config_json)}
+    fails = train[(train.impl == "naive") & train.note.fillna("").str.startswith("OOM")]
+    batch |= {int(c): json.loads(cj)["batch_size"] for c, cj in zip(fails.x_value, fails.config_json)}
+    ooms = sorted({int(c) for c in fails.x_value})
+    both = ms.reindex(columns=["naive", ours, "sdpa"]).dropna(subset=["naive", ours])
+    vs_sdpa = ms.reindex(columns=[ours, "sdpa"]).dropna()
+    return {
+        "max_grad_rel_err": checks.groupby(level=("dtype", "impl"))["max_grad_rel_err"].max().to_dict(),
+        "speedup_vs_naive": (both["naive"] / both[ours]).to_dict(),
+        "naive_oom_context": ooms[0] if ooms else None,
+        "naive_oom_batch": batch.get(ooms[0]) if ooms else None,
+        "vs_sdpa": (vs_sdpa[ours] / vs_sdpa["sdpa"]).to_dict(),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="2.7B")
@@ -249,12 +305,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     others = [i for i in a.impls if i != "naive"]
     if a.check_contexts:
         dtypes = ("fp32",) if a.device == "cpu" else ("fp32", "bf16-autocast")
-        check_equivalence(a.size, a.check_contexts, impls=others, dtypes=dtypes, device=a.device,
-                          results_dir=a.results_dir)  # fmt: skip
+        check_equivalence(
+            a.size, a.check_contexts, impls=others, dtypes=dtypes, device=a.device, results_dir=a.results_dir
+        )
     if a.contexts:
-        training_sweep(a.size, a.contexts, impls=a.impls, batch_size=a.batch_size, warmup=a.warmup, steps=a.steps,
-                       autocast="none" if a.device == "cpu" else "bf16", device=a.device,
-                       results_dir=a.results_dir)  # fmt: skip
+        training_sweep(
+            a.size,
+            a.contexts,
+            impls=a.impls,
+            batch_size=a.batch_size,
+            warmup=a.warmup,
+            steps=a.steps,
+            autocast="none" if a.device == "cpu" else "bf16",
+            device=a.device,
+            results_dir=a.results_dir,
+        )
 
 
 if __name__ == "__main__":

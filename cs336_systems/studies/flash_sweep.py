@@ -123,9 +123,19 @@ def failure_note(note: str) -> str:
 
 
 def measure_config(
-    fn: Callable, *, batch: int, heads: int, n: int, d: int, dtype: torch.dtype, causal: bool, device: str,
-    warmup_ms: float, rep_ms: float, modes: Sequence[str] = MODES,
-) -> tuple[dict[str, dict[str, float]], float | None, str]:  # fmt: skip
+    fn: Callable,
+    *,
+    batch: int,
+    heads: int,
+    n: int,
+    d: int,
+    dtype: torch.dtype,
+    causal: bool,
+    device: str,
+    warmup_ms: float,
+    rep_ms: float,
+    modes: Sequence[str] = MODES,
+) -> tuple[dict[str, dict[str, float]], float | None, str]:
     """Latency stats per mode, peak memory (GiB above the inputs) and a failure note ('' if none)."""
     stats: dict[str, dict[str, float]] = {}
     peak = None
@@ -152,15 +162,21 @@ def measure_config(
         if "bwd" in modes:
             o = fn(q, k, v, causal)
             stats["bwd"] = kernel_time(
-                lambda: o.backward(do, retain_graph=True), warmup_ms=warmup_ms, rep_ms=rep_ms,
-                grad_to_none=grads, device=device,
-            )  # fmt: skip
+                lambda: o.backward(do, retain_graph=True),
+                warmup_ms=warmup_ms,
+                rep_ms=rep_ms,
+                grad_to_none=grads,
+                device=device,
+            )
             del o
         if "fwd_bwd" in modes:
             stats["fwd_bwd"] = kernel_time(
-                lambda: fn(q, k, v, causal).backward(do), warmup_ms=warmup_ms, rep_ms=rep_ms,
-                grad_to_none=grads, device=device,
-            )  # fmt: skip
+                lambda: fn(q, k, v, causal).backward(do),
+                warmup_ms=warmup_ms,
+                rep_ms=rep_ms,
+                grad_to_none=grads,
+                device=device,
+            )
     return stats, peak, failure_note(outcome.get("note", ""))
 
 
@@ -175,9 +191,18 @@ def _rows_for_config(
     note: str,
     extra: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    config = {"batch": cfg.batch, "heads": cfg.heads, "seq_len": n, "d": d, "causal": cfg.causal,
-              "warmup_ms": cfg.warmup_ms, "rep_ms": cfg.rep_ms, "statistic": "do_bench median (p20/p80)",
-              "float32_matmul_precision": torch.get_float32_matmul_precision(), **extra}  # fmt: skip
+    config = {
+        "batch": cfg.batch,
+        "heads": cfg.heads,
+        "seq_len": n,
+        "d": d,
+        "causal": cfg.causal,
+        "warmup_ms": cfg.warmup_ms,
+        "rep_ms": cfg.rep_ms,
+        "statistic": "do_bench median (p20/p80)",
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        **extra,
+    }
     common = dict(
         problem=PROBLEM, name=f"d{d}", impl=impl, dtype=dtype_name, x_name="seq_len", x_value=n, config=config
     )
@@ -210,10 +235,20 @@ def _rows_for_config(
 def _skip_rows(
     impl: str, n: int, d: int, dtype_name: str, cfg: SweepConfig, reason: str
 ) -> list[dict[str, Any]]:
-    common = dict(problem=PROBLEM, name=f"d{d}", impl=impl, dtype=dtype_name, x_name="seq_len", x_value=n,
-                  config={"batch": cfg.batch, "heads": cfg.heads, "seq_len": n, "d": d, "causal": cfg.causal})  # fmt: skip
-    rows = [skipped_row(metric=m, unit=u, mode=mode, reason=reason, **common)
-            for mode in MODES for m, u in (("latency", "ms"), ("throughput", "TFLOP/s"))]  # fmt: skip
+    common = dict(
+        problem=PROBLEM,
+        name=f"d{d}",
+        impl=impl,
+        dtype=dtype_name,
+        x_name="seq_len",
+        x_value=n,
+        config={"batch": cfg.batch, "heads": cfg.heads, "seq_len": n, "d": d, "causal": cfg.causal},
+    )
+    rows = [
+        skipped_row(metric=m, unit=u, mode=mode, reason=reason, **common)
+        for mode in MODES
+        for m, u in (("latency", "ms"), ("throughput", "TFLOP/s"))
+    ]
     rows.append(skipped_row(metric="peak_memory", unit="GiB", mode="fwd_bwd", reason=reason, **common))
     return rows
 
@@ -244,17 +279,31 @@ def run_sweep(cfg: SweepConfig, *, results_dir=None, progress: bool = True) -> l
                     rows += _skip_rows(impl, n, d, dtype_name, cfg, reason)
                     continue
                 if n > cfg.max_n.get(impl, math.inf):
-                    rows += _skip_rows(impl, n, d, dtype_name, cfg,
-                                       f"{impl} is not run beyond N={cfg.max_n[impl]} (Python tile loop / compile time)")  # fmt: skip
+                    rows += _skip_rows(
+                        impl,
+                        n,
+                        d,
+                        dtype_name,
+                        cfg,
+                        f"{impl} is not run beyond N={cfg.max_n[impl]} (Python tile loop / compile time)",
+                    )
                     continue
                 if stop_reason:
                     rows += _skip_rows(impl, n, d, dtype_name, cfg, stop_reason)
                     continue
                 start = timeit.default_timer()
                 stats, peak, note = measure_config(
-                    fn, batch=cfg.batch, heads=cfg.heads, n=n, d=d, dtype=dtype, causal=cfg.causal,
-                    device=cfg.device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms,
-                )  # fmt: skip
+                    fn,
+                    batch=cfg.batch,
+                    heads=cfg.heads,
+                    n=n,
+                    d=d,
+                    dtype=dtype,
+                    causal=cfg.causal,
+                    device=cfg.device,
+                    warmup_ms=cfg.warmup_ms,
+                    rep_ms=cfg.rep_ms,
+                )
                 extra = {"wall_s": round(timeit.default_timer() - start, 2)}
                 if impl == "flash_triton" and torch.device(cfg.device).type == "cuda":
                     extra["tiles"] = repr(tiles.heuristic_fwd(n, n, tiles.block_d(d), dtype))
@@ -279,8 +328,15 @@ def run_sweep(cfg: SweepConfig, *, results_dir=None, progress: bool = True) -> l
 # ------------------------------------------------------------------------------------------------
 
 
-IMPL_ORDER = ("flash_triton", "sdpa_flash", "sdpa_cudnn", "naive", "flash_pytorch", "flash_pytorch_compiled",
-              "flash_triton_ptbwd")  # fmt: skip
+IMPL_ORDER = (
+    "flash_triton",
+    "sdpa_flash",
+    "sdpa_cudnn",
+    "naive",
+    "flash_pytorch",
+    "flash_pytorch_compiled",
+    "flash_triton_ptbwd",
+)
 
 
 def _note_label(note: str) -> str:
@@ -395,8 +451,16 @@ def memory_exponents(df: pd.DataFrame, dtype: str, d: int, min_n: int = 2048) ->
 
 def quick_config(device: str = "cpu") -> SweepConfig:
     """Tiny sizes that run on a CPU in seconds (interpreter for the Triton kernels)."""
-    return SweepConfig(seq_lens=(32, 64), head_dims=(16,), dtypes=("float32",), pytorch_head_dims=(16,),
-                       impls=("flash_triton", "naive", "flash_pytorch"), warmup_ms=1, rep_ms=5, device=device)  # fmt: skip
+    return SweepConfig(
+        seq_lens=(32, 64),
+        head_dims=(16,),
+        dtypes=("float32",),
+        pytorch_head_dims=(16,),
+        impls=("flash_triton", "naive", "flash_pytorch"),
+        warmup_ms=1,
+        rep_ms=5,
+        device=device,
+    )
 
 
 def facts(df: pd.DataFrame, n_long: int = 16384, n_max: int = 65536) -> dict[str, Any]:

@@ -52,16 +52,9 @@ DKDV_CANDIDATES_SMALL = [
 ]  # (block_m1, block_n1, warps, stages, early_dp, maxnreg)
 DQ_CANDIDATES_SMALL = [(128, 64, 8, 4)]
 FWD_CANDIDATES_SMALL = [(128, 64, 8, 3)]
-DQ_CANDIDATES = [
-    (128, 64, 4, 3),
-    (128, 64, 4, 2),
-    (128, 64, 4, 4),
-    (128, 64, 8, 3),
-    (64, 64, 4, 3),
-    (128, 128, 8, 2),
-    (256, 64, 8, 2),
-    (128, 32, 4, 3),
-]  # (block_m2, block_n2, warps, stages)
+# (block_m2, block_n2, warps, stages)
+DQ_CANDIDATES = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 64, 8, 3)]
+DQ_CANDIDATES += [(64, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 2), (128, 32, 4, 3)]
 
 
 def run_tuning(
@@ -110,9 +103,16 @@ def run_tuning(
             call()
             st = bench_all(call, 25, 200)
         label = repr(cand) + ("" if tma is None else f" [tma={tma}]")
-        common = dict(problem=LEADERBOARD, name="tuning", impl=label, mode=kind,
-                      dtype=str(dtype).removeprefix("torch."), x_name="seq_len", x_value=n,
-                      config={"heads": heads, "seq_len": n, "d": d, "causal": True})  # fmt: skip
+        common = dict(
+            problem=LEADERBOARD,
+            name="tuning",
+            impl=label,
+            mode=kind,
+            dtype=str(dtype).removeprefix("torch."),
+            x_name="seq_len",
+            x_value=n,
+            config={"heads": heads, "seq_len": n, "d": d, "causal": True},
+        )
         if st is None:
             rows.append(
                 failure_row(metric="latency", unit="ms", note=outcome.get("note", "failed"), **common)
@@ -192,19 +192,30 @@ def tuning_table(df: pd.DataFrame, top: int = 3) -> pd.DataFrame:
         return pd.DataFrame()
     tun = tun[tun.gpu_name == tun.gpu_name.iloc[-1]]  # timings of one GPU only (the latest tuned)
     best = tun.sort_values("p50").groupby("mode", sort=False).head(top)
-    out = pd.DataFrame({
-        "kernel": best["mode"].values,
-        "tiles (rows x rows), warps, stages, memory path": [_short_config(k, c) for k, c in zip(best["mode"], best.impl)],
-        "median ms": best.p50.values,
-    })  # fmt: skip
+    out = pd.DataFrame(
+        {
+            "kernel": best["mode"].values,
+            "tiles (rows x rows), warps, stages, memory path": [
+                _short_config(k, c) for k, c in zip(best["mode"], best.impl)
+            ],
+            "median ms": best.p50.values,
+        }
+    )
     out.attrs["source"] = best
     return out
 
 
 NCU_METRICS = (
-    "Duration", "SM Frequency", "Registers Per Thread", "Local Memory Spilling Requests", "Block Limit Registers",
-    "Achieved Active Warps Per SM", "Eligible Warps Per Scheduler", "Issue Slots Busy", "Compute (SM) Throughput",
-)  # fmt: skip
+    "Duration",
+    "SM Frequency",
+    "Registers Per Thread",
+    "Local Memory Spilling Requests",
+    "Block Limit Registers",
+    "Achieved Active Warps Per SM",
+    "Eligible Warps Per Scheduler",
+    "Issue Slots Busy",
+    "Compute (SM) Throughput",
+)
 
 
 def ncu_summary(text: str) -> pd.DataFrame:

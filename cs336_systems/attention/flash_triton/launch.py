@@ -229,57 +229,33 @@ def launch_bwd(
     q4, k4, v4, do4, dq4, dk4, dv4, lse, delta = tensors
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
-    scale = 1.0 / math.sqrt(d)
     common = _common(q4, is_causal, opts)
-    in_strides = (strides3(q4), strides3(k4), strides3(v4), strides3(do4))
+    ins = (q4, k4, v4, do4)
+    in_strides = tuple(strides3(t) for t in ins)
+    sizes = (heads, n_q, n_k, 1.0 / math.sqrt(d))  # NUM_HEADS, N_QUERIES, N_KEYS, scale
     if "dkdv" in passes:
-        backward_kernels.flash_bwd_dkdv_kernel[(batch * heads, triton.cdiv(n_k, cfg.block_n1))](
-            q4,
-            k4,
-            v4,
-            do4,
-            dk4,
-            dv4,
-            lse,
-            delta,
-            *in_strides,
-            strides3(dk4),
-            strides3(dv4),
-            heads,
-            n_q,
-            n_k,
-            scale,
-            BLOCK_M=cfg.block_m1,
-            BLOCK_N=cfg.block_n1,
-            num_warps=cfg.num_warps1,
-            num_stages=cfg.num_stages1,
-            USE_TMA=tma,
-            EARLY_DP=cfg.early_dp,
-            **common,
-            **({"maxnreg": cfg.maxnreg1} if cfg.maxnreg1 and not interpreting() else {}),
+        grid = (batch * heads, triton.cdiv(n_k, cfg.block_n1))
+        cap = {"maxnreg": cfg.maxnreg1} if cfg.maxnreg1 and not interpreting() else {}
+        kw = _pass_kwargs(common, tma, cfg.block_m1, cfg.block_n1, cfg.num_warps1, cfg.num_stages1)
+        kw |= {"EARLY_DP": cfg.early_dp} | cap
+        backward_kernels.flash_bwd_dkdv_kernel[grid](
+            *ins, dk4, dv4, lse, delta, *in_strides, strides3(dk4), strides3(dv4), *sizes, **kw
         )
     if "dq" in passes:
-        backward_kernels.flash_bwd_dq_kernel[(batch * heads, triton.cdiv(n_q, cfg.block_m2))](
-            q4,
-            k4,
-            v4,
-            do4,
-            dq4,
-            lse,
-            delta,
-            *in_strides,
-            strides3(dq4),
-            heads,
-            n_q,
-            n_k,
-            scale,
-            BLOCK_M=cfg.block_m2,
-            BLOCK_N=cfg.block_n2,
-            num_warps=cfg.num_warps2,
-            num_stages=cfg.num_stages2,
-            USE_TMA=tma,
-            **common,
+        grid = (batch * heads, triton.cdiv(n_q, cfg.block_m2))
+        kw = _pass_kwargs(common, tma, cfg.block_m2, cfg.block_n2, cfg.num_warps2, cfg.num_stages2)
+        backward_kernels.flash_bwd_dq_kernel[grid](
+            *ins, dq4, lse, delta, *in_strides, strides3(dq4), *sizes, **kw
         )
+
+
+def _pass_kwargs(
+    common: dict, tma: bool, block_m: int, block_n: int, num_warps: int, num_stages: int
+) -> dict:
+    """The keyword arguments of one backward kernel's launch: its tiles, warps, stages and switches."""
+    return dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, USE_TMA=tma, **common
+    )
 
 
 def prepare_backward(
