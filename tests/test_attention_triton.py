@@ -9,6 +9,8 @@ compilation and torch.compile with Inductor run on the GPU (`gpu` marker).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from einops import rearrange
@@ -312,3 +314,25 @@ def test_interpreter_still_chosen_after_pytorch_imports_triton(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("make", "rule"),
+    [
+        (lambda: FwdConfig(32, 64), r"block_m % block_n == 0: block_m=32, block_n=64"),
+        (lambda: BwdConfig(16, 32, 32, 64), r"block_m2 % block_n2 == 0"),
+        (lambda: FwdConfig(48, 16), r"FwdConfig.block_m must be a power of two >= 16, got 48"),
+        (lambda: BwdConfig(8, 32, 32, 16), r"BwdConfig.block_m1 must be a power of two >= 16, got 8"),
+        (lambda: FwdConfig(32, 16, num_warps=3), r"num_warps must be a power of two"),
+        (lambda: BwdConfig(16, 32, 32, 16, num_stages2=0), r"num_stages2 must be an int >= 1"),
+    ],
+)
+def test_tile_overrides_that_break_a_kernel_rule_are_refused(make, rule):
+    """Item 8: an override the kernel cannot honour is an error naming the rule, never a wrong result."""
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        make()
+
+
+def test_use_configs_checks_argument_types():
+    with pytest.raises(TypeError, match=r"fwd=.*FwdConfig"), use_configs(fwd=(32, 16)):
+        pass

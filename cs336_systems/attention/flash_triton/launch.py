@@ -55,6 +55,10 @@ class FwdConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __post_init__(self):
+        _check_tiles(self, ("block_m", "block_n"), [("block_m", "block_n")])
+        _check_launch(self, ("num_warps",), ("num_stages",))
+
 
 @dataclass(frozen=True)
 class BwdConfig:
@@ -83,6 +87,42 @@ class BwdConfig:
     early_dp: bool = False
     maxnreg1: int | None = None
 
+    def __post_init__(self):
+        _check_tiles(self, ("block_m1", "block_n1", "block_m2", "block_n2"), [("block_m2", "block_n2")])
+        _check_launch(self, ("num_warps1", "num_warps2"), ("num_stages1", "num_stages2"))
+        if self.maxnreg1 is not None and not (isinstance(self.maxnreg1, int) and 0 < self.maxnreg1 <= 255):
+            raise ValueError(f"BwdConfig.maxnreg1 must be None or an int in 1..255, got {self.maxnreg1!r}")
+
+
+def _is_pow2(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def _check_tiles(cfg: object, names: tuple[str, ...], divides: list[tuple[str, str]]) -> None:
+    """Tile sizes are powers of two >= MIN_BLOCK (tl.arange, tl.dot); `(a, b)` in `divides` means the
+    kernel steps through an a-tile b rows at a time, so a % b == 0 (else rows are silently skipped)."""
+    kind = type(cfg).__name__
+    for name in names:
+        value = getattr(cfg, name)
+        if not _is_pow2(value) or value < MIN_BLOCK:
+            raise ValueError(f"{kind}.{name} must be a power of two >= {MIN_BLOCK}, got {value!r}")
+    for a, b in divides:
+        if getattr(cfg, a) % getattr(cfg, b):
+            raise ValueError(
+                f"{kind} breaks the kernel's rule {a} % {b} == 0: {a}={getattr(cfg, a)}, {b}={getattr(cfg, b)}"
+            )
+
+
+def _check_launch(cfg: object, warps: tuple[str, ...], stages: tuple[str, ...]) -> None:
+    kind = type(cfg).__name__
+    for name in warps:
+        if not _is_pow2(getattr(cfg, name)) or getattr(cfg, name) > 32:
+            raise ValueError(f"{kind}.{name} must be a power of two <= 32, got {getattr(cfg, name)!r}")
+    for name in stages:
+        value = getattr(cfg, name)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"{kind}.{name} must be an int >= 1, got {value!r}")
+
 
 @dataclass(frozen=True)
 class KernelOptions:
@@ -102,7 +142,18 @@ _autotune = {"on": os.environ.get("CS336_FLASH_AUTOTUNE", "0") not in ("0", "")}
 def use_configs(
     fwd: FwdConfig | None = None, bwd: BwdConfig | None = None, options: KernelOptions | None = None
 ) -> Iterator[None]:
-    """Pin tile configurations / kernel options for the calls inside the block."""
+    """Pin tile configurations / kernel options for the calls inside the block.
+
+    The configurations check the kernels' rules when they are built (FwdConfig / BwdConfig raise
+    ValueError naming the rule broken); here each argument must be of its type.
+    """
+    for name, value, kind in (
+        ("fwd", fwd, FwdConfig),
+        ("bwd", bwd, BwdConfig),
+        ("options", options, KernelOptions),
+    ):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"use_configs({name}=...) takes a {kind.__name__}, got {type(value).__name__}")
     old = dict(_pinned)
     for name, value in (("fwd", fwd), ("bwd", bwd), ("options", options)):
         if value is not None:
