@@ -184,3 +184,61 @@ if nb.have_results(st, "the all-gather timing (profiled step)"):
             "the GPU run answers the question."
         )
     )
+
+# %% [markdown]
+# **Is FSDP bit-exact in fp32?** `python -m cs336_systems.distributed.fsdp_parity` trains the official
+# toy model (Embedding, RMSNorm, Linear, ReLU, RMSNorm, Linear, LM head) with SGD for 3 steps on a batch
+# of 20 sequences split 10/10 over 2 ranks (loss on the last position, batch reshuffled between steps),
+# with our FSDP, torch's FSDP2 (`fully_shard`) and `DistributedDataParallel`, and compares every
+# parameter with one process training on the whole batch, counting differences in fp32 ulps.
+
+# %% tags=["remove-input"]
+from cs336_systems.distributed import fsdp_parity as PARITY
+
+if quick:
+    PARITY.run("cpu", results_dir)
+elif nb.should_measure(measure, gpus=1):
+    PARITY.run("cuda", results_dir)
+parity = PARITY.facts(load_results(PARITY.PROBLEM, results_dir))
+if nb.have_results(pd.DataFrame(parity), "the fp32 parity runs"):
+    for run in parity:
+        t = run["vs_single"].astype({"elements_differing": int, "max_ulp": int}).reset_index()
+        show_table(
+            t.rename(columns={"name": "parameter", "max_abs_diff": "max |difference|"}),
+            caption=f"Our FSDP against one process after {run['steps']} steps, {run['device']} ({run['backend']})",
+            provenance_from=load_results(PARITY.PROBLEM, results_dir).query("gpu_name == @run['device']"),
+            formats={"max |difference|": "{:.1e}"},
+        )
+    said = []
+    for run in parity:
+        differ = run["vs_single"][run["vs_single"]["max_ulp"] > 0]
+        label = {"microbatch": "one process adding the ranks' halves in rank order", "torch_ddp": "torch DDP",
+                 "torch_fsdp2": "torch FSDP2"}  # fmt: skip
+        same = [label[k] for k, ok in run["equal"].items() if ok]
+        said.append(
+            f"On {run['device']} ({run['backend']}) our FSDP is bitwise equal to {', '.join(same)}"
+            + (
+                f" ({', '.join(k for k, ok in run['equal'].items() if ok is None)} not run there)"
+                if None in run["equal"].values()
+                else ""
+            )
+            + f"; against one process {len(differ)} of {len(run['vs_single'])} tensors differ, in "
+            f"{int(differ['elements_differing'].sum())} elements, by at most {int(differ['max_ulp'].max()) if len(differ) else 0} ulps "
+            f"and at most {differ['max_abs_diff'].max() if len(differ) else 0:.1e} in absolute value, "
+            + (
+                "and torch's implementations differ in exactly the same elements by exactly the same amounts."
+                if run["torch_same"]
+                else "while torch's implementations differ otherwise."
+            )
+        )
+    nb.md(
+        " ".join(said)
+        + " So the gap is not our reduction: it is data parallelism itself. A weight gradient is a sum over the "
+        "batch's token rows (dW = G^T X over 160 rows; the RMSNorm gains and the embedding rows likewise). One "
+        "process lets the kernel add all 160 rows in its own order; two ranks each add their 80 and the collective "
+        "adds the two partial sums, and floating-point addition is not associative. The scaling is exact (the mean "
+        "over 10 rows averaged over 2 ranks differs from the mean over 20 by powers of two), and one process that "
+        "accumulates the two halves in rank order reproduces FSDP bit for bit. A large ulp count with a tiny "
+        "absolute difference is an element near zero, where an ulp is tiny. The tests therefore hold our FSDP to "
+        "torch's bits and to that microbatch reference exactly, and to single-process training within 1e-7."
+    )
