@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test test-gpu lint format env clean notebooks pdf texdeps lab wheelhouse gpu-notebooks
+.PHONY: test test-distributed test-gpu lint format env clean notebooks pdf texdeps lab wheelhouse gpu-notebooks
 
 env: $(STAMP)
 
@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml .ci/constraints-cpu.txt
 ## multi-process distributed tests, and every notebook in quick mode.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+## The multi-process tests (gloo, torchrun) REPEAT times in a row: a flaky rendezvous or an
+## occasional hang fails here (each test has its own timeout) instead of once in a while in `make test`.
+REPEAT ?= 5
+test-distributed: $(STAMP)
+	@for i in $$(seq $(REPEAT)); do echo "== distributed tests, round $$i of $(REPEAT)"; \
+		$(PY) -m pytest -q -n 2 --dist loadgroup -m distributed -p no:cacheprovider || exit 1; done
 
 ## On a GPU host (system python with torch+triton): the GPU-marked tests.
 test-gpu:

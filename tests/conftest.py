@@ -6,6 +6,7 @@
   (`make test-gpu`).
 * Every test starts from the same seed.
 * On a GPU host, deterministic-algorithm tests need a cuBLAS workspace setting before CUDA starts.
+* Every `distributed` test (several processes) carries its own timeout marker, or collection fails.
 """
 
 import os
@@ -21,6 +22,11 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config, items):
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    untimed = [
+        i.nodeid for i in items if "distributed" in i.keywords and i.get_closest_marker("timeout") is None
+    ]
+    if untimed:  # a hung collective must fail its test, not stall CI until the global limit
+        raise pytest.UsageError(f"distributed tests without a @pytest.mark.timeout: {untimed}")
     for item in items:
         if "gpu" in item.keywords and n_gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

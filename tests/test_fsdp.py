@@ -22,7 +22,7 @@ from cs336_systems.distributed.fsdp_parity import D_FF, D_MODEL, VOCAB, ToyFSDPM
 from cs336_systems.distributed.process_group import spawn
 from cs336_systems.model import AdamW, Embedding, Linear, RMSNorm
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
 
 class TorchNNTiedModel(nn.Module):

@@ -15,7 +15,7 @@ from ddp_helpers import spawn_workers  # noqa: F401 (sets the forkserver preload
 from cs336_systems.benchmarking.results import load_results
 from cs336_systems.distributed import fsdp_parity as P
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 # ours vs single process: differences are round-off of a reordered sum of 20 per-row gradients, each
 # step moving a weight by lr * grad; 1e-7 absolute is a few fp32 epsilons at the weights' scale.

@@ -96,6 +96,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
@@ -132,6 +133,7 @@ def _rank1_raises(rank, world_size, device):
     dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that never comes
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_a_failing_rank_reaches_the_caller_within_seconds():
     """Item 7: the first rank's exception, with its rank and traceback, not a process-group timeout later."""
