@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+## Where pip finds torch. Empty: pip's configured index. On Linux plain PyPI serves the CUDA build of
+## torch (several GB of nvidia-* wheels; the tests still run on the CPU); for the CPU-only build set
+## TORCH_INDEX=https://download.pytorch.org/whl/cpu where that index is reachable.
+TORCH_INDEX ?=
 
 .PHONY: test test-distributed test-gpu lint format env clean notebooks pdf texdeps lab wheelhouse gpu-notebooks
 
@@ -12,7 +16,7 @@ env: $(STAMP)
 $(STAMP): pyproject.toml .ci/constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c .ci/constraints-cpu.txt torch==2.13.0
+	$(PY) -m pip install -q -c .ci/constraints-cpu.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 	$(PY) -m pip install -q -c .ci/constraints-cpu.txt -e '.[dev]'
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
@@ -63,11 +67,16 @@ pdf: $(NB_DEPS) texdeps
 	$(PYTHON_NB) -m cs336_systems.report.run_notebooks --stale-only --timeout $(NB_TIMEOUT)
 	$(PYTHON_NB) -m cs336_systems.report.assemble --pdf writeup.pdf
 
+## The PDF needs xelatex, pandoc and the DejaVu fonts (README, "System packages"). When one is missing
+## this says so and installs the Debian packages with apt-get (sudo unless root), before anything else.
 texdeps:
 	@if command -v xelatex >/dev/null && command -v pandoc >/dev/null \
 		&& command -v fc-list >/dev/null && fc-list | grep -q 'DejaVu Serif'; then exit 0; fi; \
+	echo "make pdf typesets writeup.pdf with nbconvert -> pandoc -> xelatex, and xelatex, pandoc or the"; \
+	echo "DejaVu fonts are missing. Installing these Debian packages with apt-get (about 580 MB installed):"; \
+	echo "  $(TEX_PACKAGES)"; \
+	command -v apt-get >/dev/null || { echo "no apt-get here: install the equivalents of those packages yourself"; exit 1; }; \
 	SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	echo "installing TeX for the PDF: $(TEX_PACKAGES)"; \
 	$$SUDO apt-get update -q && \
 	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(TEX_PACKAGES)
 
