@@ -119,6 +119,13 @@ class BasicsTransformerLM(nn.Module):
 
     def forward(self, token_ids: Tensor) -> Tensor:
         """token_ids: (batch, T) int64 with T <= context_length -> logits (batch, T, vocab_size)."""
+        return self.lm_head(self.hidden_states(token_ids))
+
+    def hidden_states(self, token_ids: Tensor) -> Tensor:
+        """The final-norm hidden states (batch, T, d_model) that `lm_head` maps to logits.
+
+        A fused LM-head + loss (`cs336_systems.kernels.linear_cross_entropy`) starts from here.
+        """
         if token_ids.shape[-1] > self.context_length:
             raise ValueError(
                 f"sequence length {token_ids.shape[-1]} exceeds context_length {self.context_length}"
@@ -132,4 +139,4 @@ class BasicsTransformerLM(nn.Module):
                 x = checkpoint(self._run_group, x, start, start + group, use_reentrant=False)
         else:
             x = self._run_group(x, 0, len(self.layers))
-        return self.lm_head(self.ln_final(x))
+        return self.ln_final(x)

@@ -1,0 +1,251 @@
+"""Multi-tensor AdamW in Triton: one launch updates many parameters, reading and writing each byte once.
+
+Semantics are the project's reference `cs336_systems.model.AdamW` (staff CS336 AdamW), per element,
+all in float32:
+
+    [decay first]  p = p * (1 - lr * wd)                       (only with decay_before_update)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g^2
+    p = p - lr_t * m / (sqrt(v) + eps),   lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)
+    [decay last]   p = p * (1 - lr * wd)                       (the 2025 staff order, the default)
+
+[Note: multi-tensor layout]
+The float32 master values, m and v of every tensor live in three flat buffers owned by the optimizer
+(`offsets[i]` is where tensor i starts). Gradients are wherever autograd put them, so the kernel
+reads them through a table of addresses (`grad_ptrs`, int64), which makes one launch cover any set of
+tensors of one gradient dtype. Work is split into fixed-size chunks; chunk c updates elements
+[chunk_start[c], chunk_start[c] + BLOCK) of tensor chunk_tensor[c]. With `WRITE_COPY` the kernel also
+stores the updated value rounded to the parameter's low-precision dtype at `copy_ptrs[i]` (the bf16
+weight that the model computes with), so autocast never recasts fp32 weights.
+
+Bytes per element: gradient (2 or 4) + 3 x 4 read, 3 x 4 written, + 2 for a bf16 copy: 28 for a bf16
+gradient with a bf16 copy, 28 for an fp32 parameter updated in place.
+
+Caveats: dense gradients only; the step count is a host integer (no device sync); under the Triton
+interpreter (CPU) bf16 arithmetic is unreliable, but this kernel only loads/stores bf16 and computes
+in fp32, which the interpreter handles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 2048  # elements per program: 8 KiB of fp32 state per buffer, enough in flight per SM
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+ALIGN = 16  # elements: tensors start at multiples of this in the flat buffers (vectorised access)
+
+
+@triton.jit
+def _adamw_block(
+    g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+    COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr, DECAY_BEFORE: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    mask = idx < n if MASKED else None
+    g = tl.load(g_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
+    p = tl.load(p_ptr + idx, mask=mask, eviction_policy="evict_first")
+    m = tl.load(m_ptr + idx, mask=mask, eviction_policy="evict_first")
+    v = tl.load(v_ptr + idx, mask=mask, eviction_policy="evict_first")
+    if DECAY_BEFORE:
+        p = p * decay
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - lr_t * (m / (tl.sqrt(v) + eps))
+    if not DECAY_BEFORE:
+        p = p * decay
+    tl.store(p_ptr + idx, p, mask=mask)
+    tl.store(m_ptr + idx, m, mask=mask)
+    tl.store(v_ptr + idx, v, mask=mask)
+    if WRITE_COPY:
+        if tl.bfloat16 == COPY_DTYPE:
+            # Round to nearest even by hand: the same bits as torch's .to(bfloat16) on every backend
+            # (the CPU interpreter's own fp32 -> bf16 cast truncates). NaN payloads may become inf.
+            bits = p.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            tl.store(out_ptr + idx, bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+        else:
+            tl.store(out_ptr + idx, p.to(COPY_DTYPE), mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, num_chunks, master_ptr, m_ptr,
+    v_ptr, lr_t, decay, beta1, beta2, eps,
+    GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
+    DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    if PERSISTENT:  # chunks pid, pid + grid, ...: a small grid leaves SMs to other streams
+        for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
+            _adamw_chunk(c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr,
+                         m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE, WRITE_COPY,
+                         DECAY_BEFORE, BLOCK, ALIGN)  # fmt: skip
+    else:
+        _adamw_chunk(tl.program_id(0), grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start,
+                     master_ptr, m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE,
+                     WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN)  # fmt: skip
+
+
+@triton.jit
+def _adamw_chunk(
+    c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr, m_ptr, v_ptr,
+    lr_t, decay, beta1, beta2, eps,
+    GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
+    DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    i = tl.load(chunk_tensor + c)
+    start = tl.multiple_of(tl.load(chunk_start + c), BLOCK)
+    n = tl.load(numels + i)
+    base = tl.multiple_of(tl.load(offsets + i), ALIGN)
+    # Addresses are 16-byte aligned (checked by the launcher): the hints allow 128-bit accesses.
+    g_ptr = tl.multiple_of(tl.load(grad_ptrs + i).to(tl.pointer_type(GRAD_DTYPE)), 16)
+    out_ptr = g_ptr
+    if WRITE_COPY:
+        out_ptr = tl.multiple_of(tl.load(copy_ptrs + i).to(tl.pointer_type(COPY_DTYPE)), 16)
+    idx = start + tl.arange(0, BLOCK)
+    p_ptr, m_ptr, v_ptr = master_ptr + base, m_ptr + base, v_ptr + base
+    if start + BLOCK <= n:  # a full chunk: no mask, so nothing stops vectorised access
+        _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=False)  # fmt: skip
+    else:
+        _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=True)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Device tables of one launch: per tensor its flat offset and numel, per chunk (tensor, start)."""
+
+    offsets: Tensor  # (T,) int64
+    numels: Tensor  # (T,) int64
+    chunk_tensor: Tensor  # (C,) int32
+    chunk_start: Tensor  # (C,) int64
+
+    @staticmethod
+    def build(offsets: list[int], numels: list[int], device, block: int = BLOCK) -> ChunkPlan:
+        if len(offsets) != len(numels) or not offsets:
+            raise ValueError("a chunk plan needs one offset per tensor and at least one tensor")
+        if any(o % ALIGN for o in offsets):
+            raise ValueError(f"tensor offsets in the flat buffers must be multiples of {ALIGN}")
+        per_tensor = [math.ceil(n / block) for n in numels]
+        chunk_tensor = torch.repeat_interleave(
+            torch.arange(len(numels), dtype=torch.int32), torch.tensor(per_tensor)
+        )
+        chunk_start = torch.cat([torch.arange(k, dtype=torch.int64) * block for k in per_tensor])
+        return ChunkPlan(
+            offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
+            numels=torch.tensor(numels, dtype=torch.int64, device=device),
+            chunk_tensor=chunk_tensor.to(device),
+            chunk_start=chunk_start.to(device),
+        )
+
+    @property
+    def num_tensors(self) -> int:
+        return self.offsets.numel()
+
+
+def address_table(tensors: list[Tensor], device, cache: dict | None = None) -> Tensor:
+    """int64 device tensor of the tensors' data pointers (all must be contiguous).
+
+    The host copy is pinned, so the upload is asynchronous: a copy from pageable memory would make
+    the host wait for the stream and stop it from running ahead of the GPU. With `cache` (a dict
+    kept by the caller) the device table is reused while the addresses stay the same, which they
+    usually do from one step to the next under the caching allocator.
+    """
+    ptrs = tuple(t.data_ptr() for t in tensors)
+    for t, ptr in zip(tensors, ptrs):
+        if not t.is_contiguous():
+            raise ValueError(f"multi-tensor AdamW needs contiguous tensors, got strides {t.stride()}")
+        if ptr % 16:
+            raise ValueError("multi-tensor AdamW needs 16-byte aligned tensors (a view at an odd offset?)")
+    if cache is not None and cache.get("ptrs") == ptrs:
+        table = cache["table"]
+    else:
+        cuda = torch.device(device).type == "cuda"
+        table = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=True)
+        if cache is not None:
+            cache.update(ptrs=ptrs, table=table)
+    if table.is_cuda:  # a cached table may be read on another stream than the one that made it
+        table.record_stream(torch.cuda.current_stream(table.device))
+    return table
+
+
+def adamw_step_(
+    plan: ChunkPlan,
+    grads: list[Tensor],
+    master: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decay_before_update: bool = False,
+    copies: Tensor | None = None,
+    copy_dtype: torch.dtype | None = None,
+    table_cache: dict | None = None,
+    max_programs: int | None = None,
+) -> None:
+    """Apply one AdamW step (1-based `step`) to the tensors of `plan`, in place.
+
+    grads: one dense, contiguous gradient per tensor of the plan, all of one dtype (fp32/bf16/fp16);
+    master, exp_avg, exp_avg_sq: flat float32 buffers indexed by the plan's offsets;
+    copies: optional (T,) int64 address table of low-precision copies (dtype `copy_dtype`) to refresh;
+    table_cache: optional dict in which the gradients' address table is kept between calls;
+    max_programs: launch at most this many programs (each loops over chunks), e.g. to leave most
+    SMs to a concurrent backward; None: one program per chunk.
+    """
+    if len(grads) != plan.num_tensors:
+        raise ValueError(f"{len(grads)} gradients for a plan of {plan.num_tensors} tensors")
+    gdtype = grads[0].dtype
+    if any(g.dtype != gdtype for g in grads):
+        raise ValueError("one launch takes gradients of one dtype; got " + str({g.dtype for g in grads}))
+    for buf in (master, exp_avg, exp_avg_sq):
+        if buf.dtype != torch.float32 or not buf.is_contiguous():
+            raise ValueError("master, exp_avg and exp_avg_sq must be contiguous float32 buffers")
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    b1, b2 = betas
+    lr_t = lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+    write_copy = copies is not None
+    if write_copy and copy_dtype not in _TL_DTYPES:
+        raise ValueError(f"copy_dtype must be one of {list(_TL_DTYPES)}, got {copy_dtype}")
+    grad_table = address_table(grads, master.device, table_cache)
+    num_chunks = plan.chunk_tensor.numel()
+    if max_programs is not None and max_programs < 1:
+        raise ValueError(f"max_programs must be positive, got {max_programs}")
+    grid = min(num_chunks, max_programs or num_chunks)
+    _adamw_kernel[(grid,)](
+        grad_table,
+        copies if write_copy else grad_table,
+        plan.offsets,
+        plan.numels,
+        plan.chunk_tensor,
+        plan.chunk_start,
+        num_chunks,
+        master,
+        exp_avg,
+        exp_avg_sq,
+        lr_t,
+        1.0 - lr * weight_decay,
+        b1,
+        b2,
+        eps,
+        GRAD_DTYPE=_TL_DTYPES[gdtype],
+        COPY_DTYPE=_TL_DTYPES[copy_dtype or torch.float32],
+        WRITE_COPY=write_copy,
+        DECAY_BEFORE=decay_before_update,
+        BLOCK=BLOCK,
+        ALIGN=ALIGN,
+        PERSISTENT=grid < num_chunks,
+        num_warps=4,
+    )

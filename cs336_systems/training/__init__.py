@@ -1,0 +1,19 @@
+"""The training stack: the fused AdamW optimizer and the configurable training step (library).
+
+* `FusedAdamW`, `mixed_precision_groups`: the reference AdamW's update in multi-tensor Triton
+  launches, with optional bf16 compute weights (float32 masters) and overlap with backward.
+* `TrainStepConfig`, `build_train_step`: one step of `BasicsTransformerLM` with any subset of the
+  optimisations (autocast, attention implementation, per-block compile, fused optimizer, fused loss).
+"""
+
+from cs336_systems.training.fused_adamw import FusedAdamW, mixed_precision_groups
+from cs336_systems.training.step import TrainStep, TrainStepConfig, block_bucket_key, build_train_step
+
+__all__ = [
+    "FusedAdamW",
+    "TrainStep",
+    "TrainStepConfig",
+    "block_bucket_key",
+    "build_train_step",
+    "mixed_precision_groups",
+]

@@ -1,0 +1,268 @@
+"""`FusedAdamW`: the reference AdamW's semantics in a few multi-tensor Triton launches per step.
+
+A drop-in `torch.optim.Optimizer` for `cs336_systems.model.AdamW` (same hyperparameters, same update,
+same decay order) whose step is `cs336_systems.kernels.adamw` over buckets of parameters:
+
+* State lives in three flat float32 buffers (master values, m, v) owned by the optimizer. A float32
+  parameter is re-homed into the master buffer (its `.data` becomes a view of it), so the update is
+  in place. A low-precision parameter (bf16/fp16, or float32 in a group with `compute_dtype`) keeps
+  its dtype for the model to compute with; the optimizer holds its float32 master copy and rewrites
+  the low-precision weight from the master after each update.
+* [Note: bf16 compute weights] With `compute_dtype=torch.bfloat16` on the group of matmul weights and
+  the forward under bf16 autocast, the model computes exactly what autocast over float32 weights
+  computes (autocast would round the same master values to bf16 in every forward, and cast the bf16
+  weight gradient up to float32 in backward): same numerics, without the two casts per weight per
+  step (12 bytes per parameter) and with bf16 instead of float32 gradients in memory.
+* `overlap_with_backward()` applies each bucket's update as soon as all its gradients are final
+  (post-accumulate-grad hooks), on a side CUDA stream, and frees those gradients, so the
+  memory-bound update runs under the compute-bound backward of earlier layers. `step()` then only
+  flushes incomplete buckets and makes the current stream wait for the side stream.
+
+Caveats: dense gradients only; no closure-based line search; `state_dict()` holds views of the flat
+buffers (inspection and tests), not a compact checkpoint format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from cs336_systems.kernels.adamw import ALIGN, ChunkPlan, adamw_step_, address_table
+from cs336_systems.model.layers import Embedding
+
+
+@dataclass
+class _Bucket:
+    group: dict
+    params: list[nn.Parameter]
+    offsets: list[int]
+    plan: ChunkPlan
+    copies: Tensor | None  # address table of low-precision weights, None when updated in place
+    copy_dtype: torch.dtype | None
+    ready: list[nn.Parameter] = field(default_factory=list)
+    table_cache: dict = field(default_factory=dict)  # the gradients' device address table
+
+
+def _padded(n: int) -> int:
+    """Room a tensor takes in the flat buffers: every tensor starts at a multiple of ALIGN elements."""
+    return -(-n // ALIGN) * ALIGN
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW (staff semantics, see `cs336_systems.model.optim`) as fused multi-tensor launches.
+
+    params: parameters or param groups; a group may set `compute_dtype` (e.g. torch.bfloat16) to
+        turn its float32 parameters into low-precision compute weights with float32 masters.
+    bucket_key: optional `fn(param) -> hashable`; parameters with equal keys (and equal dtype and
+        group) share a bucket, i.e. one launch. Default: one bucket per group and dtype. For overlap
+        with backward, key by layer (see `cs336_systems.training.step.block_bucket_key`).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        decay_before_update: bool = False,
+        compute_dtype: torch.dtype | None = None,
+        bucket_key: Callable[[nn.Parameter], object] | None = None,
+    ):
+        if lr < 0:
+            raise ValueError(f"invalid learning rate {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}")
+        if eps < 0 or weight_decay < 0:
+            raise ValueError(f"eps and weight_decay must be non-negative, got {eps}, {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decay_before_update=decay_before_update,
+            compute_dtype=compute_dtype,
+            step=0,
+        )
+        super().__init__(params, defaults)
+        self._side_stream: torch.cuda.Stream | None = None
+        self._overlap_programs: int | None = None
+        self._hooks: list = []
+        self._build_buffers(bucket_key or (lambda p: None))
+
+    # ---- construction -------------------------------------------------------------------------
+    def _build_buffers(self, bucket_key) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a parameter appears in more than one group")
+        if not params:
+            raise ValueError("FusedAdamW got no parameters")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        for p in params:
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"unsupported parameter dtype {p.dtype}")
+        device = params[0].device
+        total = sum(_padded(p.numel()) for p in params)
+        self.master = torch.empty(total, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(total, dtype=torch.float32, device=device)
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[nn.Parameter, _Bucket] = {}
+        grouped: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
+        offset = 0
+        with torch.no_grad():
+            for gi, group in enumerate(self.param_groups):
+                cdtype = group["compute_dtype"]
+                for p in group["params"]:
+                    n = p.numel()
+                    view = self.master[offset : offset + n]
+                    view.copy_(p.detach().reshape(-1))
+                    if p.dtype == torch.float32 and cdtype not in (None, torch.float32):
+                        p.data = p.data.to(cdtype)
+                    if p.dtype == torch.float32:
+                        p.data = view.view_as(p)  # updated in place by the kernel
+                    else:
+                        p.data = p.data.contiguous()
+                    self.state[p] = {
+                        "master": view.view_as(p),
+                        "exp_avg": self.exp_avg[offset : offset + n].view_as(p),
+                        "exp_avg_sq": self.exp_avg_sq[offset : offset + n].view_as(p),
+                    }
+                    grouped.setdefault((gi, p.dtype, bucket_key(p)), []).append((p, offset))
+                    offset += _padded(n)
+        for (gi, dtype, _), members in grouped.items():
+            ps = [p for p, _ in members]
+            offs = [o for _, o in members]
+            low = dtype != torch.float32
+            bucket = _Bucket(
+                group=self.param_groups[gi],
+                params=ps,
+                offsets=offs,
+                plan=ChunkPlan.build(offs, [p.numel() for p in ps], device),
+                copies=address_table(ps, device) if low else None,
+                copy_dtype=dtype if low else None,
+            )
+            self._buckets.append(bucket)
+            for p in ps:
+                self._bucket_of[p] = bucket
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    # ---- the update ---------------------------------------------------------------------------
+    def _launch(self, bucket: _Bucket, params: list[nn.Parameter]) -> None:
+        g = bucket.group
+        cache = None
+        if len(params) == len(bucket.params):
+            plan, copies, cache = bucket.plan, bucket.copies, bucket.table_cache
+        else:  # some gradients never arrived (unused parameters): update only the others
+            index = {id(p): i for i, p in enumerate(bucket.params)}
+            offs = [bucket.offsets[index[id(p)]] for p in params]
+            plan = ChunkPlan.build(offs, [p.numel() for p in params], self.master.device)
+            copies = address_table(params, self.master.device) if bucket.copies is not None else None
+        adamw_step_(
+            plan,
+            [p.grad for p in params],
+            self.master,
+            self.exp_avg,
+            self.exp_avg_sq,
+            step=g["step"] + 1,
+            lr=g["lr"],
+            betas=g["betas"],
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+            decay_before_update=g["decay_before_update"],
+            copies=copies,
+            copy_dtype=bucket.copy_dtype,
+            table_cache=cache,
+            max_programs=self._overlap_programs if self._hooks else None,
+        )
+
+    def _launch_overlapped(self, bucket: _Bucket) -> None:
+        ready = {id(p) for p in bucket.ready}
+        params = [p for p in bucket.params if id(p) in ready]  # the plan's order, not arrival order
+        bucket.ready = []
+        if self._side_stream is None:  # CPU: nothing to overlap with, same code path
+            self._launch(bucket, params)
+        else:
+            current = torch.cuda.current_stream()
+            self._side_stream.wait_stream(current)  # the gradients were produced on `current`
+            with torch.cuda.stream(self._side_stream):
+                self._launch(bucket, params)
+            for p in params:
+                p.grad.record_stream(self._side_stream)  # freed below, still read by the side stream
+        for p in params:
+            p.grad = None
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        bucket = self._bucket_of[p]
+        bucket.ready.append(p)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch_overlapped(bucket)
+
+    def overlap_with_backward(self, max_programs: int | None = None) -> FusedAdamW:
+        """Update each bucket from inside backward as soon as its gradients are final (see module doc).
+
+        max_programs: cap on the programs of each overlapped launch (None: one per chunk); a small
+        grid leaves SMs to the backward that runs at the same time.
+        After `loss.backward()` the gradients of updated parameters are None; call `step()` to finish
+        the step (it flushes incomplete buckets and orders the next forward after the updates).
+        """
+        if self._hooks:
+            return self
+        self._overlap_programs = max_programs
+        if self.master.is_cuda:
+            self._side_stream = torch.cuda.Stream(device=self.master.device)
+        for p in self._bucket_of:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        return self
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for bucket in self._buckets:
+            if self._hooks:
+                if bucket.ready:
+                    self._launch_overlapped(bucket)
+                continue
+            with_grad = [p for p in bucket.params if p.grad is not None]
+            if any(p.grad.is_sparse for p in with_grad):
+                raise RuntimeError("FusedAdamW does not support sparse gradients")
+            if with_grad:
+                self._launch(bucket, with_grad)
+        if self._side_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._side_stream)
+        for group in self.param_groups:
+            group["step"] += 1
+        return loss
+
+
+def mixed_precision_groups(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Param groups for `FusedAdamW`: weights of 2-D matmul layers compute in `compute_dtype`.
+
+    Every parameter with `ndim >= 2` that is not an embedding table (an embedding lookup is not a
+    matmul: autocast would leave it in float32) gets `compute_dtype`; norms and embeddings stay float32.
+    """
+    embedding_params = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, Embedding))
+        for p in m.parameters(recurse=False)
+    }
+    low, full = [], []
+    for p in model.parameters():
+        (low if p.ndim >= 2 and id(p) not in embedding_params else full).append(p)
+    groups = [{"params": low, "compute_dtype": compute_dtype}]
+    if full:
+        groups.append({"params": full, "compute_dtype": None})
+    return groups
