@@ -5,16 +5,29 @@
 * `gpu` / `multigpu` tests are skipped only where the hardware is missing; on the GPU host they run
   (`make test-gpu`).
 * Every test starts from the same seed.
+* Results go to a scratch directory (CS336_RESULTS_DIR) unless a test says otherwise, and the session
+  fails if the committed figures/data/ changed.
 * On a GPU host, deterministic-algorithm tests need a cuBLAS workspace setting before CUDA starts.
 * Every `distributed` test (several processes) carries its own timeout marker, or collection fails.
 """
 
+import hashlib
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest
 import torch
+
+COMMITTED_RESULTS = Path(__file__).resolve().parents[1] / "figures" / "data"
+# Code that writes results without being told where writes here, never into figures/data/.
+_SCRATCH_RESULTS = None
+if "CS336_RESULTS_DIR" not in os.environ:
+    _SCRATCH_RESULTS = tempfile.mkdtemp(prefix="cs336-test-results-")
+    os.environ["CS336_RESULTS_DIR"] = _SCRATCH_RESULTS
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -32,6 +45,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA GPUs"))
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _committed_results_untouched():
+    """No test, quick run or CLI smoke run may change the committed results (fails the session)."""
+    before = _digest(COMMITTED_RESULTS)
+    yield
+    after = _digest(COMMITTED_RESULTS)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if _SCRATCH_RESULTS is not None:
+        shutil.rmtree(_SCRATCH_RESULTS, ignore_errors=True)
+    assert not changed, f"the test session modified committed results in figures/data/: {changed}"
 
 
 @pytest.fixture(autouse=True, scope="session")
