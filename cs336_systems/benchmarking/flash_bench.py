@@ -32,7 +32,6 @@ Run: `python -m cs336_systems.benchmarking.flash_bench [--quick] [--leaderboard]
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -52,6 +51,7 @@ from tqdm.auto import tqdm
 
 from cs336_systems.attention import FlashAttentionPytorch, FlashAttentionTriton
 from cs336_systems.attention.flash_triton import launch
+from cs336_systems.benchmarking import cli
 from cs336_systems.benchmarking.budget import TimeBudget, skipped_row
 from cs336_systems.benchmarking.flops import attention_flops, tflops
 from cs336_systems.benchmarking.results import (
@@ -108,6 +108,9 @@ class SweepConfig:
             raise ValueError(f"unknown impls {sorted(unknown)}; known: {IMPLS}")
         if any(n < 1 for n in self.seq_lens) or any(d < 1 for d in self.head_dims):
             raise ValueError("sequence lengths and head dims must be positive")
+        bad = [d for d in self.dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
+        if bad:
+            raise ValueError(f"unknown dtypes {bad}; use torch dtype names such as float32,bfloat16")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1018,6 +1021,15 @@ def _strs(s: str) -> tuple[str, ...]:
     return tuple(x for x in s.split(",") if x)
 
 
+def _tune_spec(spec: str) -> tuple[int, torch.dtype, int]:
+    """'d:dtype:N' of --tune, e.g. 64:bfloat16:16384."""
+    parts = spec.split(":")
+    dtype = getattr(torch, parts[1], None) if len(parts) == 3 else None
+    if not isinstance(dtype, torch.dtype) or not (parts[0].isdigit() and parts[2].isdigit()):
+        raise ValueError(f"--tune: expected d:dtype:N such as 64:bfloat16:16384, got {spec!r}")
+    return int(parts[0]), dtype, int(parts[2])
+
+
 def quick_config(device: str = "cpu") -> SweepConfig:
     """Tiny sizes that run on a CPU in seconds (interpreter for the Triton kernels)."""
     return SweepConfig(seq_lens=(32, 64), head_dims=(16,), dtypes=("float32",), pytorch_head_dims=(16,),
@@ -1025,8 +1037,8 @@ def quick_config(device: str = "cpu") -> SweepConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    p = cli.make_parser(
+        __doc__, "python -m cs336_systems.benchmarking.flash_bench --quick --results-dir /tmp/fa2"
     )
     d = SweepConfig()
     p.add_argument(
@@ -1080,8 +1092,30 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="one forward+backward at the leaderboard shape with the current tiles, nothing timed or saved "
              "(the workload to wrap in `ncu`/`nsys`)",
     )  # fmt: skip
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    cli.add_results_dir(p)
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible (use --device cpu or --quick)")
+    with cli.usage_errors(p):
+        tune = [_tune_spec(spec) for spec in args.tune.split(",") if spec]
+        sweep_cfg = None
+        if args.quick:
+            sweep_cfg = quick_config(args.device)
+        elif args.sweep or not (args.leaderboard or args.variants or args.tune or args.once):
+            sweep_cfg = SweepConfig(
+                seq_lens=args.seq_lens, head_dims=args.head_dims, dtypes=args.dtypes, impls=args.impls,
+                warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, call_cap_ms=args.call_cap_ms, budget_s=args.budget_s,
+                pytorch_head_dims=args.pytorch_head_dims,
+                max_n={"flash_pytorch": args.pytorch_max_n, "flash_pytorch_compiled": args.pytorch_max_n,
+                       "flash_triton_ptbwd": 16384},
+                device=args.device,
+            )  # fmt: skip
+        if args.lb_runs < 1:
+            raise ValueError(f"--lb-runs must be >= 1, got {args.lb_runs}")
+    results_dir = None if args.once else cli.results_dir_for(args.results_dir, quick=args.quick)
 
     if args.once:
         cfg = LeaderboardConfig(device=args.device)
@@ -1092,32 +1126,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         synchronize(args.device)
         return
 
-    if args.tune:
-        for spec in args.tune.split(","):
-            dd, dt, n = spec.split(":")
-            run_tuning(16, int(n), int(dd), getattr(torch, dt), device=args.device, small=args.tune_small)
+    for d, dtype, n in tune:
+        run_tuning(16, n, d, dtype, device=args.device, small=args.tune_small, results_dir=results_dir)
     if args.variants:
-        run_variants(LeaderboardConfig(device=args.device))
+        run_variants(LeaderboardConfig(device=args.device), results_dir=results_dir)
     if args.leaderboard:
         for i in range(args.lb_runs):  # repeated runs show the run-to-run spread; the split once, last
             run_leaderboard(
                 LeaderboardConfig(rep_ms=args.lb_rep_ms, warmup_ms=args.lb_warmup_ms, device=args.device),
                 split=i == args.lb_runs - 1,
+                results_dir=results_dir,
             )
-    if args.sweep or args.quick or not (args.leaderboard or args.variants or args.tune):
-        if args.quick:
-            cfg = quick_config(args.device)
-        else:
-            cfg = SweepConfig(
-                seq_lens=args.seq_lens, head_dims=args.head_dims, dtypes=args.dtypes, impls=args.impls,
-                warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, call_cap_ms=args.call_cap_ms, budget_s=args.budget_s,
-                pytorch_head_dims=args.pytorch_head_dims,
-                max_n={"flash_pytorch": args.pytorch_max_n, "flash_pytorch_compiled": args.pytorch_max_n,
-                       "flash_triton_ptbwd": 16384},
-                device=args.device,
-            )  # fmt: skip
+    if sweep_cfg is not None:
+        cfg = sweep_cfg
         print(cfg)
-        rows = run_sweep(cfg)
+        rows = run_sweep(cfg, results_dir=results_dir)
         measured = sum(1 for r in rows if r["metric"] == "latency" and not r["note"])
         print(f"flash_benchmarking: {measured} latency rows measured, {len(rows)} rows written")
 

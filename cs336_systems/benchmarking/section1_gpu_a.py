@@ -26,7 +26,6 @@ failure/skip note) and the timeline PNG.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -43,7 +42,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from cs336_systems.benchmarking import autocast_study, profile
+from cs336_systems.benchmarking import autocast_study, cli, profile
 from cs336_systems.benchmarking.budget import TimeBudget
 from cs336_systems.benchmarking.end_to_end import MODES, PHASES, EndToEndConfig, grid, run_one
 from cs336_systems.benchmarking.results import REPO_ROOT, append_rows, failure_row, load_results
@@ -282,9 +281,7 @@ def _git_sha() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = cli.make_parser(__doc__, "python -m cs336_systems.benchmarking.section1_gpu_a --out /tmp/s1a --quick")
     p.add_argument("--out", required=True, help="directory for summary.json and the timeline PNG")
     p.add_argument(
         "--quick", action="store_true", help="debug model on the CPU, short protocols (a smoke run)"
@@ -295,27 +292,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--results-dir",
         default=None,
-        help="default: $CS336_RESULTS_DIR, else figures/data (quick: <out>/results)",
+        metavar="DIR",
+        help="where result rows go (default: $CS336_RESULTS_DIR, else figures/data/; quick: <out>/results)",
     )
     p.add_argument("--stages", nargs="+", default=["toy", "bench", "mixed", "ablation", "profile"],
                    choices=["toy", "bench", "mixed", "ablation", "profile"], help="stages to run, in this order")  # fmt: skip
     args = p.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        p.error("no CUDA device: this run is meant for a GPU host (use --quick for a CPU smoke run)")
+    if args.budget_s <= 0:
+        p.error(f"--budget-s must be > 0, got {args.budget_s}")
+    explicit = args.results_dir
+    if args.quick and explicit is None and not os.environ.get(cli.RESULTS_ENV):
+        explicit = str(Path(args.out) / "results")
+    results = str(cli.results_dir_for(explicit, quick=args.quick))
     budget = TimeBudget(args.budget_s)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = make_plan(args.quick)
-    if not args.quick and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this run is meant for a GPU host (use --quick for a CPU smoke run)")
-    results = (
-        args.results_dir
-        or os.environ.get("CS336_RESULTS_DIR")
-        or (str(out / "results") if args.quick else None)
-    )
-    committed = (REPO_ROOT / "figures" / "data").resolve()
-    if args.quick and results is not None and Path(results).resolve() == committed:
-        raise SystemExit("--quick must not write into the committed figures/data/")
-    results = str(default_results_dir(results))
     print(
         "plan:", json.dumps(dataclasses.asdict(plan)), "| results:", results, "| budget:", args.budget_s, "s"
     )

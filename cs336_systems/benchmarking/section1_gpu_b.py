@@ -30,11 +30,9 @@ there) with results in a scratch directory unless `CS336_RESULTS_DIR` says other
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import tempfile
 import timeit
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,6 +41,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from cs336_systems.benchmarking import cli
 from cs336_systems.benchmarking import memory as mem
 from cs336_systems.benchmarking.budget import TimeBudget, skipped_row
 from cs336_systems.benchmarking.checkpointing_study import checkpointing_sweep
@@ -50,7 +49,7 @@ from cs336_systems.benchmarking.compile_study import attention_compile_sweep, wh
 from cs336_systems.benchmarking.end_to_end import _config_record
 from cs336_systems.benchmarking.pytorch_attention import attention_grid, attention_sweep
 from cs336_systems.benchmarking.results import REPO_ROOT, append_rows
-from cs336_systems.model import SIZES_2025
+from cs336_systems.model import MODEL_SIZES, SIZES_2025
 
 PARTS = ("memory", "checkpointing", "block_saved", "attention", "attention_compiled", "compile_model")
 # Seconds per part (the last part takes the remainder of the total budget).
@@ -156,11 +155,10 @@ def memory_profiling_study(
 
 def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     """Run the parts; `start` (default: now) is when the budget began (the script passes its import time)."""
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--out", default=str(REPO_ROOT / "figures" / "data" / "memory_profiling"),
-                   help="directory for snapshots (.pickle.gz), preview figures and manifest.json")  # fmt: skip
+    p = cli.make_parser(__doc__, "python -m cs336_systems.benchmarking.section1_gpu_b --quick --parts memory")
+    p.add_argument("--out", default=None,
+                   help="directory for snapshots (.pickle.gz), preview figures and manifest.json "
+                        "(default: figures/data/memory_profiling; quick: <results dir>/memory_profiling)")  # fmt: skip
     p.add_argument("--budget", type=float, default=360.0, help="total wall-clock seconds for all parts")
     p.add_argument(
         "--parts", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run, in this order"
@@ -182,16 +180,28 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
         help="in --quick, also compile the whole model (slow on CPU)",
     )
     p.add_argument(
-        "--compile-sizes", nargs="+", default=list(SIZES_2025), help="model sizes of compile_model"
+        "--compile-sizes",
+        nargs="+",
+        default=list(SIZES_2025),
+        choices=list(MODEL_SIZES),
+        help="model sizes of compile_model",
     )
     p.add_argument("--compile-modes", nargs="+", default=["forward", "train"], choices=["forward", "train"],
                    help="end-to-end modes of compile_model")  # fmt: skip
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    cli.add_results_dir(p)
     args = p.parse_args(argv)
-    if args.quick and "CS336_RESULTS_DIR" not in os.environ:
-        os.environ["CS336_RESULTS_DIR"] = tempfile.mkdtemp(prefix="section1_gpu_b-")
-    results_dir = os.environ.get("CS336_RESULTS_DIR")
-    out = Path(args.out)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible (use --device cpu or --quick)")
+    if args.budget <= 0 or args.attn_reps < 1:
+        p.error("--budget must be > 0 and --attn-reps >= 1")
+    results_dir = str(cli.results_dir_for(args.results_dir, quick=args.quick))
+    default_out = Path(results_dir if args.quick else REPO_ROOT / "figures" / "data") / "memory_profiling"
+    out = Path(args.out) if args.out is not None else default_out
+    if args.quick and cli.is_committed(out.parent):
+        p.error("--out: a quick run must not write into the committed figures/data/")
     out.mkdir(parents=True, exist_ok=True)
     _log(f"device={args.device} ({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}), "
          f"budget={args.budget:.0f}s, parts={args.parts}, results={results_dir or 'figures/data'}, out={out}")  # fmt: skip

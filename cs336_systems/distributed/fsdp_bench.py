@@ -59,6 +59,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from cs336_systems.benchmarking import cli
 from cs336_systems.benchmarking.annotations import annotate
 from cs336_systems.benchmarking.profile import load_trace, save_trace
 from cs336_systems.benchmarking.results import (
@@ -724,22 +725,22 @@ QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = cli.make_parser(__doc__, "python -m cs336_systems.distributed.fsdp_bench --quick")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--size", default="xl_2026")
+    cli.add_size(p, "xl_2026")
     p.add_argument("--context-length", type=int, default=512)
     p.add_argument("--batch-per-rank", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--attention", default="naive")
+    cli.add_attention(p, "naive")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--trace", nargs="*", default=["fsdp", "fsdp_bf16"], choices=VARIANTS)
-    p.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
+    p.add_argument(
+        "--backend", default="nccl" if torch.cuda.is_available() else "gloo", choices=["nccl", "gloo"]
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, debug model, 2 steps")
-    p.add_argument("--results-dir", default=None)
+    cli.add_results_dir(p)
     p.add_argument("--figures-dir", default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per torchrun launch")
     args = p.parse_args(argv)
@@ -752,12 +753,15 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
                   trace=tuple(args.trace), backend=args.backend)  # fmt: skip
     if args.quick:
         fields.update(QUICK)
-    cfg = FsdpBenchConfig(**fields)
+    with cli.usage_errors(p):
+        cfg = FsdpBenchConfig(**fields)
+        cli.check_launch(cfg.backend, args.nproc, args.timeout)
+    results_dir = str(cli.results_dir_for(args.results_dir, quick=args.quick))
     print("resolved config:", json.dumps(asdict(cfg)), flush=True)
     df = run(
         cfg,
         nproc=args.nproc,
-        results_dir=args.results_dir,
+        results_dir=results_dir,
         figures_dir=args.figures_dir,
         timeout_s=args.timeout,
     )

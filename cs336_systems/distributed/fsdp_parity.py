@@ -33,7 +33,6 @@ run); with two GPUs the ranks use NCCL.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime
 import functools
@@ -49,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cs336_systems.benchmarking import cli
 from cs336_systems.benchmarking.results import append_rows, check_writable, failure_row, make_row
 from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.process_group import spawn
@@ -317,8 +317,6 @@ def run(device: str = "cpu", results_dir: str | None = None, *, start_method: st
     check_writable(results_dir)
     backend, gloo_on_cuda = "gloo", False
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no GPU is visible")
         if torch.cuda.device_count() >= WORLD_SIZE:
             backend = "nccl"
         else:
@@ -332,18 +330,15 @@ def run(device: str = "cpu", results_dir: str | None = None, *, start_method: st
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="example: python -m cs336_systems.distributed.fsdp_parity --device cuda --results-dir /tmp/parity",
+    p = cli.make_parser(
+        __doc__, "python -m cs336_systems.distributed.fsdp_parity --device cuda --results-dir /tmp/parity"
     )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks compute")
-    parser.add_argument(
-        "--results-dir",
-        default=None,
-        help="where fsdp_parity.csv goes (default: CS336_RESULTS_DIR or figures/data)",
-    )
-    args = parser.parse_args(argv)
-    run(args.device, args.results_dir)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks compute")
+    cli.add_results_dir(p)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible")
+    run(args.device, cli.results_dir_for(args.results_dir))
 
 
 if __name__ == "__main__":

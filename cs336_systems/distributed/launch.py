@@ -10,7 +10,9 @@ goes on (or exits), and on Linux the agent gets SIGTERM from the kernel if the c
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -226,3 +228,34 @@ def run_variants(
             failed.append(bad)
             on_failure(bad, failure_note(exc))
     return failed
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m cs336_systems.distributed.launch [--nproc N] MODULE [ARGS...]`: run_torchrun from a shell."""
+    p = argparse.ArgumentParser(
+        prog="python -m cs336_systems.distributed.launch",
+        description="Run a package module under torchrun on this host (a free port, a timeout, every rank "
+        "stopped on Ctrl-C or SIGTERM, the failing rank's traceback in the error).",
+        epilog="example:\n  python -m cs336_systems.distributed.launch --nproc 2 "
+        "cs336_systems.distributed.ddp_check --variants naive",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc", type=int, default=2, help="processes (ranks) on this host (default: 2)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="limit for the whole job (default: 900)")
+    p.add_argument("--results-dir", default=None, metavar="DIR",
+                   help="CS336_RESULTS_DIR of the ranks (default: $CS336_RESULTS_DIR, else figures/data/)")  # fmt: skip
+    p.add_argument("module", help="the module to run on every rank, e.g. cs336_systems.distributed.ddp_check")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the module")
+    a = p.parse_args(argv)
+    if a.nproc < 1 or a.timeout_s <= 0:
+        p.error("--nproc must be >= 1 and --timeout-s > 0")
+    if importlib.util.find_spec(a.module) is None:
+        p.error(f"module {a.module!r} cannot be imported here")
+    try:
+        run_torchrun(a.module, a.args, a.nproc, timeout_s=a.timeout_s, results_dir_=a.results_dir)
+    except TorchrunError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+if __name__ == "__main__":
+    main()

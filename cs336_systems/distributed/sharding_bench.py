@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from cs336_systems.benchmarking import cli
 from cs336_systems.benchmarking.annotations import annotate
 from cs336_systems.benchmarking.results import (
     append_rows,
@@ -383,21 +384,21 @@ QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = cli.make_parser(__doc__, "python -m cs336_systems.distributed.sharding_bench --quick")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON config, set by the driver
-    p.add_argument("--size", default="xl")
+    cli.add_size(p, "xl")
     p.add_argument("--context-length", type=int, default=512)
     p.add_argument("--batch-per-rank", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--attention", default="naive")
+    cli.add_attention(p, "naive")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
+    p.add_argument(
+        "--backend", default="nccl" if torch.cuda.is_available() else "gloo", choices=["nccl", "gloo"]
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, debug model, 2 steps")
-    p.add_argument("--results-dir", default=None)
+    cli.add_results_dir(p)
     p.add_argument("--figures-dir", default=None, help="render the figures here after measuring")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per torchrun launch")
     args = p.parse_args(argv)
@@ -411,12 +412,15 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
                   backend=args.backend)  # fmt: skip
     if args.quick:
         fields.update(QUICK)
-    cfg = BenchConfig(**fields)
+    with cli.usage_errors(p):
+        cfg = BenchConfig(**fields)
+        cli.check_launch(cfg.backend, args.nproc, args.timeout)
+    results_dir = str(cli.results_dir_for(args.results_dir, quick=args.quick))
     print("resolved config:", json.dumps(asdict(cfg)), flush=True)
     df = run(
         cfg,
         nproc=args.nproc,
-        results_dir=args.results_dir,
+        results_dir=results_dir,
         figures_dir=args.figures_dir,
         timeout_s=args.timeout,
     )
