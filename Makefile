@@ -8,10 +8,14 @@ STAMP := $(VENV)/.installed-stamp
 ## torch (several GB of nvidia-* wheels; the tests still run on the CPU); for the CPU-only build set
 ## TORCH_INDEX=https://download.pytorch.org/whl/cpu where that index is reachable.
 TORCH_INDEX ?=
+# JupyterLab defaults of this project (jupyter/lab-overrides.json5 says which and why), installed into
+# the environment, never into the home directory. A rule of its own, so that an existing .venv gets
+# them (or a changed version) without reinstalling the packages.
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/cs336-systems.json5
 
-.PHONY: test test-distributed test-gpu lint format env clean notebooks pdf texdeps lab wheelhouse gpu-notebooks
+.PHONY: test test-distributed test-gpu lint format env clean notebooks pdf texdeps browserdeps lab wheelhouse gpu-notebooks
 
-env: $(STAMP)
+env: $(STAMP) $(LAB_SETTINGS)
 
 $(STAMP): pyproject.toml .ci/constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,9 +25,17 @@ $(STAMP): pyproject.toml .ci/constraints-cpu.txt
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
+$(LAB_SETTINGS): jupyter/lab-overrides.json5 | $(STAMP)
+	install -D -m 644 $< $@
+
+# apt-get install for the Debian packages a target needs, announced first by the caller (sudo unless root).
+APT_INSTALL = SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -q && \
+	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
+
 ## The whole CPU suite: model, harness, FlashAttention under the Triton interpreter, gloo
-## multi-process distributed tests, and every notebook in quick mode.
-test: $(STAMP)
+## multi-process distributed tests, every notebook in quick mode, and JupyterLab in a headless
+## browser (tests/test_lab.py; installs Debian's chromium first when no Chromium is found).
+test: $(STAMP) $(LAB_SETTINGS) browserdeps
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 ## The multi-process tests (gloo, torchrun) REPEAT times in a row: a flaky rendezvous or an
@@ -76,14 +88,25 @@ texdeps:
 	echo "DejaVu fonts are missing. Installing these Debian packages with apt-get (about 580 MB installed):"; \
 	echo "  $(TEX_PACKAGES)"; \
 	command -v apt-get >/dev/null || { echo "no apt-get here: install the equivalents of those packages yourself"; exit 1; }; \
-	SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	$$SUDO apt-get update -q && \
-	$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(TEX_PACKAGES)
+	$(APT_INSTALL) $(TEX_PACKAGES)
 
-## JupyterLab on notebooks/: jupytext (notebooks/jupytext.toml) opens the .py files as notebooks and
-## pairs them with .ipynb copies (git-ignored).
-lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+## The browser of tests/test_lab.py: CHROMIUM=<path>, chromium or google-chrome on PATH, else Debian's chromium.
+browserdeps:
+	@for b in "$$CHROMIUM" chromium chromium-browser google-chrome; do \
+		[ -n "$$b" ] && command -v "$$b" >/dev/null && exit 0; done; \
+	command -v apt-get >/dev/null || { echo "tests/test_lab.py needs Chromium or Chrome:" \
+		"install one, or set CHROMIUM=/path/to/it"; exit 1; }; \
+	echo "installing Chromium for the JupyterLab browser test: chromium"; \
+	$(APT_INSTALL) chromium
+
+## make lab [LAB_ARGS='--port 9000 --no-browser ...']: JupyterLab on notebooks/. A click opens a
+## problem's .py as a notebook (LAB_SETTINGS); saving writes the .py (the source) and a git-ignored
+## paired .ipynb that keeps the outputs (notebooks/jupytext.toml). Ctrl-C stops the server and its
+## kernels at once (-y answers Jupyter's "Shut down this server?" prompt); --allow-root only as root.
+LAB_ARGS ?=
+lab: $(STAMP) $(LAB_SETTINGS)
+	@echo "JupyterLab on notebooks/: open the http://.../lab?token=... URL printed below; Ctrl-C stops it."
+	$(VENV)/bin/jupyter lab -y --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 ## On a connected machine: the wheels of the notebook stack for the offline GPU host (Python 3.12).
 wheelhouse:

@@ -23,10 +23,10 @@ measure = "auto"  # "auto": measure when a GPU is present, else render the commi
 quick = False  # debug model on the CPU in seconds; results go to a scratch dir
 
 # %% tags=["remove-input"]
-from cs336_systems.benchmarking import section1_analysis as A
-from cs336_systems.benchmarking import section1_gpu_a as S
-from cs336_systems.benchmarking.results import load_results
+from cs336_systems.measure.results import load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies import timing_analysis as A
+from cs336_systems.studies import timing_gpu_run as S
 
 results_dir = nb.setup(quick)
 plan = S.make_plan(quick)
@@ -40,8 +40,8 @@ stats = stats[stats.x == plan.context_length]
 steps = A.ablation_steps(df, bench_warmup=plan.warmup)
 
 # %% [markdown]
-# **(a) The script** is `python -m cs336_systems.benchmarking.end_to_end` (in
-# `cs336_systems/benchmarking/end_to_end.py`); every hyperparameter and variant is a flag, e.g.
+# **(a) The script** is `python -m cs336_systems.studies.end_to_end` (in
+# `cs336_systems/studies/end_to_end.py`); every hyperparameter and variant is a flag, e.g.
 # `--size small medium --context-length 512 --mode forward forward_backward train --warmup 5 --steps 10`.
 # It builds the model with random weights on the GPU, draws a random batch (batch 4, vocabulary
 # 10,000), runs the untimed warm-up steps, then times every phase of every measured step with

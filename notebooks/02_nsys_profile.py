@@ -30,11 +30,11 @@ context_length = 512  # the context of the per-size tables and of the class-shar
 # %% tags=["remove-input"]
 import re
 
-from cs336_systems.benchmarking import profile as P
-from cs336_systems.benchmarking import section1_analysis as A
-from cs336_systems.benchmarking import section1_gpu_a as S
-from cs336_systems.benchmarking.results import latest_run, load_results
+from cs336_systems.measure.results import latest_run, load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies import profile as P
+from cs336_systems.studies import timing_analysis as A
+from cs336_systems.studies import timing_gpu_run as S
 
 results_dir = nb.setup(quick)
 plan = S.make_plan(quick)
@@ -68,7 +68,7 @@ def compact(kernel: str) -> str:
 # %% [markdown]
 # **Which tool produced the numbers.** Nsight Systems is not installed on the lent GPU hosts, so
 # every number here comes from `torch.profiler` with CUPTI activity tracing
-# (`cs336_systems/benchmarking/profile.py`): the same `record_function` ranges are also NVTX ranges,
+# (`cs336_systems/studies/profile.py`): the same `record_function` ranges are also NVTX ranges,
 # and each kernel is attributed to the ranges that contain the *CPU call that launched it* (CUPTI
 # correlation ids link kernels to their `cudaLaunchKernel`), which is what NVTX projection in nsys
 # does; the kernel then runs later, often after the CPU left the range. Per configuration: one
@@ -78,7 +78,7 @@ def compact(kernel: str) -> str:
 #
 # ```
 # nsys profile -o small512 --trace=cuda,nvtx,osrt --pytorch=autograd-nvtx \
-#     python -m cs336_systems.benchmarking.profile --size small --context-length 512 --profiler none
+#     python -m cs336_systems.studies.profile --size small --context-length 512 --profiler none
 # nsys stats --report nvtx_sum,cuda_gpu_kern_sum small512.nsys-rep    # add --filter-nvtx forward etc.
 # ```
 

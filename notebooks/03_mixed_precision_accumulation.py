@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from cs336_systems.benchmarking.mixed_precision import accumulation_experiment
-from cs336_systems.benchmarking.results import device_name
+from cs336_systems.measure.results import device_name
 from cs336_systems.report import nb, show_table
+from cs336_systems.studies.mixed_precision import accumulation_experiment
 
 results_dir = nb.setup(quick)
 

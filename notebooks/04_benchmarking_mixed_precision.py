@@ -26,11 +26,11 @@ quick = False  # debug model on the CPU in seconds (bf16 autocast); results go t
 # %% tags=["remove-input"]
 import pandas as pd
 
-from cs336_systems.benchmarking import autocast_study as M
-from cs336_systems.benchmarking import section1_analysis as A
-from cs336_systems.benchmarking import section1_gpu_a as S
-from cs336_systems.benchmarking.results import load_results
+from cs336_systems.measure.results import load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies import autocast_study as M
+from cs336_systems.studies import timing_analysis as A
+from cs336_systems.studies import timing_gpu_run as S
 
 results_dir = nb.setup(quick)
 plan = S.make_plan(quick)

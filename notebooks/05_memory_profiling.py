@@ -30,11 +30,11 @@ block_context_lengths = [512, 2048]
 import pandas as pd
 import torch
 
-from cs336_systems.benchmarking import memory as M
-from cs336_systems.benchmarking import section1_gpu_b as S
-from cs336_systems.benchmarking.results import latest_run, load_results
+from cs336_systems.measure.results import latest_run, load_results
 from cs336_systems.model import get_config
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies import memory as M
+from cs336_systems.studies import memory_attention_gpu_run as S
 
 results_dir = nb.setup(quick)
 snapshot_dir = results_dir / "memory_profiling"
@@ -51,8 +51,8 @@ snapshots = {
 timelines = {m: M.parse_timeline(M.load_snapshot(p)) for m, p in snapshots.items() if p.exists()}
 
 # %% [markdown]
-# **Method.** `python -m cs336_systems.benchmarking.section1_gpu_b --parts memory block_saved` (or
-# `capture_step` in `cs336_systems/benchmarking/memory.py`) builds the end-to-end workload of the
+# **Method.** `python -m cs336_systems.studies.memory_attention_gpu_run --parts memory block_saved` (or
+# `capture_step` in `cs336_systems/studies/memory.py`) builds the end-to-end workload of the
 # benchmarking script (batch 4, random tokens, naive attention), runs one untimed warm-up step (so
 # AdamW's state exists), then records one step with
 # `torch.cuda.memory._record_memory_history(stacks="python")` and dumps the allocator snapshot. The

@@ -31,9 +31,9 @@ import json
 
 import torch
 
-from cs336_systems.benchmarking import pytorch_attention as PA
-from cs336_systems.benchmarking.results import latest_run, load_results
+from cs336_systems.measure.results import latest_run, load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies import pytorch_attention as PA
 
 results_dir = nb.setup(quick)
 if quick:
@@ -47,7 +47,7 @@ df = latest_run(load_results("pytorch_attention", results_dir), keys=("name", "i
 df = df[df.impl == "naive"]
 
 # %% [markdown]
-# **Method.** `cs336_systems.benchmarking.pytorch_attention` times the model's own causal naive
+# **Method.** `cs336_systems.studies.pytorch_attention` times the model's own causal naive
 # attention (`get_attention("naive")`: softmax(Q K^T / sqrt(d)) V with the T x T scores materialised
 # and a causal mask applied with `torch.where`), in float32, on random Q, K, V of shape (8, T, d).
 # After 3 warm-up forward+backward passes it times 100 forward passes (`timeit.default_timer()`

@@ -22,9 +22,9 @@ measure = "auto"  # "auto": measure when a GPU is present, else render the commi
 quick = False  # tiny attention grid (aot_eager backend) and the debug model eager, on the CPU
 
 # %% tags=["remove-input"]
-from cs336_systems.benchmarking import compile_study as C
-from cs336_systems.benchmarking.results import load_results
+from cs336_systems.measure.results import load_results
 from cs336_systems.report import nb, show_table
+from cs336_systems.studies import compile_study as C
 
 results_dir = nb.setup(quick)
 

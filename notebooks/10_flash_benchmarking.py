@@ -28,9 +28,9 @@ dtypes = ["bfloat16", "float32"]
 budget_s = 480  # the sweep's time budget; what does not fit becomes 'skipped' rows
 
 # %% tags=["remove-input"]
-from cs336_systems.benchmarking import flash_bench as FB
-from cs336_systems.benchmarking.results import load_results
+from cs336_systems.measure.results import load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies import flash_bench as FB
 
 results_dir = nb.setup(quick)
 
@@ -50,7 +50,7 @@ big_d = max(df.d) if len(df) else 0
 mid_d = 64 if 64 in set(df.d) else big_d
 
 # %% [markdown]
-# **Method.** `cs336_systems.benchmarking.flash_bench` creates q, k, v of shape (1, 1, N, d)
+# **Method.** `cs336_systems.studies.flash_bench` creates q, k, v of shape (1, 1, N, d)
 # (`requires_grad=True`) and an upstream gradient before timing, makes one warm-up forward+backward
 # (compilation), then times with `triton.testing.do_bench` (10 ms warm-up, 40 ms of repetitions, L2
 # flushed between calls, CUDA events; the tables give the median): the forward alone, the backward

@@ -16,7 +16,7 @@
 # CPU and NCCL on GPUs, for 2, 4 and 6 processes; plot or tabulate the results and comment in 2-3
 # sentences on how backend, tensor size and number of processes interact.
 #
-# **Setup.** `python -m cs336_systems.distributed.comm_bench --grid` (module docstring): one `torchrun`
+# **Setup.** `python -m cs336_systems.studies.distributed.comm_bench --grid` (module docstring): one `torchrun`
 # job per backend and process count; 5 warm-up all-reduces, then a barrier, `torch.cuda.synchronize()`,
 # the timed SUM all-reduce and another synchronize, repeated (at least 3, at most 20 times, within a
 # 10 s budget per size). Per-rank times are gathered with `all_gather_object`; a call's time is the
@@ -33,10 +33,10 @@ sizes_mb = [1, 10, 100, 1024]
 gloo_max_mb = 1024  # largest gloo tensor (CPU memory and time)
 
 # %% tags=["remove-input"]
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import comm_bench as C
-from cs336_systems.distributed.plots import plot_all_reduce
+from cs336_systems.measure.results import load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies.distributed import comm_bench as C
+from cs336_systems.studies.distributed.plots import plot_all_reduce
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):

@@ -24,7 +24,7 @@
 # a tied weight (one Parameter used twice) is reduced once, and a parameter without a gradient on some rank
 # is reduced as zeros so every rank issues the same collectives.
 #
-# **Check.** `cs336_systems.distributed.ddp_check` runs under `torchrun` with Gloo on CPU (so this notebook
+# **Check.** `cs336_systems.studies.distributed.ddp_check` runs under `torchrun` with Gloo on CPU (so this notebook
 # always measures): each rank seeds its toy model differently, wraps it, and trains with SGD (lr 0.1, MSE loss)
 # on its shard of a fixed random batch of 16 examples; a single-process copy of rank 0's initial model trains
 # on all 16. The toy model is 10 -> 10 -> 50 -> 10 -> 50 -> 5 with ReLUs, fc4.weight tied to fc2.weight, a frozen
@@ -43,8 +43,8 @@ import inspect
 import pandas as pd
 
 from cs336_systems.distributed import NaiveDDP
-from cs336_systems.distributed.ddp_check import check_against_single_process
 from cs336_systems.report import nb, show_table
+from cs336_systems.studies.distributed.ddp_check import check_against_single_process
 
 results_dir = nb.setup(quick)
 checks = check_against_single_process(variants, world_size=world_size, steps=steps)

@@ -15,7 +15,7 @@
 # Benchmark naive DDP training of the language model on 1 node x 2 GPUs with the XL model: measure the
 # total time per training step and the fraction of it spent communicating gradients; describe the setup.
 #
-# **Setup** (shared by all the DDP benchmarks, `python -m cs336_systems.distributed.train_bench`): the 2025
+# **Setup** (shared by all the DDP benchmarks, `python -m cs336_systems.studies.distributed.train_bench`): the 2025
 # XL model (d_model 1600, d_ff 6400, 48 layers, 25 heads, 2.0B parameters) in fp32 with the project's AdamW,
 # random tokens, **context length 512 and global batch 8, i.e. 4 sequences per GPU** (the handout fixes
 # neither; this is the largest power-of-two batch whose fp32 weights, gradients, AdamW state (29.8 GiB) and
@@ -35,10 +35,10 @@ variants = ["single", "naive"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import train_bench as T
-from cs336_systems.distributed.plots import plot_step_breakdown
+from cs336_systems.measure.results import load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies.distributed import train_bench as T
+from cs336_systems.studies.distributed.plots import plot_step_breakdown
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):

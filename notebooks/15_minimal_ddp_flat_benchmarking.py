@@ -29,10 +29,10 @@ variants = ["single", "naive", "flat"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import train_bench as T
-from cs336_systems.distributed.plots import plot_step_breakdown
+from cs336_systems.measure.results import load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies.distributed import train_bench as T
+from cs336_systems.studies.distributed.plots import plot_step_breakdown
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):

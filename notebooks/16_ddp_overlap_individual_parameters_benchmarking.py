@@ -38,11 +38,11 @@ traces = ["naive", "overlap"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import train_bench as T
-from cs336_systems.distributed.plots import plot_ddp_timelines, plot_step_breakdown
-from cs336_systems.distributed.trace_plot import load_trace, overlap_stats, trace_frame
+from cs336_systems.measure.results import load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies.distributed import train_bench as T
+from cs336_systems.studies.distributed.plots import plot_ddp_timelines, plot_step_breakdown
+from cs336_systems.studies.distributed.trace_plot import load_trace, overlap_stats, trace_frame
 
 problem = "ddp_overlap_individual_parameters_benchmarking"
 results_dir = nb.setup(quick)

@@ -39,12 +39,12 @@ only_missing = True  # the DDP notebooks share ddp_training.csv: measure only va
 # %% tags=["remove-input"]
 import math
 
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import comm_bench as C
-from cs336_systems.distributed import train_bench as T
-from cs336_systems.distributed.plots import plot_bucket_model, plot_bucket_sweep, plot_ddp_timelines
-from cs336_systems.distributed.trace_plot import load_trace, overlap_stats, trace_frame
+from cs336_systems.measure.results import load_results
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies.distributed import comm_bench as C
+from cs336_systems.studies.distributed import train_bench as T
+from cs336_systems.studies.distributed.plots import plot_bucket_model, plot_bucket_sweep, plot_ddp_timelines
+from cs336_systems.studies.distributed.trace_plot import load_trace, overlap_stats, trace_frame
 
 problem = "ddp_bucketed_benchmarking"
 results_dir = nb.setup(quick)
@@ -154,7 +154,7 @@ if available:
 # $$n_b^* = \sqrt{\frac{s}{w\,o}}, \qquad \text{bucket size}^* = \frac{s}{n_b^*} = \sqrt{s\,w\,o}, \qquad
 # \text{overhead}(n_b^*) = 2\sqrt{\frac{s\,o}{w}}.$$
 #
-# (`cs336_systems.distributed.accounting.ddp_bucket_overhead`, `ddp_optimal_bucket_bytes`.)
+# (`cs336_systems.accounting.ddp_bucket_overhead`, `ddp_optimal_bucket_bytes`.)
 
 # %% tags=["remove-input"]
 try:

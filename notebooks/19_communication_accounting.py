@@ -24,7 +24,7 @@
 # $C = 4.6 \cdot 10^{14}$ FLOP/s, $M_X = 2$, $M_Y = 1$, $X = 16$, $Y = 4$), at what batch per device does
 # the model become compute-bound, and what is the global batch? (d) Which tricks lower that batch?
 #
-# Everything below is computed by `cs336_systems.distributed.accounting` (tested in
+# Everything below is computed by `cs336_systems.accounting` (tested in
 # `tests/test_accounting.py`); nothing is measured. **Units:** memory is counted in bytes and printed in
 # decimal GB ($10^9$ B), as the handout's "80GB" and "95 GB" device sizes are; GiB ($2^{30}$ B) are
 # given where they differ in an interesting way. A token is one row of the activations (the handout's
@@ -41,8 +41,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from cs336_systems.benchmarking.results import env_metadata
-from cs336_systems.distributed import accounting as acc
+from cs336_systems import accounting as acc
+from cs336_systems.measure.results import env_metadata
 from cs336_systems.report import nb, save_figure, show_table
 
 results_dir = nb.setup(quick)
@@ -53,7 +53,7 @@ def num(x, spec=",.0f"):
     return format(x, spec).replace(",", "{,}")
 
 
-SOURCE = f"computed analytically by cs336_systems.distributed.accounting at git {env_metadata()['git_sha']}"
+SOURCE = f"computed analytically by cs336_systems.accounting at git {env_metadata()['git_sha']}"
 XXL, TPU, H100 = acc.XXL, acc.TPU_V5P, acc.H100_SXM
 P = XXL.num_params
 state = acc.ffn_stack_memory(XXL, tokens=0)

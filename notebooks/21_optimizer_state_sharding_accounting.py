@@ -19,7 +19,7 @@
 # approach differ from ZeRO stage 1 (ZeRO-DP $P_{os}$, Rajbhandari et al. 2020), in memory and in
 # communication volume?
 #
-# **Setup.** `python -m cs336_systems.distributed.sharding_bench` (see its module docstring): the 2025
+# **Setup.** `python -m cs336_systems.studies.distributed.sharding_bench` (see its module docstring): the 2025
 # XL model (d_model 1600, 48 layers, 2.0B parameters) in fp32 with the project's AdamW (lr 1e-4, weight
 # decay 0.01), data parallel over 2 GPUs with 4 sequences of 512 tokens per GPU (global batch 8, the
 # setting of our DDP benchmarks), naive attention. Gradients are averaged by the same bucketed flat
@@ -36,10 +36,10 @@ quick = False  # debug model, gloo on CPU, 2 ranks, 2 steps; results go to a scr
 # %% tags=["remove-input"]
 import math
 
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import sharding_bench as B
+from cs336_systems.measure.results import load_results
 from cs336_systems.model import get_config
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies.distributed import sharding_bench as B
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
@@ -128,7 +128,7 @@ if nb.have_results(df[df.unit == "ms"], "the step timings"):
 # %% tags=["remove-input"]
 cmp = B.zero1_comparison("xl", 2)
 show_table(cmp.reset_index(), caption="Model-state memory and data sent per device per step, XL on 2 GPUs (computed)",
-           provenance_from="computed by sharding_bench.zero1_comparison (cs336_systems.distributed.accounting)")  # fmt: skip
+           provenance_from="computed by sharding_bench.zero1_comparison (cs336_systems.accounting)")  # fmt: skip
 ours, zero = cmp.loc["ours (ShardedOptimizer)"], cmp.loc["ZeRO stage 1 (P_os)"]
 nb.md(
     f"**(c)** In memory the two are the same scheme: both keep full fp32 parameters and gradients on every rank "

@@ -28,10 +28,10 @@ context_length = 2048
 # %% tags=["remove-input"]
 import torch
 
-from cs336_systems.benchmarking import checkpointing_study as CS
-from cs336_systems.benchmarking.results import load_results
+from cs336_systems.measure.results import load_results
 from cs336_systems.model import get_config
 from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies import checkpointing_study as CS
 
 results_dir = nb.setup(quick)
 strategies = list(CS.STRATEGIES)

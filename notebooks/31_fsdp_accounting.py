@@ -16,7 +16,7 @@
 # FSDP save (ignoring the pre-allocated all-gather buffers)? (b) Profile the xl model on two GPUs and
 # look at the weight all-gathers: do they finish before the forward pass needs them?
 #
-# **Setup.** `python -m cs336_systems.distributed.fsdp_bench` (see its module docstring): the 2026 xl
+# **Setup.** `python -m cs336_systems.studies.distributed.fsdp_bench` (see its module docstring): the 2026 xl
 # model (the 2025 "2.7B": d_model 2560, 32 layers, 3.4B parameters) on 2 GPUs with 2 sequences of 512
 # tokens per GPU (the handout's batch of 4, split), naive attention, the project's AdamW. Variants:
 # `replicated` (every rank holds the whole model, its gradients and AdamW state; gradients averaged by a
@@ -38,11 +38,11 @@ import math
 
 import pandas as pd
 
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import fsdp_bench as F
-from cs336_systems.distributed.sharding_bench import GiB, latest, value
+from cs336_systems.measure.results import load_results
 from cs336_systems.model import get_config
 from cs336_systems.report import nb, show_table
+from cs336_systems.studies.distributed import fsdp_bench as F
+from cs336_systems.studies.distributed.sharding_bench import GiB, latest, value
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
@@ -186,14 +186,14 @@ if nb.have_results(st, "the all-gather timing (profiled step)"):
     )
 
 # %% [markdown]
-# **Is FSDP bit-exact in fp32?** `python -m cs336_systems.distributed.fsdp_parity` trains the official
+# **Is FSDP bit-exact in fp32?** `python -m cs336_systems.studies.distributed.fsdp_parity` trains the official
 # toy model (Embedding, RMSNorm, Linear, ReLU, RMSNorm, Linear, LM head) with SGD for 3 steps on a batch
 # of 20 sequences split 10/10 over 2 ranks (loss on the last position, batch reshuffled between steps),
 # with our FSDP, torch's FSDP2 (`fully_shard`) and `DistributedDataParallel`, and compares every
 # parameter with one process training on the whole batch, counting differences in fp32 ulps.
 
 # %% tags=["remove-input"]
-from cs336_systems.distributed import fsdp_parity as PARITY
+from cs336_systems.studies.distributed import fsdp_parity as PARITY
 
 if quick:
     PARITY.run("cpu", results_dir)

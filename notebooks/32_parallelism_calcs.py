@@ -30,7 +30,7 @@
 # device's FLOP/s. Communication may overlap compute, so a pass is communication-bound when its
 # communication time exceeds its compute time.
 #
-# All formulas are implemented and tested in `cs336_systems.distributed.accounting`
+# All formulas are implemented and tested in `cs336_systems.accounting`
 # (`tests/test_accounting.py` checks every bound at its threshold and one device past it, and simulates
 # both ring algorithms step by step). Nothing is measured here.
 
@@ -49,13 +49,13 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-from cs336_systems.benchmarking.results import env_metadata
-from cs336_systems.distributed import accounting as acc
+from cs336_systems import accounting as acc
+from cs336_systems.measure.results import env_metadata
 from cs336_systems.model.config import get_config
 from cs336_systems.report import nb, save_figure, show_table
 
 results_dir = nb.setup(quick)
-SOURCE = f"computed analytically by cs336_systems.distributed.accounting at git {env_metadata()['git_sha']}"
+SOURCE = f"computed analytically by cs336_systems.accounting at git {env_metadata()['git_sha']}"
 cfg = get_config(model_size)
 D, DFF, B = cfg.d_model, cfg.d_ff, batch_tokens
 dev = acc.ACCELERATORS[device]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cs336_systems.distributed import accounting as acc
+from cs336_systems import accounting as acc
 from cs336_systems.model.config import get_config
 
 # --------------------------------------------------------------------------------------------------

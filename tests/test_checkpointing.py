@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from cs336_systems.benchmarking import checkpointing_study as study
-from cs336_systems.benchmarking.budget import TimeBudget
+from cs336_systems.measure.budget import TimeBudget
 from cs336_systems.model import (
     BasicsTransformerLM,
     RotaryEmbedding,
@@ -23,6 +22,7 @@ from cs336_systems.model.checkpointing import (
     saved_tensors,
     saved_tensors_by_op,
 )
+from cs336_systems.studies import checkpointing_study as study
 
 CFG = get_config("debug").replace(num_layers=5, context_length=32)  # odd depth: uneven groups and halves
 STRATEGIES = [

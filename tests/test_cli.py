@@ -29,8 +29,13 @@ def _cli_modules() -> list[str]:
 
 
 CLIS = _cli_modules()
-# CLIs that write result rows (the others build the report or launch a module).
-NOT_MEASURING = {"cs336_systems.distributed.launch", "cs336_systems.distributed.ddp_check"}
+# CLIs that write result rows (the others build the report, launch a module, write a JSON check or
+# render the README summary from the committed results).
+NOT_MEASURING = {
+    "cs336_systems.distributed.launch",
+    "cs336_systems.studies.distributed.ddp_check",
+    "cs336_systems.studies.readme_summary",
+}
 MEASURING = [m for m in CLIS if ".report." not in m and m not in NOT_MEASURING]
 
 
@@ -42,7 +47,7 @@ def _help(module: str, capsys) -> str:
 
 
 def test_the_cli_list_is_complete():
-    assert len(CLIS) >= 15 and "cs336_systems.benchmarking.flash_bench" in CLIS
+    assert len(CLIS) >= 15 and "cs336_systems.studies.flash_bench" in CLIS
 
 
 @pytest.mark.parametrize("module", CLIS)
@@ -73,7 +78,7 @@ def test_no_cli_parses_a_flag_with_a_silent_lambda():
 
 
 def test_compile_maybe_is_an_error(tmp_path, capsys):
-    from cs336_systems.benchmarking import end_to_end
+    from cs336_systems.studies import end_to_end
 
     with pytest.raises(SystemExit) as exit_info:
         end_to_end.main(["--size", "debug", "--compile", "maybe", "--results-dir", str(tmp_path)])
@@ -83,38 +88,42 @@ def test_compile_maybe_is_an_error(tmp_path, capsys):
 
 
 USAGE_ERRORS = [
-    ("benchmarking.end_to_end", ["--size", "huge"], "--size"),
-    ("benchmarking.end_to_end", ["--size", "debug", "--batch-size", "0"], "batch_size"),
-    ("benchmarking.end_to_end", ["--size", "debug", "--attention", "fast"], "--attention"),
-    ("benchmarking.profile", ["--size", "debug", "--context-length", "0"], "--context-length"),
-    ("benchmarking.flash_bench", ["--impls", "flash_triton,warp"], "unknown impls ['warp']"),
-    ("benchmarking.flash_bench", ["--dtypes", "float33"], "unknown dtypes ['float33']"),
-    ("benchmarking.flash_bench", ["--tune", "64:bfloat:16384"], "--tune"),
-    ("benchmarking.flash_model", ["--quick", "--impls", "naive", "fast"], "--impls"),
-    ("benchmarking.section1_gpu_b", ["--quick", "--compile-sizes", "huge"], "--compile-sizes"),
-    ("distributed.comm_bench", ["--grid", "--nccl-procs", "two"], "--nccl-procs"),
-    ("distributed.comm_bench", ["--grid", "--sizes-mb", "0"], "sizes_mb"),
-    ("distributed.ddp_check", ["--variants", "bucketed:x"], "--variants"),
-    ("distributed.fsdp_bench", ["--quick", "--variants", "zero3"], "--variants"),
-    ("distributed.fsdp_bench", ["--quick", "--nproc", "0"], "--nproc"),
-    ("distributed.sharding_bench", ["--size", "huge"], "--size"),
-    ("distributed.train_bench", ["--size", "debug", "--backend", "gloo", "--variants", "bucketd"], "unknown variant"),
-    ("distributed.train_bench", ["--size", "debug", "--backend", "gloo", "--nproc", "2", "--global-batch", "3"],
+    ("studies.end_to_end", ["--size", "huge"], "--size"),
+    ("studies.end_to_end", ["--size", "debug", "--batch-size", "0"], "batch_size"),
+    ("studies.end_to_end", ["--size", "debug", "--attention", "fast"], "--attention"),
+    ("studies.profile", ["--size", "debug", "--context-length", "0"], "--context-length"),
+    ("studies.flash_bench", ["--impls", "flash_triton,warp"], "unknown impls ['warp']"),
+    ("studies.flash_bench", ["--dtypes", "float33"], "unknown dtypes ['float33']"),
+    ("studies.flash_bench", ["--tune", "64:bfloat:16384"], "--tune"),
+    ("studies.flash_model", ["--quick", "--impls", "naive", "fast"], "--impls"),
+    ("studies.memory_attention_gpu_run", ["--quick", "--compile-sizes", "huge"], "--compile-sizes"),
+    ("studies.distributed.comm_bench", ["--grid", "--nccl-procs", "two"], "--nccl-procs"),
+    ("studies.distributed.comm_bench", ["--grid", "--sizes-mb", "0"], "sizes_mb"),
+    ("studies.distributed.ddp_check", ["--variants", "bucketed:x"], "--variants"),
+    ("studies.distributed.fsdp_bench", ["--quick", "--variants", "zero3"], "--variants"),
+    ("studies.distributed.fsdp_bench", ["--quick", "--nproc", "0"], "--nproc"),
+    ("studies.distributed.sharding_bench", ["--size", "huge"], "--size"),
+    ("studies.distributed.train_bench", ["--size", "debug", "--backend", "gloo", "--variants", "bucketd"], "unknown variant"),
+    ("studies.distributed.train_bench", ["--size", "debug", "--backend", "gloo", "--nproc", "2", "--global-batch", "3"],
      "--global-batch 3 is not divisible"),
-    ("distributed.fsdp_parity", ["--device", "tpu"], "--device"),
+    ("studies.distributed.fsdp_parity", ["--device", "tpu"], "--device"),
     ("studies.train_step", ["--size", "huge"], "--size"),
 ]  # fmt: skip
 if N_GPUS < 2:  # impossible on this machine: NCCL needs a GPU per process
     USAGE_ERRORS += [
-        ("distributed.fsdp_bench", ["--size", "debug", "--backend", "nccl"], "--backend nccl with --nproc 2"),
         (
-            "distributed.train_bench",
+            "studies.distributed.fsdp_bench",
+            ["--size", "debug", "--backend", "nccl"],
+            "--backend nccl with --nproc 2",
+        ),
+        (
+            "studies.distributed.train_bench",
             ["--size", "debug", "--backend", "nccl", "--nproc", "2"],
             "--backend nccl",
         ),
     ]
 if N_GPUS == 0:
-    USAGE_ERRORS += [("benchmarking.flash_model", ["--device", "cuda"], "--device cuda")]
+    USAGE_ERRORS += [("studies.flash_model", ["--device", "cuda"], "--device cuda")]
 
 
 @pytest.mark.parametrize(
@@ -127,7 +136,9 @@ def test_configuration_mistakes_are_usage_errors_before_any_work(
     monkeypatch.setenv("CS336_RESULTS_DIR", str(tmp_path))
     mod = importlib.import_module(f"cs336_systems.{module}")
     with pytest.raises(SystemExit) as exit_info:
-        mod.main([*argv, "--results-dir", str(tmp_path)] if module != "distributed.ddp_check" else argv)
+        mod.main(
+            [*argv, "--results-dir", str(tmp_path)] if module != "studies.distributed.ddp_check" else argv
+        )
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
@@ -135,7 +146,7 @@ def test_configuration_mistakes_are_usage_errors_before_any_work(
 
 def test_an_unwritable_results_dir_stops_a_cli_before_measuring(tmp_path, capsys):
     """Item 4 at the CLI boundary: the error comes before the work, naming the directory."""
-    from cs336_systems.benchmarking import end_to_end
+    from cs336_systems.studies import end_to_end
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -153,11 +164,11 @@ def _digest(root: Path) -> str:
 
 
 QUICK_RUNS = [
-    ["cs336_systems.benchmarking.flash_bench", "--quick"],
-    ["cs336_systems.benchmarking.flash_model", "--quick"],
-    ["cs336_systems.benchmarking.section1_gpu_b", "--quick", "--parts", "memory"],
-    ["cs336_systems.distributed.fsdp_bench", "--quick"],
-    ["cs336_systems.distributed.sharding_bench", "--quick"],
+    ["cs336_systems.studies.flash_bench", "--quick"],
+    ["cs336_systems.studies.flash_model", "--quick"],
+    ["cs336_systems.studies.memory_attention_gpu_run", "--quick", "--parts", "memory"],
+    ["cs336_systems.studies.distributed.fsdp_bench", "--quick"],
+    ["cs336_systems.studies.distributed.sharding_bench", "--quick"],
     ["cs336_systems.studies.train_step", "--quick"],
 ]
 

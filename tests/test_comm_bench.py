@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import comm_bench
+from cs336_systems.measure.results import load_results
+from cs336_systems.studies.distributed import comm_bench
 
 
 def test_bus_bandwidth_factor():

@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.benchmarking import end_to_end as E
-from cs336_systems.benchmarking import section1_gpu_a as S
-from cs336_systems.benchmarking.budget import TimeBudget
-from cs336_systems.benchmarking.results import COLUMNS, load_results
+from cs336_systems.measure.budget import TimeBudget
+from cs336_systems.measure.results import COLUMNS, load_results
+from cs336_systems.studies import end_to_end as E
+from cs336_systems.studies import timing_gpu_run as S
 
 
 def test_cli_writes_schema_rows_with_every_step(tmp_path):
@@ -125,7 +125,7 @@ def test_driver_quick_stages(tmp_path):
 
 
 def test_quick_refuses_committed_results_dir(tmp_path):
-    from cs336_systems.benchmarking.results import REPO_ROOT
+    from cs336_systems.measure.results import REPO_ROOT
 
     with pytest.raises(SystemExit, match="committed"):
         S.main(["--out", str(tmp_path), "--quick", "--results-dir", str(REPO_ROOT / "figures" / "data")])
@@ -136,7 +136,7 @@ def test_flash_model_check_and_sweep_quick(tmp_path):
     and the training sweep gives a row per implementation (tiny model, CPU interpreter)."""
     import json
 
-    from cs336_systems.benchmarking import flash_model as FM
+    from cs336_systems.studies import flash_model as FM
 
     FM.main(["--quick", "--results-dir", str(tmp_path)])
     df = pd.read_csv(tmp_path / f"{FM.PROBLEM}.csv")

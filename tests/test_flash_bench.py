@@ -8,7 +8,7 @@ import pandas as pd
 import torch
 
 from cs336_systems.attention.flash_triton import launch
-from cs336_systems.benchmarking import flash_bench as FB
+from cs336_systems.studies import flash_bench as FB
 
 FWD = repr(launch.heuristic_fwd(16384, 16384, 64, torch.bfloat16, interpreter=False))
 BWD = launch.heuristic_bwd(16384, 16384, 64, torch.bfloat16, interpreter=False)

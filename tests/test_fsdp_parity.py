@@ -12,8 +12,8 @@ import pytest
 import torch
 from ddp_helpers import spawn_workers  # noqa: F401 (sets the forkserver preload)
 
-from cs336_systems.benchmarking.results import load_results
-from cs336_systems.distributed import fsdp_parity as P
+from cs336_systems.measure.results import load_results
+from cs336_systems.studies.distributed import fsdp_parity as P
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 

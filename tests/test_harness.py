@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.benchmarking import flops
-from cs336_systems.benchmarking.results import (
+from cs336_systems.measure import flops
+from cs336_systems.measure.results import (
     COLUMNS,
     append_rows,
     capture_failure,
@@ -19,7 +19,7 @@ from cs336_systems.benchmarking.results import (
     provenance,
     summarize,
 )
-from cs336_systems.benchmarking.timing import PhaseTimer, kernel_time, time_steps
+from cs336_systems.measure.timing import PhaseTimer, kernel_time, time_steps
 
 
 def test_summarize_statistics():
@@ -135,7 +135,7 @@ def test_model_flops_per_token():
 def test_git_sha_prefers_the_launchers_statement(monkeypatch):
     """On a device host the tree's copy may carry a stale .git: CS336_GIT_SHA (set by whoever sent
     the tree) must win over `git rev-parse` there."""
-    from cs336_systems.benchmarking import results
+    from cs336_systems.measure import results
 
     results._git_sha.cache_clear()
     monkeypatch.setenv("CS336_GIT_SHA", "abc1234567")
@@ -146,3 +146,13 @@ def test_git_sha_prefers_the_launchers_statement(monkeypatch):
         assert results._git_sha() not in ("abc1234567", "")
     finally:
         results._git_sha.cache_clear()
+
+
+def test_child_env_tells_subprocesses_where_to_write_and_the_commit(tmp_path, monkeypatch):
+    from cs336_systems.measure import results
+
+    env = results.child_env(tmp_path)
+    # the workers record the commit this process records (a copied tree's own .git may be stale)
+    assert env == {"CS336_RESULTS_DIR": str(tmp_path), "CS336_GIT_SHA": results.env_metadata()["git_sha"]}
+    monkeypatch.setenv("CS336_RESULTS_DIR", str(tmp_path / "env"))
+    assert results.child_env()["CS336_RESULTS_DIR"] == str(tmp_path / "env")

@@ -25,7 +25,7 @@ class FakeTorchrun:
         self.crash_on, self.message, self.crash_at_end = set(crash_on), message, crash_at_end
         self.finished, self.launches = set(), []
 
-    def __call__(self, module, args, nproc, *, timeout_s, results_dir_):
+    def __call__(self, module, args, nproc, *, timeout_s, env):
         self.launches.append(list(args))
         for v in args:
             if v in self.crash_on:

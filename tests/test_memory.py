@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from cs336_systems.benchmarking import memory as mem
-from cs336_systems.benchmarking.end_to_end import EndToEndConfig
 from cs336_systems.model import get_config
+from cs336_systems.studies import memory as mem
+from cs336_systems.studies.end_to_end import EndToEndConfig
 
 MIB = 2**20
 ATTN = {
@@ -23,7 +23,7 @@ CALL = {"filename": "/venv/lib/torch/nn/modules/module.py", "line": 1782, "name"
 def _marker(phase: str, addr: int) -> list[dict]:
     frames = [
         {
-            "filename": "/repo/cs336_systems/benchmarking/memory.py",
+            "filename": "/repo/cs336_systems/studies/memory.py",
             "line": 80,
             "name": f"_memory_mark_{phase}",
         }

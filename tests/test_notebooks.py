@@ -26,7 +26,7 @@ import pytest
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from cs336_systems.benchmarking.results import make_row
+from cs336_systems.measure.results import make_row
 from cs336_systems.report import assemble, impl_color, nb, run_notebooks, save_figure, table
 from cs336_systems.report import tables as tables_mod
 from cs336_systems.report.figures import figure_paths
@@ -444,7 +444,7 @@ def test_runner_reports_failures_and_timeouts(tmp_path, monkeypatch, capsys):
 def test_accumulation_experiment_matches_ieee_simulation():
     import numpy as np
 
-    from cs336_systems.benchmarking.mixed_precision import accumulation_experiment
+    from cs336_systems.studies.mixed_precision import accumulation_experiment
 
     df = accumulation_experiment().set_index("case")
     # independent reference: numpy scalars, rounding every partial sum to the accumulator's dtype

@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.benchmarking import profile as P
-from cs336_systems.benchmarking.annotations import ATTENTION_RANGES, naive_annotated_attention
-from cs336_systems.benchmarking.results import COLUMNS, append_rows, load_results
+from cs336_systems.measure.annotations import ATTENTION_RANGES, naive_annotated_attention
+from cs336_systems.measure.results import COLUMNS, append_rows, load_results
 from cs336_systems.model import get_attention, get_config
+from cs336_systems.studies import profile as P
 
 # --------------------------------------------------------------------------------------------------
 # Classification and names

@@ -7,12 +7,12 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.benchmarking import pytorch_attention as pa
-from cs336_systems.benchmarking import section1_gpu_b
-from cs336_systems.benchmarking.budget import TimeBudget
-from cs336_systems.benchmarking.compile_study import attention_compile_sweep, whole_model_compile_sweep
-from cs336_systems.benchmarking.results import load_results
+from cs336_systems.measure.budget import TimeBudget
+from cs336_systems.measure.results import load_results
 from cs336_systems.model.checkpointing import saved_tensors
+from cs336_systems.studies import memory_attention_gpu_run
+from cs336_systems.studies import pytorch_attention as pa
+from cs336_systems.studies.compile_study import attention_compile_sweep, whole_model_compile_sweep
 
 
 def test_accounting_against_hand_computation():
@@ -129,7 +129,10 @@ def test_driver_quick_part_writes_manifest(tmp_path, monkeypatch):
     monkeypatch.setenv("CS336_RESULTS_DIR", str(tmp_path / "data"))
     out = tmp_path / "out"
     assert (
-        section1_gpu_b.main(["--quick", "--parts", "block_saved", "--out", str(out), "--device", "cpu"]) == 0
+        memory_attention_gpu_run.main(
+            ["--quick", "--parts", "block_saved", "--out", str(out), "--device", "cpu"]
+        )
+        == 0
     )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quick"] and list(manifest["parts"]) == ["block_saved"]

@@ -9,7 +9,7 @@ import time
 import pandas as pd
 import pytest
 
-from cs336_systems.benchmarking.results import (
+from cs336_systems.measure.results import (
     COLUMNS,
     ResultsNotWritable,
     TornRowWarning,

@@ -7,7 +7,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from cs336_systems.distributed import trace_plot
+from cs336_systems.studies.distributed import trace_plot
 
 
 def _gpu_trace():

@@ -11,10 +11,10 @@ import pytest
 
 matplotlib.use("Agg")
 
-from cs336_systems.benchmarking.results import append_rows, load_results, make_row
-from cs336_systems.distributed import comm_bench, train_bench
-from cs336_systems.distributed.plots import render_figures
-from cs336_systems.distributed.train_bench import TrainBenchConfig, Variant
+from cs336_systems.measure.results import append_rows, load_results, make_row
+from cs336_systems.studies.distributed import comm_bench, train_bench
+from cs336_systems.studies.distributed.plots import render_figures
+from cs336_systems.studies.distributed.train_bench import TrainBenchConfig, Variant
 
 # The sweep launches torchrun for every variant: one module-wide limit covers the shared fixture.
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]

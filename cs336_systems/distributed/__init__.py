@@ -1,4 +1,7 @@
-"""Distributed training: process groups, collectives benchmark, DDP variants, sharded optimizer, FSDP."""
+"""Distributed training library: process groups, the torchrun launcher, DDP variants, sharded optimizer, FSDP.
+
+Benchmarks of these live in `cs336_systems.studies.distributed`; analytic models in `cs336_systems.accounting`.
+"""
 
 from cs336_systems.distributed.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
 from cs336_systems.distributed.fsdp import FSDP

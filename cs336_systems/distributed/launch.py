@@ -2,10 +2,11 @@
 
 `mp.spawn` cannot run functions defined in a notebook, so notebooks call `run_torchrun(module, args,
 nproc)`: a fresh free port per job, `--master_addr 127.0.0.1` (plain torchrun can hang resolving the
-host name), a timeout on the whole job, the results directory and git sha passed through the
-environment, and a failed rank's traceback surfaced in the raised error. No rank outlives its job:
-a timeout, Ctrl-C, SIGTERM or SIGHUP to the caller stops the agent and every rank before the caller
-goes on (or exits), and on Linux the agent gets SIGTERM from the kernel if the caller dies by SIGKILL.
+host name), a timeout on the whole job, extra environment for the ranks (a study passes
+`cs336_systems.measure.results.child_env(results_dir)`: where to write results, the commit measured),
+and a failed rank's traceback surfaced in the raised error. No rank outlives its job: a timeout,
+Ctrl-C, SIGTERM or SIGHUP to the caller stops the agent and every rank before the caller goes on (or
+exits), and on Linux the agent gets SIGTERM from the kernel if the caller dies by SIGKILL.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from cs336_systems.benchmarking.results import env_metadata, results_dir
 from cs336_systems.distributed.process_group import free_port
 
 
@@ -46,7 +46,6 @@ def run_torchrun(
     *,
     timeout_s: float = 900.0,
     env: dict[str, str] | None = None,
-    results_dir_: str | os.PathLike | None = None,
     echo: bool = True,
 ) -> str:
     """Run `python -m torch.distributed.run ... -m module args` and return its combined output.
@@ -57,8 +56,6 @@ def run_torchrun(
     cmd = torchrun_command(module, args, nproc)
     full_env = dict(os.environ)
     full_env.update(
-        CS336_RESULTS_DIR=str(results_dir(results_dir_)),
-        CS336_GIT_SHA=env_metadata()["git_sha"],
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS=full_env.get("OMP_NUM_THREADS", "1"),
     )
@@ -201,7 +198,7 @@ def run_variants(
     on_failure: Callable[[str, str], None],
     nproc: int = 2,
     timeout_s: float = 900.0,
-    results_dir_: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[str]:
     """Run `variants` under torchrun, relaunching with the rest after a crash; returns the failed ones.
 
@@ -214,9 +211,7 @@ def run_variants(
     remaining = list(variants)
     while remaining:
         try:
-            run_torchrun(
-                module, launch_args(remaining), nproc, timeout_s=timeout_s, results_dir_=results_dir_
-            )
+            run_torchrun(module, launch_args(remaining), nproc, timeout_s=timeout_s, env=env)
             break
         except TorchrunError as exc:
             done = finished()
@@ -237,14 +232,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="Run a package module under torchrun on this host (a free port, a timeout, every rank "
         "stopped on Ctrl-C or SIGTERM, the failing rank's traceback in the error).",
         epilog="example:\n  python -m cs336_systems.distributed.launch --nproc 2 "
-        "cs336_systems.distributed.ddp_check --variants naive",
+        "cs336_systems.studies.distributed.ddp_check --variants naive",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nproc", type=int, default=2, help="processes (ranks) on this host (default: 2)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="limit for the whole job (default: 900)")
     p.add_argument("--results-dir", default=None, metavar="DIR",
                    help="CS336_RESULTS_DIR of the ranks (default: $CS336_RESULTS_DIR, else figures/data/)")  # fmt: skip
-    p.add_argument("module", help="the module to run on every rank, e.g. cs336_systems.distributed.ddp_check")
+    p.add_argument(
+        "module", help="the module to run on every rank, e.g. cs336_systems.studies.distributed.ddp_check"
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the module")
     a = p.parse_args(argv)
     if a.nproc < 1 or a.timeout_s <= 0:
@@ -252,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if importlib.util.find_spec(a.module) is None:
         p.error(f"module {a.module!r} cannot be imported here")
     try:
-        run_torchrun(a.module, a.args, a.nproc, timeout_s=a.timeout_s, results_dir_=a.results_dir)
+        env = {"CS336_RESULTS_DIR": str(a.results_dir)} if a.results_dir is not None else None
+        run_torchrun(a.module, a.args, a.nproc, timeout_s=a.timeout_s, env=env)
     except TorchrunError as exc:
         raise SystemExit(str(exc)) from None
 

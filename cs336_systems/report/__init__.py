@@ -7,6 +7,8 @@
   the PDF, with a provenance footer.
 * `impl_color(name)`: the fixed colour of an implementation name (`style.IMPL_COLORS`).
 * `assemble` (not imported here): merges writeup.md and executed notebooks and typesets writeup.pdf.
+
+Layer: uses the library and `cs336_systems.measure` (the results store), never a study.
 """
 
 from cs336_systems.report import nb

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import nbformat
 
-from cs336_systems.benchmarking.results import REPO_ROOT
+from cs336_systems.measure.results import REPO_ROOT
 
 TEMPLATE = Path(__file__).resolve().parent / "latex" / "writeup.tex.j2"
 DROP_CELL_TAGS = {"parameters", "injected-parameters", "remove-cell"}

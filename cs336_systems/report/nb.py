@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from cs336_systems.benchmarking.cli import COMMITTED_RESULTS_DIR, RESULTS_ENV, SCRATCH_ROOT
-from cs336_systems.benchmarking.cli import is_committed as _is_committed
-from cs336_systems.benchmarking.results import REPO_ROOT
+from cs336_systems.measure.cli import COMMITTED_RESULTS_DIR, RESULTS_ENV, SCRATCH_ROOT
+from cs336_systems.measure.cli import is_committed as _is_committed
+from cs336_systems.measure.results import REPO_ROOT
 from cs336_systems.report import style
 
 COMMITTED_FIGURES_DIR = REPO_ROOT / "figures"

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 import pandas as pd
 
-from cs336_systems.benchmarking.results import provenance
+from cs336_systems.measure.results import provenance
 
 LONG_TABLE_ROWS = 40  # more rows: a longtable that breaks across pages
 MAX_LINE_CHARS = 118  # estimated characters per line of a \small table at the text width

@@ -1,1 +1,0 @@
-"""Measurement harness: timers, FLOP formulas, tidy results with provenance, and benchmark CLIs."""

@@ -1,0 +1,14 @@
+"""One module per handout problem or family: each measures (a CLI and functions that append tidy rows
+through `cs336_systems.measure.results`) and analyses its rows for the notebooks.
+
+* `end_to_end`, `autocast_study`, `mixed_precision`, `profile`, `timing_analysis`: benchmarking_script,
+  mixed precision and nsys_profile; `timing_gpu_run` is their budgeted one-GPU run.
+* `memory`, `pytorch_attention`, `compile_study`, `checkpointing_study`: memory_profiling,
+  pytorch_attention, torch_compile, gradient_checkpointing; `memory_attention_gpu_run` is their
+  budgeted one-GPU run.
+* `flash_bench`, `flash_model`: FlashAttention-2 benchmarks, the leaderboard, our kernel in the model.
+* `distributed/`: all-reduce, DDP, optimizer-sharding and FSDP benchmarks (torchrun workers) and plots.
+* `readme_summary`: the README's headline results, computed from the committed rows.
+
+Layer: may import the library, `measure` and (for plotting only) `report`; notebooks import studies.
+"""

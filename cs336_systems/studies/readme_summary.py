@@ -1,0 +1,109 @@
+"""Headline results for the README, computed from the committed tidy CSVs (never typed in).
+
+python -m cs336_systems.studies.readme_summary            # rewrite the block between the README markers
+python -m cs336_systems.studies.readme_summary --print    # print it only
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pandas as pd
+
+from cs336_systems.measure.results import REPO_ROOT, latest_run, load_results
+
+START, END = "<!-- results-summary:start -->", "<!-- results-summary:end -->"
+
+
+def _device(df: pd.DataFrame) -> str:
+    return ", ".join(sorted(df["gpu_name"].dropna().unique())) if not df.empty else "n/a"
+
+
+def flash_section() -> str:
+    from cs336_systems.studies.flash_bench import final_runs, protocol_runs
+
+    runs = protocol_runs(load_results("flash_leaderboard"))
+    final = final_runs(runs)
+    if final.empty:
+        final = runs.tail(1)
+    if final.empty:
+        return ""
+    rows = [
+        {"implementation": name, "fwd+bwd median (ms), median of runs": f"{final[col].median():.3f}",
+         "range over runs (ms)": f"{final[col].min():.3f} - {final[col].max():.3f}",
+         "vs SDPA flash (median of runs)": f"{(final[col] / final['sdpa_flash ms']).median():.3f}x"}
+        for name, col in (("flash_triton (ours)", "ours ms"), ("sdpa_flash", "sdpa_flash ms"), ("sdpa_cudnn", "sdpa_cudnn ms"))
+    ]  # fmt: skip
+    return (f"**FlashAttention-2 leaderboard protocol** (bf16, causal, 16 x 16384 x 64, `torch.compile(apply)`, "
+            f"fwd + bwd, do_bench(rep=10000) median; {len(final)} runs of the final kernels on the "
+            f"{', '.join(sorted(final['gpu'].unique()))}):\n\n" + pd.DataFrame(rows).to_markdown(index=False))  # fmt: skip
+
+
+def end_to_end_section() -> str:
+    fp32 = latest_run(load_results("benchmarking_script"))
+    fp32 = fp32[
+        (fp32["metric"] == "step_time") & (fp32["x_name"] == "context_length") & (fp32["dtype"] == "fp32")
+    ]
+    if fp32.empty:
+        return ""
+    table = fp32.pivot_table(index="name", columns="mode", values="mean", aggfunc="last")
+    bf16 = latest_run(load_results("benchmarking_mixed_precision"))
+    bf16 = bf16[
+        (bf16["metric"] == "step_time") & (bf16["dtype"] == "bf16-autocast") & (bf16["mode"] == "train")
+    ]
+    if not bf16.empty:
+        table["train (bf16 autocast)"] = bf16.set_index("name")["mean"]
+    order = [s for s in ("small", "medium", "large", "xl", "2.7B") if s in table.index]
+    table = table.loc[order].map(lambda v: "OOM/n.a." if pd.isna(v) else f"{v:.1f}")
+    ctx = int(fp32["x_value"].astype(float).iloc[0])
+    return (f"**End-to-end step time, ms** (batch 4, context {ctx}, fp32 unless noted, mean of 10 steps after 5 "
+            f"warm-up; {_device(fp32)}):\n\n" + table.reset_index().to_markdown(index=False))  # fmt: skip
+
+
+def ddp_section() -> str:
+    df = latest_run(load_results("ddp_training"), keys=("impl", "x_value", "metric"))
+    df = df[df["note"] == ""]
+    if df.empty:
+        return ""
+    step = df[df["metric"] == "step_time"].copy()
+    comm = df[df["metric"] == "comm_time"].set_index(["impl", "x_value"])["mean"]
+    step["variant"] = step.apply(
+        lambda r: r["impl"] + ("" if pd.isna(r["x_value"]) else f" ({r['x_value']:g} MB)"), axis=1
+    )
+    step["comm (ms)"] = [comm.get((i, x), float("nan")) for i, x in zip(step["impl"], step["x_value"])]
+    out = step[["variant", "mean", "comm (ms)"]].rename(columns={"mean": "step (ms)"})
+    out = out.map(
+        lambda v: f"{v:.1f}" if isinstance(v, float) and not pd.isna(v) else ("" if pd.isna(v) else v)
+    )
+    return (f"**DDP training step, 2025 XL model, 2 GPUs** (global batch 8, context 512, fp32, NCCL; comm = "
+            f"exposed gradient communication; {_device(df)}):\n\n" + out.to_markdown(index=False))  # fmt: skip
+
+
+def build() -> str:
+    parts = [s for s in (flash_section(), end_to_end_section(), ddp_section()) if s]
+    return (
+        "\n\n".join(parts) + "\n\nEvery table in `writeup.pdf` carries its device, versions and git commit."
+    )
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="example:\n  python -m cs336_systems.studies.readme_summary --print",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--print", action="store_true", help="print the summary instead of rewriting README.md")
+    args = p.parse_args(argv)
+    text = build()
+    if args.print:
+        print(text)
+        return
+    readme = REPO_ROOT / "README.md"
+    src = readme.read_text()
+    new = re.sub(re.escape(START) + r".*?" + re.escape(END), f"{START}\n{text}\n{END}", src, flags=re.S)
+    readme.write_text(new)
+
+
+if __name__ == "__main__":
+    main()

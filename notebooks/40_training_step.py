@@ -1,0 +1,114 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 8 training_step (beyond the handout): a training step faster than stock PyTorch
+# The project's fastest training step of the 2.7B model (batch 4, bf16 autocast) against the step a
+# PyTorch user writes in ten lines (SDPA, `torch.compile(model)`, `torch.optim.AdamW(fused=True)`),
+# both built from the same weights and timed in interleaved rounds in one process
+# (`python -m cs336_systems.studies.train_step`). Ours: a multi-tensor Triton AdamW with the reference
+# AdamW's semantics, bf16 compute weights written by the optimizer from fp32 masters, a chunked
+# LM-head + cross-entropy, and each block compiled on its own.
+
+# %% tags=["parameters"]
+measure = "auto"  # "auto": measure on a GPU, else render the committed results
+quick = False  # debug model on the CPU in seconds; results go to a scratch dir
+size = "2.7B"
+context_lengths = [512, 2048]
+
+# %% tags=["remove-input"]
+from cs336_systems.measure.results import latest_run, load_results
+from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.studies import train_step
+
+results_dir = nb.setup(quick)
+if nb.should_measure(measure, quick=quick):
+    argv = ["--quick"] if quick else ["--size", size, "--context-length", *map(str, context_lengths)]
+    train_step.main([*argv, "--results-dir", str(results_dir)])
+df = latest_run(load_results(train_step.PROBLEM, results_dir), keys=("name", "impl", "x_value", "metric"))
+facts = train_step.facts(df)
+nb.have_results(df)
+
+# %% tags=["remove-input"]
+rows = []
+for ctx, f in sorted((k, v) for k, v in facts.items() if isinstance(k, int)):
+    for path in ("stock", "ours"):
+        rows.append({
+            "context": ctx, "step": path, "step (ms)": f[f"{path}_ms"], "forward": f[f"{path}_forward_ms"],
+            "backward": f[f"{path}_backward_ms"], "optimizer": f[f"{path}_optimizer_ms"],
+            "peak (GiB)": f[f"{path}_peak_memory_gib"], "MFU datasheet": f[f"{path}_mfu_datasheet"],
+            "MFU measured peak": f[f"{path}_mfu_measured_peak"],
+        })  # fmt: skip
+import pandas as pd
+
+show_table(
+    pd.DataFrame(rows),
+    caption=f"{size}, batch 4: median step and phase times, ours vs stock in one process",
+    formats={
+        "step (ms)": "{:.1f}",
+        "forward": "{:.1f}",
+        "backward": "{:.1f}",
+        "optimizer": "{:.1f}",
+        "peak (GiB)": "{:.1f}",
+        "MFU datasheet": "{:.1%}",
+        "MFU measured peak": "{:.1%}",
+    },
+    provenance_from=df,
+    note="Phases by CUDA events; 'forward' of ours includes the fused loss's gradient work",
+)
+
+# %% tags=["remove-input"]
+if "waterfall" in facts:
+    save_figure(train_step.plot_waterfall(df), "training_step__waterfall")
+
+# %% tags=["remove-input"]
+if "waterfall" in facts:
+    show_table(
+        train_step.waterfall_table(df).reset_index(names="stage"),
+        caption="Waterfall: each optimisation added to the previous stage (median ms)",
+        formats={c: "{:.1f}" for c in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")},
+        provenance_from=df,
+    )
+
+# %% tags=["remove-input"]
+ctxs = sorted(k for k in facts if isinstance(k, int))
+if ctxs and "adamw_gbs" in facts:
+    ratio = ", ".join(f"{facts[c]['ratio']:.2f}x at context {c}" for c in ctxs)
+    w = facts.get("waterfall", {})
+    nb.md(
+        f"""**Answer.** Our step takes {ratio} of the stock compiled step's time, with peak memory
+{", ".join(f"{facts[c]['ours_peak_memory_gib']:.1f} vs {facts[c]['stock_peak_memory_gib']:.1f} GiB" for c in ctxs)}.
+That is faster than stock at both contexts but short of the 0.85x goal. MFU at context {ctxs[-1]}:
+{facts[ctxs[-1]]["ours_mfu_datasheet"]:.1%} of the datasheet bf16 peak and
+{facts[ctxs[-1]]["ours_mfu_measured_peak"]:.1%} of the {facts["matmul_tflops"]:.0f} TFLOP/s bf16 matmul rate
+measured in the same run.
+
+Where the time went (waterfall): the fused AdamW runs at {facts["adamw_gbs"]:.0f} GB/s,
+{facts["adamw_fraction_of_copy"]:.0%} of the device copy rate ({facts["copy_gbs"]:.0f} GB/s), replacing the
+reference optimizer's per-parameter loop. Letting the optimizer write bf16 compute weights removes the two
+autocast casts per weight (fp32 to bf16 in forward, the bf16 gradient to fp32 in backward) and took the step
+from {w.get("+ fused AdamW", float("nan")):.1f} to {w.get("+ bf16 compute weights", float("nan")):.1f} ms;
+it is exactly autocast's arithmetic (a CPU test checks 20 steps bit for bit). The fused LM-head loss
+matters little at vocabulary 10k ({w.get("+ fused LM-head loss", float("nan")):.1f} ms) and is there for the
+152k vocabulary of the 8B leaderboard. Our Triton FlashAttention pads the model's head dimension 80 to 128,
+so SDPA's attention is faster here ({w.get("SDPA instead of our attention", float("nan")):.1f} ms): the fastest
+step uses SDPA until the Hopper kernels handle d=80. Overlapping the update with backward on a side
+stream measured {w.get("+ overlap with backward", float("nan")):.1f} ms in this run but slower in earlier ones: a
+Hopper GEMM needs a whole SM, so the memory-bound update mostly waits for idle SMs instead of running beside
+backward; it stays off by default. The remaining gap to 0.85x is the optimizer
+({facts[ctxs[0]]["ours_optimizer_ms"]:.1f} ms at context {ctxs[0]}, memory-bound at 28 bytes per parameter) and
+backward GEMMs that both steps share.
+
+Correctness: over {facts.get("check_steps", 0)} steps from the same weights and batches, the loss of our step
+stays within {facts.get("check_max_loss_diff", float("nan")):.4f} nats of the plain reference step (reference
+AdamW, no fusions, bf16 autocast)."""
+    )
