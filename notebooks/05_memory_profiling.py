@@ -30,25 +30,25 @@ block_context_lengths = [512, 2048]
 import pandas as pd
 import torch
 
-from cs336_systems.measure.results import latest_run, load_results
 from cs336_systems.model import get_config
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import memory as M
-from cs336_systems.studies import memory_attention_gpu_run as S
+from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
+from cs336_systems.studies import memory, memory_attention_gpu_run
 
 results_dir = nb.setup(quick)
 snapshot_dir = results_dir / "memory_profiling"
-size, ctx, batch = ("debug", 32, 4) if quick else (M.MODEL_SIZE, max(M.CONTEXT_LENGTHS), 4)
+size, ctx, batch = ("debug", 32, 4) if quick else (memory.MODEL_SIZE, max(memory.CONTEXT_LENGTHS), 4)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    S.memory_profiling_study(snapshot_dir, quick=quick, device=device, results_dir=str(results_dir))
+    memory_attention_gpu_run.memory_profiling_study(
+        snapshot_dir, quick=quick, device=device, results_dir=str(results_dir)
+    )
 df = load_results("memory_profiling", results_dir)
 snapshots = {
     m: snapshot_dir / f"memory_profiling__{size}_{m}_fp32_ctx{ctx}.pickle.gz" for m in ("forward", "train")
 }
-timelines = {m: M.parse_timeline(M.load_snapshot(p)) for m, p in snapshots.items() if p.exists()}
+timelines = {m: memory.parse_timeline(memory.load_snapshot(p)) for m, p in snapshots.items() if p.exists()}
 
 # %% [markdown]
 # **Method.** `python -m cs336_systems.studies.memory_attention_gpu_run --parts memory block_saved` (or
@@ -64,15 +64,17 @@ timelines = {m: M.parse_timeline(M.load_snapshot(p)) for m, p in snapshots.items
 # %% tags=["remove-input"]
 for mode, tl in timelines.items():
     what = "forward pass (inference)" if mode == "forward" else "training step"
-    fig = M.plot_active_memory_timeline(tl, title=f"{size}, context {ctx}, fp32: {what}")
+    fig = memory.plot_active_memory_timeline(tl, title=f"{size}, context {ctx}, fp32: {what}")
     save_figure(fig, f"memory_profiling__timeline_{mode}")
 if not timelines:
     nb.have_results(pd.DataFrame(), "the memory snapshots")
 
 # %% tags=["remove-input"]
 if "train" in timelines:
-    peaks = M.phase_peaks(timelines["train"]).set_index("phase")
-    fwd_peaks = M.phase_peaks(timelines["forward"]).set_index("phase") if "forward" in timelines else None
+    peaks = memory.phase_peaks(timelines["train"]).set_index("phase")
+    fwd_peaks = (
+        memory.phase_peaks(timelines["forward"]).set_index("phase") if "forward" in timelines else None
+    )
     top = peaks["peak_GiB"].idxmax()
     nb.md(
         f"**(a)** Yes. In the training step memory starts at {peaks.loc['forward', 'start_GiB']:.1f} GiB "
@@ -95,7 +97,7 @@ if "train" in timelines:
 # `reset_peak_memory_stats` at the start of the step), GiB.
 
 # %% tags=["remove-input"]
-peak = M.peak_table(df)
+peak = memory.peak_table(df)
 if nb.have_results(peak, "memory_profiling"):
     show_table(
         peak,
@@ -104,7 +106,7 @@ if nb.have_results(peak, "memory_profiling"):
     )
 
 # %% tags=["remove-input"]
-num = M.peak_values(df)
+num = memory.peak_values(df)
 if len(num) and ("fp32", "train step") in num.columns and ("bf16-autocast", "train step") in num.columns:
     ratio_t = num[("bf16-autocast", "train step")] / num[("fp32", "train step")]
     ratio_f = num[("bf16-autocast", "forward")] / num[("fp32", "forward")]
@@ -123,10 +125,10 @@ if len(num) and ("fp32", "train step") in num.columns and ("bf16-autocast", "tra
     )
 
 # %% tags=["remove-input"]
-rs = {t: M.residual_stream_bytes(M.MODEL_SIZE, batch, t) for t in M.CONTEXT_LENGTHS}
-d_model = get_config(M.MODEL_SIZE).d_model
+rs = {t: memory.residual_stream_bytes(memory.MODEL_SIZE, batch, t) for t in memory.CONTEXT_LENGTHS}
+d_model = get_config(memory.MODEL_SIZE).d_model
 seen = (
-    M.count_allocations(timelines["forward"], M.residual_stream_bytes(size, batch, ctx))
+    memory.count_allocations(timelines["forward"], memory.residual_stream_bytes(size, batch, ctx))
     if "forward" in timelines
     else None
 )
@@ -137,7 +139,7 @@ nb.md(
     + f" (bytes / 1024^2; {rs[512] / 2**20:.0f} MiB at the reference context 512)."
     + (
         f" The forward snapshot at context {ctx} contains {seen} allocations of exactly that size "
-        f"({M.residual_stream_bytes(size, batch, ctx) / 2**20:.2f} MiB)."
+        f"({memory.residual_stream_bytes(size, batch, ctx) / 2**20:.2f} MiB)."
         if seen
         else ""
     )
@@ -145,7 +147,7 @@ nb.md(
 
 # %% tags=["remove-input"]
 if "forward" in timelines:
-    big = M.largest_allocations(timelines["forward"], top=8)
+    big = memory.largest_allocations(timelines["forward"], top=8)
     shown = big.assign(
         source=big["source"].str.replace("model/", "", regex=False),
         **{
@@ -189,10 +191,10 @@ if "forward" in timelines:
 
 # %% tags=["remove-input"]
 fsize, fctx = ("debug", [32]) if quick else (block_size, block_context_lengths)
-results_f = {t: M.block_saved_memory(fsize, batch, t, device="meta") for t in fctx}
+results_f = {t: memory.block_saved_memory(fsize, batch, t, device="meta") for t in fctx}
 for t, res in results_f.items():
     show_table(
-        M.by_op_frame(res),
+        memory.by_op_frame(res),
         caption=f"Top-5 operations by bytes saved for backward, one {fsize} block, batch {batch}, T = {t} "
         f"(total {res['saved']['activation'] / 2**20:,.0f} MiB)",
         provenance_from=f"computed live with saved-tensor hooks on the meta device, torch {torch.__version__}",
@@ -223,11 +225,11 @@ t_last = max(results_f)
 res = results_f[t_last]
 fcfg = get_config(fsize)
 square = 3 * batch * fcfg.num_heads * t_last * t_last * 4
-top5 = M.by_op_frame(res)
+top5 = memory.by_op_frame(res)
 meas = gpu_f[gpu_f.x_value == t_last].set_index("metric")["mean"] if len(gpu_f) else None
 nb.md(
     f"At T = {t_last} one block saves {res['saved']['activation'] / 2**20:,.0f} MiB of activations "
-    f"({res['saved']['activation'] / M.residual_stream_bytes(fsize, batch, t_last):.0f} times its input), "
+    f"({res['saved']['activation'] / memory.residual_stream_bytes(fsize, batch, t_last):.0f} times its input), "
     f"plus references to its parameters and input. The five largest contributors are "
     + ", ".join(f"{r.op} ({r.percent:.0f}%)" for r in top5.itertuples())
     + f". The three (batch, heads, T, T) fp32 tensors of the naive softmax (the masked scores kept by `amax`, "

@@ -28,24 +28,22 @@ dtypes = ["bfloat16", "float32"]
 budget_s = 480  # the sweep's time budget; what does not fit becomes 'skipped' rows
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import flash_bench as FB
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies import flash_sweep
 
 results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
     cfg = (
-        FB.quick_config()
+        flash_sweep.quick_config()
         if quick
-        else FB.SweepConfig(
+        else flash_sweep.SweepConfig(
             seq_lens=tuple(seq_lens), head_dims=tuple(head_dims), dtypes=tuple(dtypes), budget_s=budget_s
         )
     )
-    FB.run_sweep(cfg, results_dir=results_dir)
-df = FB.sweep_frame(load_results(FB.PROBLEM, results_dir))
-gpu_df = df[~df.gpu_name.astype(str).str.startswith("cpu")] if len(df) else df
+    flash_sweep.run_sweep(cfg, results_dir=results_dir)
+df = flash_sweep.sweep_frame(load_results(flash_sweep.PROBLEM, results_dir))
 big_d = max(df.d) if len(df) else 0
 mid_d = 64 if 64 in set(df.d) else big_d
 
@@ -65,7 +63,7 @@ mid_d = 64 if 64 in set(df.d) else big_d
 
 # %% tags=["remove-input"]
 for dtype in [t for t in dtypes if t in set(df.dtype)]:
-    tab = FB.latency_table(df, dtype)
+    tab = flash_sweep.latency_table(df, dtype)
     if nb.have_results(tab, f"flash_benchmarking ({dtype})"):
         show_table(
             tab.rename(
@@ -79,7 +77,7 @@ for dtype in [t for t in dtypes if t in set(df.dtype)]:
 
 # %% tags=["remove-input"]
 for dtype in [t for t in dtypes if t in set(df.dtype)]:
-    tab = FB.impl_table(df, dtype, mid_d)
+    tab = flash_sweep.impl_table(df, dtype, mid_d)
     if len(tab):
         show_table(
             tab,
@@ -92,67 +90,46 @@ for dtype in [t for t in dtypes if t in set(df.dtype)]:
 if len(df):
     for dtype in [t for t in dtypes if t in set(df.dtype)]:
         save_figure(
-            FB.plot_vs_n(df, "latency", "fwd_bwd", dtype, ylabel="median ms"),
+            flash_sweep.plot_vs_n(df, "latency", "fwd_bwd", dtype, ylabel="median ms"),
             f"flash_benchmarking__latency_{dtype}",
         )
         save_figure(
-            FB.plot_vs_n(df, "throughput", "fwd_bwd", dtype, ylabel="TFLOP/s", logy=False),
+            flash_sweep.plot_vs_n(df, "throughput", "fwd_bwd", dtype, ylabel="TFLOP/s", logy=False),
             f"flash_benchmarking__tflops_{dtype}",
         )
-    save_figure(FB.plot_vs_n(df, "peak_memory", "fwd_bwd", dtypes[0] if dtypes[0] in set(df.dtype) else df.dtype.iloc[0],
-                             ylabel="peak GiB above inputs"), "flash_benchmarking__memory")  # fmt: skip
+    memory_dtype = dtypes[0] if dtypes[0] in set(df.dtype) else df.dtype.iloc[0]
+    save_figure(
+        flash_sweep.plot_vs_n(df, "peak_memory", "fwd_bwd", memory_dtype, ylabel="peak GiB above inputs"),
+        "flash_benchmarking__memory",
+    )
 
 # %% tags=["remove-input"]
-if len(gpu_df):
-    g = gpu_df
-    lat = g[(g.metric == "latency") & (g["mode"] == "fwd_bwd")].set_index(["impl", "dtype", "d", "N"]).p50
-    n_long = 16384
-    sp = lat.get(("naive", "bfloat16", 64, n_long), float("nan")) / lat.get(
-        ("flash_triton", "bfloat16", 64, n_long), float("nan")
-    )
-    ratio_flash = lat.get(("flash_triton", "bfloat16", 64, 65536), float("nan")) / lat.get(
-        ("sdpa_flash", "bfloat16", 64, 65536), float("nan")
-    )
-    ratio_cudnn = lat.get(("flash_triton", "bfloat16", 64, 65536), float("nan")) / lat.get(
-        ("sdpa_cudnn", "bfloat16", 64, 65536), float("nan")
-    )
-    short = lat.xs(("flash_triton", "bfloat16"), level=("impl", "dtype"))
-    floor_ms = short[short.index.get_level_values("N") <= 2048].median()
-    sdpa_floor = lat.xs(("sdpa_flash", "bfloat16"), level=("impl", "dtype"))
-    sdpa_floor = sdpa_floor[sdpa_floor.index.get_level_values("N") <= 2048].median()
-    oom = g[(g.impl == "naive") & (g.note == "OOM") & (g.metric == "latency")]
-    oom_n = int(oom.N.min()) if len(oom) else None
-    mem = {dt: FB.memory_exponents(g, dt, 64) for dt in ("bfloat16", "float32")}
-    tf = g[
-        (g.metric == "throughput")
-        & (g.impl == "flash_triton")
-        & (g["mode"] == "fwd_bwd")
-        & (g.dtype == "bfloat16")
-    ]
-    best_tf = tf.loc[tf.p50.idxmax()] if len(tf) else None
+if len(df) and not df.gpu_name.astype(str).str.startswith("cpu").all():
+    facts = flash_sweep.facts(df)
+    best_tf = facts["best_tflops"]
     nb.md(
         f"**Answer.** At long sequences our Triton FlashAttention-2 is far faster than naive PyTorch attention: "
-        f"forward+backward at d = 64, N = {n_long}, bf16 takes {lat.get(('flash_triton', 'bfloat16', 64, n_long), float('nan')):.2f} ms "
-        f"against {lat.get(('naive', 'bfloat16', 64, n_long), float('nan')):.1f} ms ({sp:.0f}x). Naive attention runs out of memory "
+        f"forward+backward at d = 64, N = {facts['n_long']}, bf16 takes {facts['triton_ms_long']:.2f} ms "
+        f"against {facts['naive_ms_long']:.1f} ms ({facts['speedup_long']:.0f}x). Naive attention runs out of memory "
         + (
-            f"from N = {oom_n} (the (N, N) fp32 score, probability and gradient matrices), "
-            if oom_n
+            f"from N = {facts['naive_oom_n']} (the (N, N) fp32 score, probability and gradient matrices), "
+            if facts["naive_oom_n"]
             else "nowhere, "
         )
         + "while the flash kernels reach N = 65536 for every d and dtype. Peak memory grows as "
-        f"N^{mem['bfloat16'].get('flash_triton', float('nan')):.2f} for Triton FA2 and "
-        f"N^{mem['bfloat16'].get('naive', float('nan')):.2f} for naive attention (bf16, d = 64, least-squares slope "
+        f"N^{facts['memory_exponent_triton']:.2f} for Triton FA2 and "
+        f"N^{facts['memory_exponent_naive']:.2f} for naive attention (bf16, d = 64, least-squares slope "
         "over N >= 2048): FlashAttention saves only O, L and the inputs. Against the libraries at N = 65536 "
-        f"(bf16, d = 64) ours takes {ratio_flash:.2f}x the time of SDPA's FlashAttention-2 backend and "
-        f"{ratio_cudnn:.2f}x that of its cuDNN backend"
+        f"(bf16, d = 64) ours takes {facts['vs_sdpa_flash_at_max_n']:.2f}x the time of SDPA's FlashAttention-2 backend and "
+        f"{facts['vs_sdpa_cudnn_at_max_n']:.2f}x that of its cuDNN backend"
         + (
-            f"; the best Triton throughput in the grid is {best_tf.p50:.0f} TFLOP/s (d = {best_tf.d}, N = {best_tf.N})."
+            f"; the best Triton throughput in the grid is {best_tf['tflops']:.0f} TFLOP/s (d = {best_tf['d']}, N = {best_tf['N']})."
             if best_tf is not None
             else "."
         )
         + f" Up to N = 2048 every flash configuration is bound by host overhead, not by the GPU: our forward+backward "
-        f"costs about {floor_ms:.1f} ms whatever N and d (Python launcher, two custom ops, four Triton launches), "
-        f"SDPA about {sdpa_floor:.2f} ms; the GPU work there is a few microseconds. fp32 runs on TF32 tensor cores in "
+        f"costs about {facts['floor_ms']:.1f} ms whatever N and d (Python launcher, two custom ops, four Triton launches), "
+        f"SDPA about {facts['sdpa_floor_ms']:.2f} ms; the GPU work there is a few microseconds. fp32 runs on TF32 tensor cores in "
         "our kernels and naive attention alike, while SDPA's flash and cuDNN backends do not accept fp32 at all. "
         "The pure-PyTorch tiled version is the slowest implementation at every length: its Python loop launches "
         "a handful of kernels per 128 x 128 tile, and compiling the tile step does not remove that per-step cost."

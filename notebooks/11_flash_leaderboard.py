@@ -33,32 +33,30 @@ import json
 
 import pandas as pd
 
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import flash_bench as FB
-from cs336_systems.studies import flash_model as FM
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies import flash_leaderboard, flash_model, flash_tuning
 
 results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    cfg = FB.LeaderboardConfig(rep_ms=rep_ms, warmup_ms=warmup_ms)
+    cfg = flash_leaderboard.LeaderboardConfig(rep_ms=rep_ms, warmup_ms=warmup_ms)
     if quick:
-        cfg = FB.LeaderboardConfig(
+        cfg = flash_leaderboard.LeaderboardConfig(
             heads=2, seq_len=64, d=16, rep_ms=20, warmup_ms=5, dtype="float32", matmul_n=256, device="cpu"
         )
-    FB.run_leaderboard(cfg, results_dir=results_dir)
+    flash_leaderboard.run_leaderboard(cfg, results_dir=results_dir)
     if not quick:
-        FM.check_equivalence(model_size, [512, 1024], results_dir=results_dir)
-        FM.training_sweep(model_size, model_contexts, results_dir=results_dir)
-        FM.training_sweep(model_size, [4096], batch_size=2, results_dir=results_dir)
-df = load_results(FB.LEADERBOARD, results_dir)
-runs = FB.protocol_runs(df, target)
+        flash_model.check_equivalence(model_size, [512, 1024], results_dir=results_dir)
+        flash_model.training_sweep(model_size, model_contexts, results_dir=results_dir)
+        flash_model.training_sweep(model_size, [4096], batch_size=2, results_dir=results_dir)
+df = load_results(flash_leaderboard.LEADERBOARD, results_dir)
+runs = flash_leaderboard.protocol_runs(df, target)
 protocol, split, variants, tuning = (
-    FB.leaderboard_table(df),
-    FB.split_table(df),
-    FB.variants_table(df),
-    FB.tuning_table(df),
+    flash_leaderboard.leaderboard_table(df),
+    flash_leaderboard.split_table(df),
+    flash_leaderboard.variants_table(df),
+    flash_tuning.tuning_table(df),
 )
 
 # %% [markdown]
@@ -113,7 +111,10 @@ if len(tuning):
     show_table(tuning, caption="Fastest tile candidates per kernel, each pass timed alone",
                provenance_from=tuning.attrs["source"])  # fmt: skip
 if len(protocol):
-    save_figure(FB.plot_leaderboard(protocol, variants, target), "flash_leaderboard__protocol_and_versions")
+    save_figure(
+        flash_leaderboard.plot_leaderboard(protocol, variants, target),
+        "flash_leaderboard__protocol_and_versions",
+    )
 
 # %% [markdown]
 # **Rounds on the H200** (`flash_bench --tune 64:bfloat16:16384 [--tune-small]`, each backward pass
@@ -125,20 +126,12 @@ if len(protocol):
 # The `bwd` rows time the whole backward with the dQ pass on one stream or on a side stream.
 
 # %% tags=["remove-input"]
-h200 = df[(df.name == "tuning") & df.gpu_name.str.contains("H200") & df["mode"].isin(["dkdv", "bwd"])]
-if len(h200):
-    rounds = h200.assign(
-        config=[FB._short_config("dkdv", c) if m == "dkdv" else ("dQ on a side stream" if "streams=True" in c
-                else "dQ on the same stream") for m, c in zip(h200["mode"], h200.impl)],
-        round=h200.git_sha.map({sha: f"round {k + 1}" for k, sha in enumerate(h200.git_sha.unique())}),
-    )  # fmt: skip
+rounds = flash_tuning.tuning_rounds(df)
+if len(rounds):
     show_table(
-        rounds[["round", "mode", "config", "p50"]]
-        .rename(columns={"mode": "pass", "p50": "median ms"})
-        .sort_values(["round", "pass", "median ms"])
-        .reset_index(drop=True),
+        rounds,
         caption="dK/dV candidates and the whole backward on the H200, 16 x 16384 x 64, bf16, causal",
-        provenance_from=h200,
+        provenance_from=rounds.attrs["source"],
         formats={"median ms": "{:.3f}"},
     )
 
@@ -149,22 +142,16 @@ if len(h200):
 # final is the shipped configuration.
 
 # %% tags=["remove-input"]
-ncu = {}
-for tag in ("round1", "final"):
-    path = nb.results_dir() / f"flash_leaderboard__ncu_bwd_{tag}.txt"
-    if path.exists():
-        t = FB.ncu_summary(path.read_text())
-        ncu[tag] = t.rename(
-            columns=lambda k, tag=tag: f"{k.replace('flash_bwd_', '').replace('_kernel', '')} ({tag})"
-        )
-if ncu:
-    table = pd.concat(ncu.values(), axis=1)
-    show_table(table[[c for c in table.columns if "preprocess" not in c]].rename_axis("metric").reset_index(),
-               caption="ncu metrics of the backward kernels (H200)")  # fmt: skip
+table = flash_tuning.ncu_table(nb.results_dir())
+if len(table):
+    show_table(
+        table[[c for c in table.columns if "preprocess" not in c]].rename_axis("metric").reset_index(),
+        caption="ncu metrics of the backward kernels (H200)",
+    )
 
 # %% tags=["remove-input"]
 if len(protocol) and not quick:
-    final = FB.final_runs(runs)
+    final = flash_leaderboard.final_runs(runs)
     s = split.set_index(["impl", "mode"])
     fwd_pct, bwd_pct = (
         s.loc[("flash_triton", "fwd"), "of measured matmul peak"],
@@ -184,7 +171,7 @@ if len(protocol) and not quick:
         if runs.gpu.str.contains("H100").any()
         else float("nan")
     )
-    nk = ncu.get("final", pd.DataFrame()) if ncu else pd.DataFrame()
+    nk = table
     nb.md(
         f"**Answer.** With the final kernels our Triton FlashAttention-2 took {final['ours ms'].min():.2f} to "
         f"{final['ours ms'].max():.2f} ms in {len(final)} full-protocol runs on the {final.gpu.iloc[-1]}, i.e. "
@@ -230,16 +217,16 @@ if len(protocol) and not quick:
 # for naive attention, SDPA and our kernel.
 
 # %% tags=["remove-input"]
-e2e = load_results(FM.PROBLEM, results_dir)
-checks, speed = FM.check_table(e2e), FM.speedup_table(e2e)
+e2e = load_results(flash_model.PROBLEM, results_dir)
+checks, speed = flash_model.check_table(e2e), flash_model.speedup_table(e2e)
 if len(checks):
     show_table(checks.reset_index(), caption="Model outputs and gradients against naive attention (2.7B, batch 2)",
                provenance_from=e2e[e2e["mode"] == "check"],
-               formats={m: "{:.1e}" for m in FM.CHECK_METRICS})  # fmt: skip
+               formats={m: "{:.1e}" for m in flash_model.CHECK_METRICS})  # fmt: skip
 if len(speed):
     show_table(speed.reset_index(), caption="2.7B training step, bf16 autocast (OOM: out of memory on the GPU)",
                provenance_from=e2e[e2e["mode"] == "train"])  # fmt: skip
-    save_figure(FM.plot_training(e2e), "flash_leaderboard__model_training")
+    save_figure(flash_model.plot_training(e2e), "flash_leaderboard__model_training")
 
 # %% tags=["remove-input"]
 if len(speed) and len(checks) and not quick:

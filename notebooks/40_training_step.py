@@ -32,7 +32,8 @@ from cs336_systems.studies import train_step
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, quick=quick):
-    argv = ["--quick"] if quick else ["--size", size, "--context-length", *map(str, context_lengths)]
+    argv = (["--quick", "--parts", "compare", "waterfall"] if quick
+            else ["--size", size, "--context-length", *map(str, context_lengths)])  # fmt: skip
     train_step.main([*argv, "--results-dir", str(results_dir)])
 df = latest_run(load_results(train_step.PROBLEM, results_dir), keys=("name", "impl", "x_value", "metric"))
 facts = train_step.facts(df)
@@ -101,12 +102,12 @@ it is exactly autocast's arithmetic (a CPU test checks 20 steps bit for bit). Th
 matters little at vocabulary 10k ({w.get("+ fused LM-head loss", float("nan")):.1f} ms) and is there for the
 152k vocabulary of the 8B leaderboard. Our Triton FlashAttention pads the model's head dimension 80 to 128,
 so SDPA's attention is faster here ({w.get("SDPA instead of our attention", float("nan")):.1f} ms): the fastest
-step uses SDPA until the Hopper kernels handle d=80. Overlapping the update with backward on a side
-stream measured {w.get("+ overlap with backward", float("nan")):.1f} ms in this run but slower in earlier ones: a
-Hopper GEMM needs a whole SM, so the memory-bound update mostly waits for idle SMs instead of running beside
-backward; it stays off by default. The remaining gap to 0.85x is the optimizer
-({facts[ctxs[0]]["ours_optimizer_ms"]:.1f} ms at context {ctxs[0]}, memory-bound at 28 bytes per parameter) and
-backward GEMMs that both steps share.
+step uses SDPA until the Hopper kernels handle d=80. Overlapping the update with backward (each block's
+update on a low-priority side stream as soon as its gradients are final, backward on the highest-priority
+stream) took the step to {w.get("+ overlap with backward", float("nan")):.1f} ms: a Hopper GEMM needs a whole
+SM, so the memory-bound update can only use SMs that backward leaves idle, and part of it stays exposed
+({facts[ctxs[0]]["ours_optimizer_ms"]:.1f} ms at context {ctxs[0]}). The remaining gap to 0.85x is that exposed, memory-bound
+update (28 bytes per parameter) and the GEMMs both steps share.
 
 Correctness: over {facts.get("check_steps", 0)} steps from the same weights and batches, the loss of our step
 stays within {facts.get("check_max_loss_diff", float("nan")):.4f} nats of the plain reference step (reference

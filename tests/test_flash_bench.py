@@ -8,14 +8,14 @@ import pandas as pd
 import torch
 
 from cs336_systems.attention.flash_triton import launch
-from cs336_systems.studies import flash_bench as FB
+from cs336_systems.studies import flash_leaderboard, flash_tuning
 
 FWD = repr(launch.heuristic_fwd(16384, 16384, 64, torch.bfloat16, interpreter=False))
 BWD = launch.heuristic_bwd(16384, 16384, 64, torch.bfloat16, interpreter=False)
 
 
 def _run(run_id, ours, flash, *, bwd=BWD, rep=10000.0, order=("sdpa_flash", "flash_triton", "sdpa_cudnn")):
-    cfg = {"rep_ms": rep, "warmup_ms": 1000.0, "run_id": run_id, "tiles_fwd": FWD, "tiles_bwd": repr(bwd),
+    cfg = {"rep_ms": rep, "warmup_ms": 1000.0, "run_id": run_id, "tiles_fwd": FWD, "tiles_bwd": bwd if isinstance(bwd, str) else repr(bwd),
            "tiles_source": "heuristic"}  # fmt: skip
     ms = {"flash_triton": ours, "sdpa_flash": flash, "sdpa_cudnn": 4.5}
     return [
@@ -27,17 +27,18 @@ def _run(run_id, ours, flash, *, bwd=BWD, rep=10000.0, order=("sdpa_flash", "fla
 
 def test_runs_are_grouped_by_run_id_and_final_runs_follow_the_heuristic_table():
     other = BWD.__class__(**{**BWD.__dict__, "maxnreg1": None})  # other kernels: not final
-    streams = BWD.__class__(**{**BWD.__dict__, "streams": True})  # same kernels, other stream: final
+    # an older row: same kernels, the dQ pass on a side stream (a switch that has left the kernels): final
+    streams = repr(BWD)[:-1] + ", fused=False, tma1=None, tma2=None, streams=True)"
     df = pd.DataFrame(
         _run(1, 5.0, 7.0) + _run(2, 5.2, 7.0, bwd=other) + _run(3, 5.0, 7.0, rep=3000.0)
         + _run(4, 5.3, 7.1, bwd=streams, order=("flash_triton", "sdpa_cudnn", "sdpa_flash"))
     )  # fmt: skip
-    runs = FB.protocol_runs(df, target=0.72)
+    runs = flash_leaderboard.protocol_runs(df, target=0.72)
     assert list(runs["git sha"]) == ["sha1", "sha2", "sha3", "sha4"]
     assert runs["ours / sdpa_flash"].round(6).tolist() == [round(5.0 / 7.0, 6), round(5.2 / 7.0, 6),
                                                            round(5.0 / 7.0, 6), round(5.3 / 7.1, 6)]  # fmt: skip
     assert runs["<= target"].tolist() == [True, False, True, False]
-    assert list(FB.final_runs(runs)["git sha"]) == ["sha1", "sha4"]
+    assert list(flash_leaderboard.final_runs(runs)["git sha"]) == ["sha1", "sha4"]
 
 
 NCU_TEXT = """\
@@ -53,10 +54,28 @@ NCU_TEXT = """\
 
 
 def test_ncu_summary_parses_metrics_units_and_the_busiest_pipeline():
-    t = FB.ncu_summary(NCU_TEXT)
+    t = flash_tuning.ncu_summary(NCU_TEXT)
     assert list(t.columns) == ["flash_bwd_dkdv_kernel", "flash_bwd_preprocess_kernel"]
     assert t.loc["Duration (ms)", "flash_bwd_dkdv_kernel"] == "2.86"
     assert t.loc["Duration (ms)", "flash_bwd_preprocess_kernel"] == "0.019"  # us -> ms
     assert t.loc["Registers Per Thread (register/thread)", "flash_bwd_dkdv_kernel"] == "168"
     assert t.loc["Local Memory Spilling Requests", "flash_bwd_dkdv_kernel"] == "10,756,032"
     assert t.loc["busiest pipeline", "flash_bwd_dkdv_kernel"] == "Shared 52.2%"
+
+
+def test_sweep_facts_on_the_committed_results():
+    from cs336_systems.report import load_results
+    from cs336_systems.studies import flash_sweep
+
+    df = flash_sweep.sweep_frame(load_results(flash_sweep.PROBLEM))
+    facts = flash_sweep.facts(df)
+    lat = df[(df.metric == "latency") & (df["mode"] == "fwd_bwd") & (df.dtype == "bfloat16") & (df.d == 64)]
+    ms = lat.set_index(["impl", "N"]).p50
+    assert facts["triton_ms_long"] == ms[("flash_triton", 16384)]
+    assert facts["speedup_long"] == ms[("naive", 16384)] / ms[("flash_triton", 16384)] > 5
+    assert facts["naive_oom_n"] == int(lat[(lat.impl == "naive") & (lat.note == "OOM")].N.min())
+    assert facts["memory_exponent_triton"] < 1.2 < 1.8 < facts["memory_exponent_naive"]
+    assert 0 < facts["sdpa_floor_ms"] < facts["floor_ms"]
+    gpu = ~df.gpu_name.astype(str).str.startswith("cpu")
+    tf = df[gpu & (df.metric == "throughput") & (df.impl == "flash_triton") & (df["mode"] == "fwd_bwd")]
+    assert facts["best_tflops"]["tflops"] == tf[tf["dtype"] == "bfloat16"].p50.max()

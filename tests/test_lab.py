@@ -50,8 +50,9 @@ NOTEBOOKS = sorted(p.name for p in NB_DIR.glob("[0-9]*_*.py"))
 RUN_NOTEBOOK = "06_pytorch_attention.py"  # quick mode: a tqdm sweep, a table and a figure, ~5 s
 BROWSER_NOTEBOOK = "03_mixed_precision_accumulation.py"
 # `make lab`, headless on loopback with a port the OS picks; -o: never rebuild the environment here
-MAKE_LAB = ["make", "--no-print-directory", "-o", ".venv/.installed-stamp", "lab",
-            "LAB_ARGS=--no-browser --ip=127.0.0.1 --port=0"]  # fmt: skip
+# Checkpoints (written on every Lab save) go to the test's temp dir, not notebooks/.ipynb_checkpoints.
+MAKE_LAB = ["make", "--no-print-directory", "-o", ".venv/.installed-stamp", "lab"]
+LAB_ARGS = "LAB_ARGS=--no-browser --ip=127.0.0.1 --port=0 --FileCheckpoints.checkpoint_dir={checkpoints}"
 URL_RE = re.compile(r"http://127\.0\.0\.1:(\d+)/lab\?token=([0-9a-f]+)")
 NEWS_TOAST = "official Jupyter news"
 START_TIMEOUT_S = 90
@@ -114,7 +115,7 @@ def start_make_lab(tmp: Path) -> Lab:
     log = tmp / "make-lab.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            MAKE_LAB,
+            [*MAKE_LAB, LAB_ARGS.format(checkpoints=tmp / "checkpoints")],
             cwd=REPO,
             stdin=slave,
             stdout=out,

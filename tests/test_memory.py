@@ -8,6 +8,7 @@ from matplotlib.figure import Figure
 
 from cs336_systems.model import get_config
 from cs336_systems.studies import memory as mem
+from cs336_systems.studies import memory_timeline
 from cs336_systems.studies.end_to_end import EndToEndConfig
 
 MIB = 2**20
@@ -101,7 +102,7 @@ def test_parse_timeline_elements_phases_and_total():
 @pytest.mark.parametrize("max_drawn", [1, 2, 100])
 def test_layout_stack_top_equals_total(max_drawn):
     tl = mem.parse_timeline(synthetic_snapshot())
-    polys, ids, drawn_top, summarized, base = mem._layout(tl, max_drawn)
+    polys, ids, drawn_top, summarized, base = memory_timeline._layout(tl, max_drawn)
     assert base == MIB  # the persistent block is the bottom band
     assert len(ids) == min(max_drawn, 4)
     np.testing.assert_allclose(drawn_top + summarized, tl.total)
@@ -152,7 +153,7 @@ def test_profiler_frames_are_understood():
         "action": "alloc",
         "frames": [{"filename": "none", "line": 0, "name": "/x/memory.py(81): _memory_mark_backward"}],
     }
-    assert mem._marker_phase(ev) == "backward"
+    assert memory_timeline.marker_phase(ev) == "backward"
 
 
 def test_compact_save_load_roundtrip(tmp_path):
@@ -223,3 +224,14 @@ def test_capture_step_cuda_snapshot_matches_allocator():
     m = res["measured"]
     assert abs(m["saved_activation"] - res["saved"]["activation"]) <= 0.05 * res["saved"]["activation"]
     assert abs(m["grad_bytes"] - res["expected_grad_bytes"]) <= 0.05 * res["expected_grad_bytes"]
+
+
+def test_marker_functions_carry_the_prefix_the_timeline_parses():
+    for phase, marker in mem._MARKERS.items():
+        assert marker.__name__ == f"{memory_timeline.MARKER_PREFIX}{phase}"
+        assert (
+            memory_timeline.marker_phase(
+                {"frames": [{"filename": "x.py", "line": 1, "name": marker.__name__}]}
+            )
+            == phase
+        )

@@ -330,3 +330,43 @@ def test_profiler_none_gives_timer_rows_only():
     assert {r["metric"] for r in rows} == {"python_timer"}
     assert pd.DataFrame(rows)["mode"].tolist() == ["inference/forward", "train/forward", "train/backward",
                                                    "train/optimizer_step"]  # fmt: skip
+
+
+def test_facts_on_the_committed_results():
+    from cs336_systems.measure.results import REPO_ROOT, latest_run
+    from cs336_systems.studies import timing_analysis
+
+    data = REPO_ROOT / "figures" / "data"
+    frame = P.profile_frame(latest_run(load_results("nsys_profile", data)))
+    bench = timing_analysis.timing_stats(load_results("benchmarking_script", data))
+    facts = P.facts(frame, bench, 512)
+    fwd = P.forward_table(frame, bench).xs(512, level="context_length")
+    first, last = facts["sizes"][0], facts["sizes"][-1]
+    assert (first, last) == ("small", "2.7B")
+    assert facts["span_first_ms"] == fwd.gpu_span_ms[first] and facts["span_last_ms"] == fwd.gpu_span_ms[last]
+    dev = (fwd.python_ms / fwd.gpu_span_ms - 1).abs()
+    assert facts["timer_dev_min"] == pytest.approx(dev.min()) and facts["timer_dev_max"] == pytest.approx(
+        dev.max()
+    )
+    assert [k["size"] for k in facts["top_forward"]] == facts["sizes"]
+    assert all(0 < k["share"] <= 1 and k["calls"] >= 1 for k in facts["top_forward"])
+    assert 0 <= facts["same_top_fraction"] <= 1 and facts["step_top_matmul_fraction"] == 1.0
+    assert all(m["train"] < m["inference"] for m in facts["matmul_share"])  # backward + AdamW add non-matmul
+    assert facts["non_matmul_min"] <= facts["non_matmul_max"]
+    assert facts["optimizer_elementwise_min"] == pytest.approx(1.0)
+    # 5 FLOPs per score against 4 d_head for QK^T and PV: d_head 64 (small) to 80 (2.7B)
+    assert facts["softmax_flop_ratio_max"] == pytest.approx(5 / (4 * 64))
+    assert facts["softmax_flop_ratio_min"] == pytest.approx(5 / (4 * 80))
+    low = facts["softmax_time_ratio_min"] / facts["softmax_flop_ratio_max"]
+    high = facts["softmax_time_ratio_max"] / facts["softmax_flop_ratio_min"]
+    assert low <= facts["softmax_per_flop_min"] <= facts["softmax_per_flop_max"] <= high
+    with pytest.raises(ValueError, match="no profiled configuration"):
+        P.facts(frame, bench, 12345)
+
+
+def test_gemm_family_names():
+    assert P.gemm_family("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3_warpsize2x2x1") == (
+        "xmma_gemm tn 128x128x8"
+    )
+    assert P.gemm_family("Kernel2[cutlass_80_simt_sgemm_256x128_8x4_nn_align1]") == "simt_sgemm nn 256x128"
+    assert P.gemm_family("reduce_kernel[MaxOps]") == "reduce_kernel[MaxOps]"

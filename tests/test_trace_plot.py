@@ -47,3 +47,31 @@ def test_overlap_stats_and_plot():
     assert st["comm_after_backward_ms"] == pytest.approx(0.05)
     fig = trace_plot.plot_timelines({"a": trace_plot.compact_trace(_gpu_trace())})
     assert len(fig.axes) == 1 and "70% under compute" in fig.axes[0].get_title()
+
+
+def test_events_frame_attributes_kernels_by_launch_and_range_at():
+    from cs336_systems.measure import traces
+
+    events = traces.events_frame(_gpu_trace())
+    device = events[events.kind == "device"]
+    assert list(device.launch_us) == [5, 95, 160, 150] and set(device.attribution) == {"launch"}
+    assert list(device.stream) == ["7", "7", "20", "7"]
+    ranges = events[events.kind == "range"]
+    assert traces.range_at(device.launch_us, ranges) == ["forward", "forward", "backward", "backward"]
+    assert traces.range_at([1000.0], ranges) == [""]
+    with pytest.raises(ValueError, match="traceEvents"):
+        traces.events_frame({"events": []})
+
+
+def test_timeline_plotter_checks_its_input():
+    import pandas as pd
+
+    from cs336_systems.report.timeline import plot_timeline
+
+    bars = pd.DataFrame({"row": ["s"], "start_ms": [0.0], "dur_ms": [1.0], "category": ["x"]})
+    with pytest.raises(ValueError, match="no colour"):
+        plot_timeline(bars, colors={"y": "#000000"})
+    with pytest.raises(ValueError, match="lacks"):
+        plot_timeline(bars.drop(columns="row"), colors={"x": "#000000"})
+    fig = plot_timeline(bars, colors={"x": "#000000"}, legend=[("x", "#000000")])
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["s"]

@@ -213,3 +213,14 @@ def test_overlapped_update_on_a_side_stream_equals_the_plain_step_gpu():
     overlapped = _losses(TrainStepConfig(**base, overlap=True, compile=True))
     assert max(abs(a - b) for a, b in zip(plain, overlapped)) < 2e-2
     assert _losses(TrainStepConfig(**base, overlap=True)) == plain
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
+def test_compiled_block_has_no_graph_breaks(attention):
+    # Our Triton attention is a registered custom op, so dynamo traces a whole block in one graph.
+    torch._dynamo.reset()
+    model = BasicsTransformerLM.from_config(MODEL_SIZES["debug"], attention_impl=attention)
+    x = torch.randn(2, 16, model.config.d_model, requires_grad=True)
+    explanation = torch._dynamo.explain(model.layers[0])(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1

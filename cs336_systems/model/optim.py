@@ -19,6 +19,16 @@ import torch
 from torch import Tensor
 
 
+def check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Raise ValueError naming the first invalid AdamW hyperparameter."""
+    if lr < 0:
+        raise ValueError(f"invalid learning rate {lr}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"invalid betas {betas}")
+    if eps < 0 or weight_decay < 0:
+        raise ValueError(f"eps and weight_decay must be non-negative, got {eps}, {weight_decay}")
+
+
 class AdamW(torch.optim.Optimizer):
     def __init__(
         self,
@@ -30,12 +40,7 @@ class AdamW(torch.optim.Optimizer):
         *,
         decay_before_update: bool = False,
     ):
-        if lr < 0:
-            raise ValueError(f"invalid learning rate {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}")
-        if eps < 0 or weight_decay < 0:
-            raise ValueError(f"eps and weight_decay must be non-negative, got {eps}, {weight_decay}")
+        check_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decay_before_update=decay_before_update
         )

@@ -6,14 +6,29 @@
 * `show_table(df, caption=None, provenance_from=None)`: markdown in Lab, page-safe booktabs LaTeX in
   the PDF, with a provenance footer.
 * `impl_color(name)`: the fixed colour of an implementation name (`style.IMPL_COLORS`).
+* `load_results`, `latest_run`, `device_name`, `env_metadata`: the results-store helpers notebooks
+  use, re-exported from `cs336_systems.measure.results` so that notebooks import only report/studies.
 * `assemble` (not imported here): merges writeup.md and executed notebooks and typesets writeup.pdf.
 
 Layer: uses the library and `cs336_systems.measure` (the results store), never a study.
 """
 
+from cs336_systems.measure.results import device_name, env_metadata, latest_run, load_results
 from cs336_systems.report import nb
 from cs336_systems.report.figures import save_figure
 from cs336_systems.report.style import apply_style, impl_color, impl_palette
 from cs336_systems.report.tables import show_table, table
 
-__all__ = ["apply_style", "impl_color", "impl_palette", "nb", "save_figure", "show_table", "table"]
+__all__ = [
+    "apply_style",
+    "device_name",
+    "env_metadata",
+    "impl_color",
+    "impl_palette",
+    "latest_run",
+    "load_results",
+    "nb",
+    "save_figure",
+    "show_table",
+    "table",
+]

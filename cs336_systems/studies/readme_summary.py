@@ -21,7 +21,7 @@ def _device(df: pd.DataFrame) -> str:
 
 
 def flash_section() -> str:
-    from cs336_systems.studies.flash_bench import final_runs, protocol_runs
+    from cs336_systems.studies.flash_leaderboard import final_runs, protocol_runs
 
     runs = protocol_runs(load_results("flash_leaderboard"))
     final = final_runs(runs)

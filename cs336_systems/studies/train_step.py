@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import itertools
 import math
@@ -63,8 +64,8 @@ STAGES: list[tuple[str, dict]] = [
     ("+ fused AdamW", dict(optimizer="fused")),
     ("+ bf16 compute weights", dict(bf16_weights=True)),
     ("+ fused LM-head loss", dict(fused_loss=True)),
-    ("SDPA instead of our attention", dict(attention="sdpa")),  # = TrainStepConfig.fastest()
-    ("+ overlap with backward", dict(overlap=True)),  # measured, not kept
+    ("SDPA instead of our attention", dict(attention="sdpa")),
+    ("+ overlap with backward", dict(overlap=True)),  # = TrainStepConfig.fastest()
 ]
 
 
@@ -196,6 +197,31 @@ def _rows_for_path(path: str, name: str, times: list[dict], extra: dict, run_cfg
     return rows
 
 
+def ours_config(args) -> TrainStepConfig:
+    """`TrainStepConfig.fastest()` with the CLI's choices for our step."""
+    return TrainStepConfig.fastest(
+        attention=args.attention,
+        compile=args.compile,
+        compile_mode=args.compile_mode,
+        overlap=args.overlap,
+        overlap_programs=args.overlap_programs or None,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+    )
+
+
+def ours_label(args) -> str:
+    """'ours' for `TrainStepConfig.fastest()`; options that differ from it are named in the label."""
+    label = "ours"
+    if not args.overlap:
+        label += " -overlap"
+    elif args.overlap_programs:
+        label += f" +overlap grid {args.overlap_programs}"
+    if args.compile_mode != "default":
+        label += f" +{args.compile_mode}"
+    return label
+
+
 def _build(path: str, cfg: ModelConfig, state: dict, args, stage: dict | None = None):
     model = BasicsTransformerLM.from_config(cfg, device=args.device)
     model.load_state_dict(state)
@@ -203,11 +229,7 @@ def _build(path: str, cfg: ModelConfig, state: dict, args, stage: dict | None = 
     if path == "stock":
         return StockStep(model, compile=args.compile, **hp)
     if path.startswith("ours"):
-        grid = int(path.removeprefix("ours_grid")) if path.startswith("ours_grid") else None
-        fast = TrainStepConfig.fastest(
-            attention=args.attention, compile=args.compile, overlap_programs=grid, **hp
-        )
-        return build_train_step(model, fast)
+        return build_train_step(model, ours_config(args))
     return build_train_step(model, TrainStepConfig(**stage, **hp))
 
 
@@ -220,7 +242,7 @@ def _first_step_s(step, batch) -> float:
 
 def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: float) -> list[dict]:
     """Stock vs ours, interleaved rounds; returns rows (a failure row per path that could not run)."""
-    paths = ["stock"] + [f"ours_grid{n}" if n else "ours" for n in args.overlap_programs]
+    paths = ["stock", ours_label(args)]
     steps, times, extra = {}, {p: [] for p in paths}, {}
     flops = step_flops(cfg, args.batch_size, run_cfg["context_length"])
     datasheet = peak_flops(device_name(), "bf16")
@@ -309,8 +331,7 @@ def check(cfg: ModelConfig, args, state: dict, batches, num_steps: int = 20) -> 
     attention = "sdpa" if not torch.cuda.is_available() else args.attention
     configs = {
         "reference": TrainStepConfig(autocast=True, attention="sdpa", lr=args.lr, weight_decay=args.weight_decay),
-        "ours": TrainStepConfig.fastest(attention=attention, compile=args.compile, lr=args.lr,
-                                        weight_decay=args.weight_decay),
+        "ours": dataclasses.replace(ours_config(args), attention=attention),
     }  # fmt: skip
     rows = []
     for name, tc in configs.items():
@@ -337,7 +358,8 @@ def run(args) -> pd.DataFrame:
                          metric="tflops", unit="TFLOP/s", value=peak / 1e12))  # fmt: skip
     for ctx in args.context_length:
         cfg = MODEL_SIZES[args.size].replace(context_length=ctx)
-        run_cfg = dict(size=args.size, context_length=ctx, batch_size=args.batch_size, rounds=args.rounds,
+        run_cfg = dict(ours=dataclasses.asdict(ours_config(args)),
+                       size=args.size, context_length=ctx, batch_size=args.batch_size, rounds=args.rounds,
                        steps=args.steps, warmup=args.warmup, compile=args.compile, attention=args.attention)  # fmt: skip
         torch.manual_seed(0)
         state = {
@@ -456,8 +478,12 @@ def _parser() -> argparse.ArgumentParser:
                    default=["bandwidth", "check", "compare", "waterfall"])  # fmt: skip
     p.add_argument("--attention", choices=["flash_triton", "sdpa"], default="sdpa",
                    help="attention of our step")  # fmt: skip
-    p.add_argument("--overlap-programs", nargs="+", type=int, default=[0],
-                   help="grid cap(s) of our overlapped optimizer launches, one 'ours' path each (0: uncapped)")  # fmt: skip
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="our step applies the update after backward instead of overlapping it")  # fmt: skip
+    p.add_argument("--compile-mode", choices=["default", "max-autotune-no-cudagraphs"], default="default",
+                   help="torch.compile mode of our blocks (stock always uses the default)")  # fmt: skip
+    p.add_argument("--overlap-programs", type=int, default=0,
+                   help="grid cap of our overlapped optimizer launches (0: uncapped)")  # fmt: skip
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager stock and ours")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)

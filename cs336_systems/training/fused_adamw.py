@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from cs336_systems.kernels.adamw import ALIGN, ChunkPlan, adamw_step_, address_table
 from cs336_systems.model.layers import Embedding
+from cs336_systems.model.optim import check_hyperparameters
 
 
 @dataclass
@@ -73,12 +74,7 @@ class FusedAdamW(torch.optim.Optimizer):
         compute_dtype: torch.dtype | None = None,
         bucket_key: Callable[[nn.Parameter], object] | None = None,
     ):
-        if lr < 0:
-            raise ValueError(f"invalid learning rate {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}")
-        if eps < 0 or weight_decay < 0:
-            raise ValueError(f"eps and weight_decay must be non-negative, got {eps}, {weight_decay}")
+        check_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr,
             betas=betas,

@@ -1,17 +1,17 @@
-"""FlashAttention-2 in Triton: kernels.py (@triton.jit only) -> launch.py (check, allocate, grid,
-launch, tile configs) -> function.py (the autograd.Function and its custom ops).
+"""FlashAttention-2 in Triton: kernels.py and backward_kernels.py (@triton.jit only), tiles.py (tile
+configurations: the table, pinning, autotuning, the cache) -> launch.py (validate, pick, allocate,
+launch) -> function.py (the autograd.Function and its custom ops).
 
 Without a CUDA device the kernels run under the Triton interpreter: `cs336_systems/__init__.py` sets
 TRITON_INTERPRET=1 when the package is imported, before Triton can be ([Note: Triton interpreter]).
 """
 
 from cs336_systems.attention.flash_triton.function import FlashAttentionTriton, flash_attention_triton
-from cs336_systems.attention.flash_triton.launch import (
+from cs336_systems.attention.flash_triton.launch import flash_bwd, flash_fwd
+from cs336_systems.attention.flash_triton.tiles import (
     BwdConfig,
     FwdConfig,
     KernelOptions,
-    flash_bwd,
-    flash_fwd,
     set_autotune,
     use_configs,
 )

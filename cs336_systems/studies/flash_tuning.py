@@ -1,0 +1,261 @@
+"""Tile tuning at the leaderboard shape (`flash_bench --tune`), its tables, and Nsight Compute reports.
+
+Each backward pass is timed alone over its candidate tiles (the evidence behind the heuristic table
+in `attention/flash_triton/tiles.py` and OPTIMIZATION_LOG.md); `ncu_summary` parses the committed
+`ncu` text reports of the backward kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from cs336_systems.attention.flash_triton import launch, tiles
+from cs336_systems.measure.results import append_rows, capture_failure, failure_row, latest_run, make_row
+from cs336_systems.studies.flash_leaderboard import bench_all
+from cs336_systems.studies.flash_sweep import LEADERBOARD
+
+DKDV_CANDIDATES = [
+    (64, 64, 4, 3, False),
+    (64, 64, 4, 3, True),
+    (32, 64, 4, 3, False),
+    (64, 64, 4, 2, False),
+    (64, 64, 4, 2, True),
+    (128, 64, 4, 2, False),
+    (128, 64, 4, 2, True),
+    (128, 64, 4, 3, False),
+    (128, 64, 4, 3, True),
+    (128, 64, 8, 2, False),
+    (128, 64, 8, 3, False),
+    (64, 128, 8, 3, False),
+    (128, 128, 8, 2, False),
+    (128, 128, 8, 2, True),
+    (32, 128, 8, 3, False),
+]  # (block_m1, block_n1, warps, stages, early_dp)
+# Later rounds on the H200 (--tune-small). Round 2 (git 0a93eb849e) timed register caps that keep
+# three CTAs per SM: (64, 64, 4, 2|3, True, None|168|160), (64, 64, 4, 3|2, False, None|160); dQ
+# (128, 64, 4|8, 3|4); forward (128, 64, 8, 3|2). Round 3: 32-query steps, whose smaller S/dP tiles
+# fit four CTAs per SM under a 128-register cap, against round 2's winner.
+DKDV_CANDIDATES_SMALL = [
+    (64, 64, 4, 2, True, 168),
+    (32, 64, 4, 3, True, 128),
+    (32, 64, 4, 2, True, 128),
+    (32, 64, 4, 4, True, 128),
+    (32, 64, 4, 3, True, None),
+    (64, 64, 4, 2, True, 128),
+]  # (block_m1, block_n1, warps, stages, early_dp, maxnreg)
+DQ_CANDIDATES_SMALL = [(128, 64, 8, 4)]
+FWD_CANDIDATES_SMALL = [(128, 64, 8, 3)]
+DQ_CANDIDATES = [
+    (128, 64, 4, 3),
+    (128, 64, 4, 2),
+    (128, 64, 4, 4),
+    (128, 64, 8, 3),
+    (64, 64, 4, 3),
+    (128, 128, 8, 2),
+    (256, 64, 8, 2),
+    (128, 32, 4, 3),
+]  # (block_m2, block_n2, warps, stages)
+
+
+def run_tuning(
+    heads: int,
+    n: int,
+    d: int,
+    dtype: torch.dtype,
+    *,
+    device: str = "cuda",
+    results_dir=None,
+    install: bool = True,
+    block_pointers: bool = False,
+    small: bool = False,
+) -> list[dict[str, Any]]:
+    """Time forward tile candidates, then each backward pass alone over its candidates with TMA
+    descriptors (and block pointers too if block_pointers), then the winners together; print them
+    fastest first. With install=True the winners become the launcher's configuration for this
+    shape (as the autotuner would). (Older rounds also timed the dQ pass on a side stream; that
+    switch has left the kernels.)"""
+    memory_paths = (True, False) if block_pointers else (True,)
+    block_d = tiles.block_d(d)
+    if small:  # the second round: a few candidates around the first round's winners
+        fwd_cands = [tiles.FwdConfig(*c) for c in FWD_CANDIDATES_SMALL]
+        dkdv_cands, dq_cands = DKDV_CANDIDATES_SMALL, DQ_CANDIDATES_SMALL
+    else:
+        fwd_cands = tiles.fwd_candidates(block_d, dtype)
+        dkdv_cands = [(*c, None) for c in DKDV_CANDIDATES]
+        dq_cands = DQ_CANDIDATES
+    rows = []
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, heads, n, d, device=device, dtype=dtype) for _ in range(4))
+    o, lse = launch.flash_fwd(q, k, v, True)
+    tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
+
+    def passes_runner(cfg: tiles.BwdConfig, passes: tuple[str, ...], tma: bool) -> Callable[[], None]:
+        opts = tiles.KernelOptions(use_tma=tma)
+        path = launch.use_tma(opts, q.device, *tensors[:7])
+        return lambda: launch.launch_bwd(tensors, True, cfg, opts, path, passes)
+
+    results: list[tuple[str, float, Any, str]] = []
+
+    def time_one(kind: str, cand: Any, call: Callable[[], object], tma: bool | None = None) -> None:
+        outcome: dict[str, str] = {}
+        st = None
+        with capture_failure(outcome):
+            call()
+            st = bench_all(call, 25, 200)
+        label = repr(cand) + ("" if tma is None else f" [tma={tma}]")
+        common = dict(problem=LEADERBOARD, name="tuning", impl=label, mode=kind,
+                      dtype=str(dtype).removeprefix("torch."), x_name="seq_len", x_value=n,
+                      config={"heads": heads, "seq_len": n, "d": d, "causal": True})  # fmt: skip
+        if st is None:
+            rows.append(
+                failure_row(metric="latency", unit="ms", note=outcome.get("note", "failed"), **common)
+            )
+            results.append((kind, math.inf, (cand, tma), outcome.get("note", "")))
+        else:
+            rows.append(make_row(metric="latency", unit="ms", stats=st, **common))
+            results.append((kind, st["p50"], (cand, tma), ""))
+
+    for cand in fwd_cands:
+        with tiles.use_configs(fwd=cand):
+            time_one("fwd", cand, lambda: launch.flash_fwd(q, k, v, True))
+    for bm1, bn1, w, st, early, maxnreg in dkdv_cands:
+        for tma in memory_paths:
+            cand = tiles.BwdConfig(bm1, bn1, 64, 32, w, st, 4, 3, early_dp=early, maxnreg1=maxnreg)
+            time_one("dkdv", cand, passes_runner(cand, ("dkdv",), tma), tma)
+    for bm2, bn2, w, st in dq_cands:
+        for tma in memory_paths:
+            cand = tiles.BwdConfig(32, 64, bm2, bn2, 4, 3, w, st)
+            time_one("dq", cand, passes_runner(cand, ("dq",), tma), tma)
+    print(f"\ntile candidates at {heads} x {n} x {d}, {dtype}, causal")
+    for kind, ms, (cand, tma), note in sorted(results, key=lambda r: (r[0], r[1])):
+        print(f"{kind:<5}{ms:>9.3f} ms  {cand!r} tma={tma} {note}")
+    best = {
+        kind: min((r for r in results if r[0] == kind), key=lambda r: r[1])[2][0]
+        for kind in ("fwd", "dkdv", "dq")
+    }
+    b1, b2 = best["dkdv"], best["dq"]
+    bwd = tiles.BwdConfig(
+        b1.block_m1,
+        b1.block_n1,
+        b2.block_m2,
+        b2.block_n2,
+        b1.num_warps1,
+        b1.num_stages1,
+        b2.num_warps2,
+        b2.num_stages2,
+        early_dp=b1.early_dp,
+        maxnreg1=b1.maxnreg1,
+    )
+    time_one("bwd", bwd, passes_runner(bwd, ("dkdv", "dq"), True), True)
+    print(f"best: {best['fwd']!r}\n      {bwd!r}")
+    if install:
+        key = tiles.tuning_key(n, n, d, dtype, True)
+        tiles.remember("fwd", key, best["fwd"])
+        tiles.remember("bwd", key, bwd)
+    append_rows(LEADERBOARD, rows, results_dir)
+    return rows
+
+
+def _short_config(kernel: str, text: str) -> str:
+    """'FwdConfig(block_m=128, ...)' / 'BwdConfig(...)' -> '128x64, 8 warps, 3 stages[, TMA|block ptr]'."""
+    f = dict(re.findall(r"(\w+)=([\w.]+)", text))
+    suffix = {"1": "1", "2": "2"}.get({"dkdv": "1", "dq": "2"}.get(kernel, ""), "")
+    if kernel == "fwd":
+        rows, w, st, tma = f"{f['block_m']}x{f['block_n']}", f["num_warps"], f["num_stages"], "None"
+    else:
+        rows = f"{f['block_m' + suffix]}x{f['block_n' + suffix]}"
+        w, st = f["num_warps" + suffix], f["num_stages" + suffix]
+        tma = f.get("tma" + suffix, f.get("tma", "None"))  # older rows: tma1/tma2 fields
+    path = {"True": ", TMA", "False": ", block pointers"}.get(tma, "")
+    extra = ""
+    if kernel == "dkdv" and f.get("early_dp") == "True":
+        extra += ", early dP"
+    if kernel == "dkdv" and f.get("maxnreg1", "None") != "None":
+        extra += f", <= {f['maxnreg1']} regs"
+    return f"{rows}, {w} warps, {st} stages{path}{extra}"
+
+
+def tuning_table(df: pd.DataFrame, top: int = 3) -> pd.DataFrame:
+    """The fastest tile candidates per kernel (latest tuning run of each candidate)."""
+    tun = latest_run(
+        df[(df.name == "tuning") & (df.metric == "latency")], keys=("name", "impl", "mode", "metric")
+    )
+    tun = tun[tun.p50.notna() & tun["mode"].isin(["fwd", "dkdv", "dq"])]
+    if tun.empty:
+        return pd.DataFrame()
+    tun = tun[tun.gpu_name == tun.gpu_name.iloc[-1]]  # timings of one GPU only (the latest tuned)
+    best = tun.sort_values("p50").groupby("mode", sort=False).head(top)
+    out = pd.DataFrame({
+        "kernel": best["mode"].values,
+        "tiles (rows x rows), warps, stages, memory path": [_short_config(k, c) for k, c in zip(best["mode"], best.impl)],
+        "median ms": best.p50.values,
+    })  # fmt: skip
+    out.attrs["source"] = best
+    return out
+
+
+NCU_METRICS = (
+    "Duration", "SM Frequency", "Registers Per Thread", "Local Memory Spilling Requests", "Block Limit Registers",
+    "Achieved Active Warps Per SM", "Eligible Warps Per Scheduler", "Issue Slots Busy", "Compute (SM) Throughput",
+)  # fmt: skip
+
+
+def ncu_summary(text: str) -> pd.DataFrame:
+    """Selected metrics per kernel from an `ncu` text report (the committed *__ncu_*.txt files), plus
+    the pipeline ncu names as the most utilised one and its utilisation."""
+    kernels: dict[str, dict[str, str]] = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^\s{2}(\w+_kernel) \(", line)
+        if head:
+            current = kernels.setdefault(head.group(1), {})
+            continue
+        if current is None:
+            continue
+        m = re.match(r"^\s{4}(\S.*?\S)\s{2,}(?:(\S+)\s+)?([\d,.]+)\s*$", line)
+        if m and m.group(1) in NCU_METRICS:
+            name, unit, value = m.group(1), m.group(2), m.group(3)
+            if name == "Duration" and unit in ("us", "ns"):  # one unit for every kernel
+                value = f"{float(value.replace(',', '')) / (1e3 if unit == 'us' else 1e6):.3f}"
+                unit = "ms"
+            current[name + (f" ({unit})" if unit else "")] = value
+        pipe = re.search(r"(\w+) is the highest-utilized pipeline \(([\d.]+)%\)", line)
+        if pipe:
+            current["busiest pipeline"] = f"{pipe.group(1)} {pipe.group(2)}%"
+    return pd.DataFrame(kernels)
+
+
+def tuning_rounds(df: pd.DataFrame, gpu: str = "H200") -> pd.DataFrame:
+    """dK/dV candidates and whole-backward timings of every tuning round on one GPU (a round = a git sha)."""
+    sel = df[(df.name == "tuning") & df.gpu_name.str.contains(gpu) & df["mode"].isin(["dkdv", "bwd"])]
+    if sel.empty:
+        return pd.DataFrame()
+    side = lambda c: "dQ on a side stream" if "streams=True" in c else "dQ on the same stream"
+    rounds = sel.assign(
+        config=[_short_config("dkdv", c) if m == "dkdv" else side(c) for m, c in zip(sel["mode"], sel.impl)],
+        round=sel.git_sha.map({sha: f"round {k + 1}" for k, sha in enumerate(sel.git_sha.unique())}),
+    )
+    out = rounds[["round", "mode", "config", "p50"]].rename(columns={"mode": "pass", "p50": "median ms"})
+    out = out.sort_values(["round", "pass", "median ms"]).reset_index(drop=True)
+    out.attrs["source"] = sel
+    return out
+
+
+def ncu_table(results_dir: Path, tags: tuple[str, ...] = ("round1", "final")) -> pd.DataFrame:
+    """The backward kernels' ncu metrics of the committed reports `flash_leaderboard__ncu_bwd_<tag>.txt`,
+    one column per (kernel, tag), e.g. 'dkdv (final)'; empty if no report exists."""
+    tables = []
+    for tag in tags:
+        path = Path(results_dir) / f"flash_leaderboard__ncu_bwd_{tag}.txt"
+        if path.exists():
+            t = ncu_summary(path.read_text())
+            short = lambda k, tag=tag: f"{k.replace('flash_bwd_', '').replace('_kernel', '')} ({tag})"
+            tables.append(t.rename(columns=short))
+    return pd.concat(tables, axis=1) if tables else pd.DataFrame()
