@@ -224,3 +224,17 @@ def test_compiled_block_has_no_graph_breaks(attention):
     explanation = torch._dynamo.explain(model.layers[0])(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+def test_an_overlapped_optimizer_and_its_model_are_freed():
+    import gc
+    import weakref
+
+    model = BasicsTransformerLM.from_config(MODEL_SIZES["debug"])
+    step = build_train_step(model, TrainStepConfig(autocast=True, optimizer="fused", overlap=True))
+    x, y = random_batch(2, 16, MODEL_SIZES["debug"].vocab_size)
+    step(x, y)
+    alive = [weakref.ref(model), weakref.ref(step.optimizer)]
+    del model, step
+    gc.collect()
+    assert all(r() is None for r in alive)

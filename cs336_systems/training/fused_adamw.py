@@ -24,6 +24,7 @@ buffers (inspection and tests), not a compact checkpoint format.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -217,7 +218,7 @@ class FusedAdamW(torch.optim.Optimizer):
         if self.master.is_cuda:
             self._side_stream = torch.cuda.Stream(device=self.master.device)
         for p in self._bucket_of:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_GradReadyHook(self)))
         return self
 
     @torch.no_grad()
@@ -241,6 +242,22 @@ class FusedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             group["step"] += 1
         return loss
+
+
+class _GradReadyHook:
+    """The post-accumulate-grad hook: calls the optimizer through a weak reference.
+
+    The parameter keeps its hooks inside C++, where Python's garbage collector cannot see them, so a
+    strong reference parameter -> hook -> optimizer -> parameter would never be freed.
+    """
+
+    def __init__(self, optimizer: FusedAdamW):
+        self.optimizer = weakref.ref(optimizer)
+
+    def __call__(self, p: nn.Parameter) -> None:
+        optimizer = self.optimizer()
+        if optimizer is not None:
+            optimizer._on_grad_ready(p)
 
 
 def mixed_precision_groups(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
