@@ -147,3 +147,12 @@ def test_an_unwritable_results_dir_fails_before_work_and_rows_are_rescued(tmp_pa
     assert rescued.is_relative_to(tmp_path / "tmp") and rescued.exists()
     assert str(rescued) in capsys.readouterr().err
     assert list(pd.read_csv(rescued)["name"]) == ["r0", "r1"]
+
+
+def test_text_columns_stay_text_whatever_they_look_like(tmp_path):
+    """A commit like 5498e64123 read back as the float inf, a Triton version 3.6 as a number."""
+    row = make_row(problem="demo", metric="m", unit="ms", value=1.0)
+    row.update(git_sha="5498e64123", triton_version="3.6", torch_version="2.11")
+    append_rows("demo", [row], tmp_path)
+    got = load_results("demo", tmp_path).iloc[0]
+    assert (got["git_sha"], got["triton_version"], got["torch_version"]) == ("5498e64123", "3.6", "2.11")

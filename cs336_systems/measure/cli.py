@@ -94,7 +94,8 @@ def results_dir_for(explicit: str | os.PathLike | None, *, quick: bool = False) 
 
     Quick runs never write `figures/data/`: an explicit committed directory is an error, and without
     one they use `$CS336_RESULTS_DIR` (if it is not the committed directory) or a new scratch
-    directory; the choice is exported so that torchrun workers write there too, and printed.
+    directory, and the choice is printed. Nothing is exported: a study passes the directory to its
+    torchrun workers itself (`measure.results.child_env`).
     Raises SystemExit with the reason when the directory cannot be written.
     """
     if quick:
@@ -108,7 +109,6 @@ def results_dir_for(explicit: str | os.PathLike | None, *, quick: bool = False) 
         else:
             SCRATCH_ROOT.mkdir(parents=True, exist_ok=True)
             chosen = Path(tempfile.mkdtemp(prefix="run-", dir=SCRATCH_ROOT))
-        os.environ[RESULTS_ENV] = str(chosen)
     else:
         chosen = results_dir(explicit)
     try:

@@ -42,6 +42,10 @@ COLUMNS = [
     "config_json", "gpu_name", "num_gpus", "torch_version", "triton_version", "git_sha", "timestamp",
 ]  # fmt: skip
 STAT_COLUMNS = ["p50", "p20", "p80", "mean", "std"]
+# Read back as text whatever they look like: a commit such as 5498e64123 or a version such as 3.6
+# would otherwise come back as the numbers inf and 3.6.
+TEXT_COLUMNS = ["problem", "metric", "unit", "samples", "note", "config_json", "gpu_name", "torch_version",
+                "triton_version", "git_sha", "timestamp"]  # fmt: skip
 
 
 def results_dir(results_dir: str | os.PathLike | None = None) -> Path:
@@ -365,7 +369,8 @@ def load_results(problem: str, results_dir_: str | os.PathLike | None = None) ->
         )
     if not header:
         return pd.DataFrame(columns=COLUMNS)
-    df = pd.read_csv(io.StringIO("\n".join([header, *good]) + "\n"), keep_default_na=True)
+    text = {c: str for c in TEXT_COLUMNS}
+    df = pd.read_csv(io.StringIO("\n".join([header, *good]) + "\n"), keep_default_na=True, dtype=text)
     df = df.reindex(columns=COLUMNS + [c for c in df.columns if c not in COLUMNS])
     df["note"] = df["note"].astype("object").fillna("")
     df.attrs["torn_lines"] = sorted(torn)
