@@ -23,21 +23,20 @@ measure = "auto"  # "auto": measure when a GPU is present, else render the commi
 quick = False  # debug model on the CPU in seconds; results go to a scratch dir
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import timing_analysis as A
-from cs336_systems.studies import timing_gpu_run as S
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies import timing_analysis, timing_gpu_run
 
 results_dir = nb.setup(quick)
-plan = S.make_plan(quick)
+plan = timing_gpu_run.make_plan(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    S.measure_benchmarking_script(plan, results_dir)
+    timing_gpu_run.measure_benchmarking_script(plan, results_dir)
 df = load_results("benchmarking_script", results_dir)
-stats = A.timing_stats(df)
+stats = timing_analysis.timing_stats(df)
 stats = stats[stats.x == plan.context_length]
-steps = A.ablation_steps(df, bench_warmup=plan.warmup)
+steps = timing_analysis.ablation_steps(df, bench_warmup=plan.warmup)
+facts = timing_analysis.facts(df, context_length=plan.context_length, warmup=plan.warmup)
 
 # %% [markdown]
 # **(a) The script** is `python -m cs336_systems.studies.end_to_end` (in
@@ -54,7 +53,7 @@ steps = A.ablation_steps(df, bench_warmup=plan.warmup)
 # %% tags=["remove-input"]
 if nb.have_results(stats, "benchmarking_script"):
     show_table(
-        A.timing_table(stats),
+        timing_analysis.timing_table(stats),
         caption=f"Milliseconds per step, mean ± std over {plan.steps} steps after {plan.warmup} warm-up steps "
         f"(context {plan.context_length}, batch 4, fp32)",
         provenance_from=df[df.x_name == "context_length"],
@@ -63,35 +62,31 @@ if nb.have_results(stats, "benchmarking_script"):
     )
 
 # %% tags=["remove-input"]
-ok = stats[(stats.note == "") & (stats["mode"] == "forward_backward")]
-if len(ok):
-    fwd = ok[ok.metric == "forward_time"].set_index("size")["mean"]
-    bwd = ok[ok.metric == "backward_time"].set_index("size")["mean"]
-    sizes = [s for s in A.SIZE_ORDER if s in fwd.index]
-    ratio = (bwd / fwd).reindex(sizes)
-    cv = stats[stats.note == ""].set_index(["size", "mode", "metric"]).cv
-    worst = cv.idxmax()
-    short = stats[stats.note == ""].set_index(["size", "mode", "metric"])["mean"] < 100  # ms
-    failed = stats[stats.note != ""].drop_duplicates("size")
+if "timing" in facts:
+    timing = facts["timing"]
+    first, last = timing["sizes"][0], timing["sizes"][-1]
+    worst = timing["cv_max_at"]
     nb.md(
-        f"**(b)** At context {plan.context_length} the forward pass takes {fwd[sizes[0]]:.1f} ms ({sizes[0]}) "
-        f"to {fwd[sizes[-1]]:.1f} ms ({sizes[-1]}), and the backward pass {ratio.min():.1f} to "
-        f"{ratio.max():.1f} times as long as the forward pass ({bwd[sizes[0]]:.1f} to {bwd[sizes[-1]]:.1f} ms), "
-        f"as expected from its two matmuls per forward matmul. The standard deviation is at most "
-        f"{cv.max():.1%} of the mean (the {worst[2].replace('_time', '')} time of {worst[0]}, mode {worst[1]}) "
-        f"and the median is {cv.median():.2%}: the variance is low, since after warm-up every step launches the "
-        "same kernels on the same shapes"
+        f"**(b)** At context {plan.context_length} the forward pass takes {timing['forward_first_ms']:.1f} ms ({first}) "
+        f"to {timing['forward_last_ms']:.1f} ms ({last}), and the backward pass {timing['backward_over_forward_min']:.1f} "
+        f"to {timing['backward_over_forward_max']:.1f} times as long as the forward pass ({timing['backward_first_ms']:.1f} "
+        f"to {timing['backward_last_ms']:.1f} ms), as expected from its two matmuls per forward matmul. The standard "
+        f"deviation is at most {timing['cv_max']:.1%} of the mean (the {worst['phase']} time of {worst['size']}, mode "
+        f"{worst['mode']}) and the median is {timing['cv_median']:.2%}: the variance is low, since after warm-up every "
+        "step launches the same kernels on the same shapes"
         + (
-            f". It is largest for the short phases (at most {cv[short].max():.1%} of the mean below 100 ms, "
-            f"{cv[~short].max():.1%} above), where a millisecond of host-side jitter (Python, kernel launches, "
-            "the allocator) is a visible fraction of the step. "
-            if cv.max() >= 0.05 and short.any() and (~short).any()
+            f". It is largest for the short phases (at most {timing['cv_split']['short_max']:.1%} of the mean below "
+            f"100 ms, {timing['cv_split']['long_max']:.1%} above), where a millisecond of host-side jitter (Python, "
+            "kernel launches, the allocator) is a visible fraction of the step. "
+            if timing["cv_split"]
             else ". "
         )
         + (
-            "Sizes that did not run: " + ", ".join(f"{r.size} ({r.note})" for r in failed.itertuples()) + "."
-            if len(failed)
-            else f"All {len(sizes)} sizes fit at this context length."
+            "Sizes that did not run: "
+            + ", ".join(f"{size} ({note})" for size, note in timing["failed"])
+            + "."
+            if timing["failed"]
+            else f"All {len(timing['sizes'])} sizes fit at this context length."
         )
     )
 
@@ -103,47 +98,46 @@ if len(ok):
 
 # %% tags=["remove-input"]
 if nb.have_results(steps, "the warm-up ablation"):
-    save_figure(A.plot_ablation(steps), "benchmarking_script__warmup_ablation")
+    save_figure(timing_analysis.plot_ablation(steps), "benchmarking_script__warmup_ablation")
     show_table(
-        A.ablation_table(steps).reset_index(),
+        timing_analysis.ablation_table(steps).reset_index(),
         caption="Training-step time per warm-up setting: the first measured step against the others",
         provenance_from=df[df.x_name == "warmup"],
     )
 
 # %% tags=["remove-input"]
-if len(steps):
-    t = A.ablation_table(steps)
-    cold = t.index.get_level_values("size")[0]
-    later = [s for s in dict.fromkeys(t.index.get_level_values("size")) if s != cold]
-    r = t["first / rest"]
-    opt = A.timing_stats(df, x_name="warmup")
-    opt = opt[(opt.metric == "optimizer_time") & (opt.x == 0) & (opt.note == "")].set_index("size").samples
-    opt_ratio = {s: v[0] / (sum(v[1:]) / max(len(v) - 1, 1)) for s, v in opt.items() if len(v) > 1}
+if "ablation" in facts:
+    ablation = facts["ablation"]
+    cold, ratio = ablation["cold_size"], ablation["first_over_rest"]
     nb.md(
         f"**(c)** Without warm-up, the first measured step of {cold} "
-        f"({'the first model of a fresh process' if plan.ablation_fresh_process else 'run in the notebook process'}) takes "
-        f"{t.loc[(cold, 0), 'first step (ms)']:.0f} ms, {r[(cold, 0)]:.1f} times the median of the other steps, "
-        f"which pulls the {plan.steps}-step mean to {t.loc[(cold, 0), 'mean (ms)']:.1f} ± {t.loc[(cold, 0), 'std (ms)']:.1f} ms"
+        f"({'the first model of a fresh process' if plan.ablation_fresh_process else 'run in the notebook process'}) "
+        f"takes {ablation['cold']['first_ms']:.0f} ms, {ratio[0]:.1f} times the median of the other steps, which "
+        f"pulls the {plan.steps}-step mean to {ablation['cold']['mean_ms']:.1f} ± {ablation['cold']['std_ms']:.1f} ms"
         + (
-            f" against {t.loc[(cold, plan.warmup), 'mean (ms)']:.1f} ± {t.loc[(cold, plan.warmup), 'std (ms)']:.1f} ms "
+            f" against {ablation['warmed']['mean_ms']:.1f} ± {ablation['warmed']['std_ms']:.1f} ms "
             f"after {plan.warmup} warm-up steps"
-            if (cold, plan.warmup) in t.index
+            if ablation["warmed"]
             else ""
         )
-        + f". With one warm-up step the first measured step is {r.get((cold, 1), float('nan')):.2f} times the rest, "
-        f"with two {r.get((cold, 2), float('nan')):.2f} times. "
+        + f". With one warm-up step the first measured step is {ratio[1]:.2f} times the rest, "
+        f"with two {ratio[2]:.2f} times. "
         + (
             "Sizes measured later in the same process start at "
-            + ", ".join(f"{r[(s, 0)]:.1f}x ({s})" for s in later if (s, 0) in r.index)
+            + ", ".join(f"{r:.1f}x ({size})" for size, r in ablation["later_first_over_rest"])
             + " without warm-up. "
-            if later
+            if ablation["later_sizes"]
             else ""
         )
         + "The first step pays one-off costs: creating the CUDA context and the cuBLAS handle (lazily, at the "
         "first kernel and the first matmul), loading kernels on first use (lazy module loading), cuBLAS choosing "
         "a kernel for each new GEMM shape, the caching allocator growing its pool with `cudaMalloc` to the "
         "step's peak, and lazy state such as AdamW's moment buffers, allocated at the first optimizer step"
-        + (f" (that step takes {max(opt_ratio.values()):.1f} times the later ones)" if opt_ratio else "")
+        + (
+            f" (that step takes {ablation['optimizer_first_over_rest_max']:.1f} times the later ones)"
+            if ablation["optimizer_first_over_rest_max"] is not None
+            else ""
+        )
         + ". Later sizes skip the per-process costs but still pay the per-shape ones. Without warm-up these "
         "costs land in the mean and the standard deviation, so timings must exclude them."
     )

@@ -23,22 +23,28 @@ steps = 1000
 increment = 0.01
 
 # %% tags=["remove-input"]
-import math
-
 import torch
 
-from cs336_systems.measure.results import device_name
-from cs336_systems.report import nb, show_table
-from cs336_systems.studies.mixed_precision import accumulation_experiment
+from cs336_systems.report import device_name, nb, show_table
+from cs336_systems.studies import mixed_precision
 
 results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
-df = accumulation_experiment(steps=steps, increment=increment)
-headers = {"case": "case", "result": "result", "increment_stored": "0.01 as stored",
-           "representation_error": "representation error", "accumulation_error": "accumulation error"}  # fmt: skip
-formats = {"result": "{:.6f}", "0.01 as stored": "{:.10f}", "representation error": "{:+.2e}",
-           "accumulation error": "{:+.2e}"}  # fmt: skip
+df = mixed_precision.accumulation_experiment(steps=steps, increment=increment)
+headers = {
+    "case": "case",
+    "result": "result",
+    "increment_stored": "0.01 as stored",
+    "representation_error": "representation error",
+    "accumulation_error": "accumulation error",
+}
+formats = {
+    "result": "{:.6f}",
+    "0.01 as stored": "{:.10f}",
+    "representation error": "{:+.2e}",
+    "accumulation error": "{:+.2e}",
+}
 show_table(
     df[list(headers)].rename(columns=headers),
     caption=f"Sum of {steps} additions of {increment} (exact: {steps * increment:g})",
@@ -48,27 +54,17 @@ show_table(
 )
 
 # %% tags=["remove-input"]
-r = df.set_index("case")
-near = steps * increment
-exponent = math.floor(
-    math.log2(near)
-)  # the sum's binary exponent: values in [2**e, 2**(e+1)) share one spacing
-spacing16 = torch.finfo(torch.float16).eps * 2**exponent
-spacing32 = torch.finfo(torch.float32).eps * 2**exponent
-below = torch.tensor(near - 0.5, dtype=torch.float16)  # a partial sum just below the end value
-step16 = float(below + torch.tensor(increment, dtype=torch.float16)) - float(
-    below
-)  # what one fp16 add adds there
+facts = mixed_precision.facts(df, steps=steps, increment=increment)
 nb.md(
-    f"""**Answer.** Accumulating in fp32 gives {r.loc["fp32 += fp32", "result"]:.6f}, close to the exact {near:g}:
-each partial sum is rounded to fp32, whose spacing near {near:g} is only {spacing32:.2g}. Accumulating in fp16
-gives {r.loc["fp16 += fp16", "result"]:.4f}: near {near:g} adjacent fp16 values are
-$2^{{{int(math.log2(spacing16))}}} \\approx {spacing16:.4f}$ apart, comparable to the increment, so every
-addition is rounded by a large fraction of what it adds (at {float(below):g}, adding {increment:g} in fp16 raises
-the sum by exactly {step16:.7f}) and these errors pile up over {steps} steps. The two mixed cases agree
-({r.loc["fp32 += fp16", "result"]:.6f}), whether the fp16 increment is promoted implicitly or cast explicitly:
-the fp32 accumulation adds no visible error ({r.loc["fp32 += fp16", "accumulation_error"]:+.1e}), and the
-{r.loc["fp32 += fp16", "representation_error"]:+.6f} offset is {steps} times the error of storing {increment:g} in
-fp16 (as {r.loc["fp32 += fp16", "increment_stored"]:.8f}). Low-precision inputs are therefore harmless when the
+    f"""**Answer.** Accumulating in fp32 gives {facts["fp32_result"]:.6f}, close to the exact {facts["exact"]:g}:
+each partial sum is rounded to fp32, whose spacing near {facts["exact"]:g} is only {facts["fp32_spacing"]:.2g}. Accumulating in fp16
+gives {facts["fp16_result"]:.4f}: near {facts["exact"]:g} adjacent fp16 values are
+$2^{{{facts["fp16_spacing_log2"]}}} \\approx {facts["fp16_spacing"]:.4f}$ apart, comparable to the increment, so every
+addition is rounded by a large fraction of what it adds (at {facts["fp16_partial_sum"]:g}, adding {increment:g} in fp16 raises
+the sum by exactly {facts["fp16_step_there"]:.7f}) and these errors pile up over {steps} steps. The two mixed cases agree
+({facts["mixed_result"]:.6f}), whether the fp16 increment is promoted implicitly or cast explicitly:
+the fp32 accumulation adds no visible error ({facts["mixed_accumulation_error"]:+.1e}), and the
+{facts["mixed_representation_error"]:+.6f} offset is {steps} times the error of storing {increment:g} in
+fp16 (as {facts["fp16_increment_stored"]:.8f}). Low-precision inputs are therefore harmless when the
 sums they feed (reductions, gradient and weight accumulators) are kept in fp32."""
 )

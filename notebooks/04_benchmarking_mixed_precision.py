@@ -26,22 +26,20 @@ quick = False  # debug model on the CPU in seconds (bf16 autocast); results go t
 # %% tags=["remove-input"]
 import pandas as pd
 
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import autocast_study as M
-from cs336_systems.studies import timing_analysis as A
-from cs336_systems.studies import timing_gpu_run as S
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies import autocast_study, timing_analysis, timing_gpu_run
 
 results_dir = nb.setup(quick)
-plan = S.make_plan(quick)
+plan = timing_gpu_run.make_plan(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    S.measure_mixed_precision(plan, results_dir)
+    timing_gpu_run.measure_mixed_precision(plan, results_dir)
 df = load_results("benchmarking_mixed_precision", results_dir)
-dtypes = A.dtype_frame(df)
-stats = A.timing_stats(df)
+dtypes = timing_analysis.dtype_frame(df)
+stats = timing_analysis.timing_stats(df)
 stats = stats[stats.x == plan.context_length]
+facts = autocast_study.facts(df, context_length=plan.context_length)
 
 # %% tags=["remove-input"]
 if nb.have_results(dtypes, "the toy model's dtypes"):
@@ -55,19 +53,19 @@ if nb.have_results(dtypes, "the toy model's dtypes"):
     )
 
 # %% tags=["remove-input"]
-if len(dtypes):
-    d = dict(zip(dtypes.quantity, dtypes.dtype.str.replace("torch.", "", regex=False)))
-    low = dtypes.attrs["autocast_dtype"].replace("torch.", "")
+if "dtype_of" in facts:
+    dtype_of = facts["dtype_of"]
     nb.md(
-        f"**(a)** On {dtypes.attrs['gpu_name']} with {low} autocast: the parameters stay {d['model parameters (inside autocast)']} "
-        f"inside the autocast region (autocast never changes what is stored; it feeds the matmul {d[M.OPERANDS]} "
-        f"copies of the weights and activations); the fc1 output is {d['fc1 output']}; the LayerNorm output is "
-        f"{d['LayerNorm output']}; the logits are {d['logits (fc2 output)']}; the loss is {d['loss']}; the "
-        f"gradients are {d['parameter gradients']}, the dtype of the parameters they belong to. "
+        f"**(a)** On {facts['gpu_name']} with {facts['autocast_dtype']} autocast: the parameters stay "
+        f"{dtype_of['model parameters (inside autocast)']} inside the autocast region (autocast never changes what "
+        f"is stored; it feeds the matmul {dtype_of[autocast_study.OPERANDS]} copies of the weights and activations); "
+        f"the fc1 output is {dtype_of['fc1 output']}; the LayerNorm output is {dtype_of['LayerNorm output']}; the "
+        f"logits are {dtype_of['logits (fc2 output)']}; the loss is {dtype_of['loss']}; the gradients are "
+        f"{dtype_of['parameter gradients']}, the dtype of the parameters they belong to. "
         + (
             "Matmuls run in the low precision, while LayerNorm and the loss (reductions and exponentials) "
             "are on autocast's fp32 list."
-            if d["LayerNorm output"] == "float32"
+            if dtype_of["LayerNorm output"] == "float32"
             else "This is a CPU run: CPU autocast keeps LayerNorm in the low precision, unlike CUDA autocast."
         )
     )
@@ -80,13 +78,7 @@ if len(dtypes):
 # inputs. Computed live on the CPU.
 
 # %% tags=["remove-input"]
-ln = pd.concat(
-    [
-        M.layernorm_precision(spread=300.0).assign(spread=300.0),
-        M.layernorm_precision(spread=1.0).assign(spread=1.0),
-    ],
-    ignore_index=True,
-)
+ln = autocast_study.layernorm_frame()
 show_table(
     ln[["dtype", "spread", *[c for c in ln.columns if c not in ("dtype", "spread")]]].rename(
         columns={
@@ -101,26 +93,25 @@ show_table(
     provenance_from="computed live (CPU)",
     formats={"largest finite": "{:.3g}", "spread": "{:g}"},
 )
-w = ln[ln.spread == 300.0].set_index("dtype")
-n = ln[ln.spread == 1.0].set_index("dtype")
 nb.md(
     "**(b)** The sensitive parts are the reductions and the squares: the sum of squared deviations "
-    f"overflows fp16 (largest finite value {w.loc['float16', 'largest finite value']:.0f}) as soon as deviations "
-    f"exceed about {w.loc['float16', 'largest finite value'] ** 0.5:.0f}; with std 300 the variance becomes inf and the output collapses (max error "
-    f"{w.loc['float16', 'output max abs error']:.1f}). Small variances under `rsqrt` and long sums that lose "
-    "small addends add rounding error on top. bf16 has fp32's exponent range, so nothing overflows "
-    f"(variance error {w.loc['bfloat16', 'variance rel. error']:.1e}), but its 8-bit significand (about 3 "
-    f"significant digits) gives output errors of {n.loc['bfloat16', 'output max abs error']:.1e}, "
-    f"{n.loc['bfloat16', 'output max abs error'] / n.loc['float16', 'output max abs error']:.0f} times fp16's on "
-    f"well-scaled inputs (fp32: {n.loc['float32', 'output max abs error']:.0e}). So with bf16 the overflow hazard disappears and LayerNorm *can* run in bf16, but its "
-    "statistics should still be accumulated in fp32 (as fused LayerNorm kernels and autocast's fp32 list do): "
-    "that costs nothing measurable for a memory-bound op and keeps the normalisation accurate."
+    f"overflows fp16 (largest finite value {facts['fp16_largest_finite']:.0f}) as soon as deviations "
+    f"exceed about {facts['fp16_overflow_deviation']:.0f}; with std 300 the variance becomes inf and the output "
+    f"collapses (max error {facts['fp16_output_error_wide']:.1f}). Small variances under `rsqrt` and long sums "
+    "that lose small addends add rounding error on top. bf16 has fp32's exponent range, so nothing overflows "
+    f"(variance error {facts['bf16_variance_error_wide']:.1e}), but its 8-bit significand (about 3 "
+    f"significant digits) gives output errors of {facts['bf16_output_error_narrow']:.1e}, "
+    f"{facts['bf16_over_fp16_error_narrow']:.0f} times fp16's on well-scaled inputs "
+    f"(fp32: {facts['fp32_output_error_narrow']:.0e}). So with bf16 the overflow hazard disappears and LayerNorm "
+    "*can* run in bf16, but its statistics should still be accumulated in fp32 (as fused LayerNorm kernels and "
+    "autocast's fp32 list do): that costs nothing measurable for a memory-bound op and keeps the normalisation "
+    "accurate."
 )
 
 # %% tags=["remove-input"]
-table = A.mixed_table(stats)
+table = timing_analysis.mixed_table(stats)
 if nb.have_results(stats, "the fp32 vs bf16 timings"):
-    save_figure(A.plot_mixed(table), "benchmarking_mixed_precision__speedup")
+    save_figure(timing_analysis.plot_mixed(table), "benchmarking_mixed_precision__speedup")
     long = pd.concat(
         {phase: table[phase] for phase in table.columns.get_level_values(0).unique()}, names=["phase"]
     )
@@ -135,19 +126,19 @@ if nb.have_results(stats, "the fp32 vs bf16 timings"):
     )
 
 # %% tags=["remove-input"]
-if len(table):
-    sp = table.xs("speed-up", axis=1, level=1)
-    sizes = list(sp.index)
-    step, fwd, bwd, opt = sp["train step"], sp["forward"], sp["backward"], sp["optimizer step"]
+if "speedup" in facts:
+    speedup = facts["speedup"]
+    first, last = speedup["sizes"][0], speedup["sizes"][-1]
     nb.md(
-        f"**(c)** bf16 autocast speeds the training step up by {step[sizes[0]]:.2f}x for {sizes[0]} and "
-        f"{step[sizes[-1]]:.2f}x for {sizes[-1]} (forward {fwd.min():.2f}x to {fwd.max():.2f}x, backward "
-        f"{bwd.min():.2f}x to {bwd.max():.2f}x). The gain "
-        + ("grows with model size" if step.iloc[-1] > step.iloc[0] else "does not grow with model size")
+        f"**(c)** bf16 autocast speeds the training step up by {speedup['step_first']:.2f}x for {first} and "
+        f"{speedup['step_last']:.2f}x for {last} (forward {speedup['forward_min']:.2f}x to "
+        f"{speedup['forward_max']:.2f}x, backward {speedup['backward_min']:.2f}x to {speedup['backward_max']:.2f}x). "
+        "The gain "
+        + ("grows with model size" if speedup["grows_with_size"] else "does not grow with model size")
         + ": bf16 matmuls run on tensor cores at many times the fp32 rate, so the speed-up is bounded by the "
         "fraction of time spent in matmuls, which rises with d_model (matmul FLOPs grow as d_model^2 per token, "
         "elementwise work only as d_model). Small models are dominated by memory-bound elementwise kernels, "
         "launch overhead and the casts autocast inserts, which bf16 barely helps. The optimizer step, which "
         "autocast does not touch (AdamW updates the fp32 parameters in fp32 either way), runs at "
-        f"{opt.min():.2f}x to {opt.max():.2f}x."
+        f"{speedup['optimizer_min']:.2f}x to {speedup['optimizer_max']:.2f}x."
     )

@@ -27,13 +27,9 @@ extra_points = [[16, 32768]]  # beyond the handout grid: the whole grid fits a 1
 reps = 100
 
 # %% tags=["remove-input"]
-import json
 
-import torch
-
-from cs336_systems.measure.results import latest_run, load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import pytorch_attention as PA
+from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
+from cs336_systems.studies import attention_results, pytorch_attention
 
 results_dir = nb.setup(quick)
 if quick:
@@ -41,10 +37,13 @@ if quick:
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    configs = PA.attention_grid(head_dims, seq_lens, extra_points=[tuple(p) for p in extra_points], reps=reps)
-    PA.attention_sweep(configs, results_dir=results_dir)
+    configs = pytorch_attention.attention_grid(
+        head_dims, seq_lens, extra_points=[tuple(p) for p in extra_points], reps=reps
+    )
+    pytorch_attention.attention_sweep(configs, results_dir=results_dir)
 df = latest_run(load_results("pytorch_attention", results_dir), keys=("name", "impl", "x_value", "metric"))
 df = df[df.impl == "naive"]
+facts = attention_results.facts(df)
 
 # %% [markdown]
 # **Method.** `cs336_systems.studies.pytorch_attention` times the model's own causal naive
@@ -60,57 +59,54 @@ df = df[df.impl == "naive"]
 # of our H200; the extra point shows where the naive implementation stops fitting.
 
 # %% tags=["remove-input"]
-tab = PA.results_table(df)
+tab = attention_results.results_table(df)
 if nb.have_results(tab, "pytorch_attention"):
     show_table(
         tab.reset_index(),
         caption="Naive causal attention, batch 8, fp32: mean ms per pass (100 passes) and MiB allocated before backward",
         provenance_from=df,
     )
-    save_figure(PA.plot_scaling(df), "pytorch_attention__scaling")
+    save_figure(attention_results.plot_scaling(df), "pytorch_attention__scaling")
 
 # %% tags=["remove-input"]
-oom = PA.smallest_oom(df) if len(df) else None
-cfg_rows = df[~df.gpu_name.astype(str).str.startswith("cpu")]
-device_bytes = next((json.loads(c).get("device_total_bytes") for c in cfg_rows.config_json), None)
+oom = facts["oom"]
 if oom is not None:
-    d_oom, t_oom = oom
-    acc = PA.accounting_table(PA.BATCH_SIZE, t_oom, d_oom, device_bytes=device_bytes)
     show_table(
-        acc,
-        caption=f"Memory accounting of the smallest OOM configuration (batch 8, d = {d_oom}, T = {t_oom}, fp32)",
+        attention_results.accounting_table(
+            pytorch_attention.BATCH_SIZE, oom["T"], oom["d"], device_bytes=facts["device_bytes"]
+        ),
+        caption=f"Memory accounting of the smallest OOM configuration (batch 8, d = {oom['d']}, T = {oom['T']}, fp32)",
         formats={"bytes": "{:,.0f}", "MiB": "{:,.1f}", "GiB": "{:,.2f}"},
         provenance_from=f"computed from the shapes; device capacity from the measured rows ({df.gpu_name.iloc[0]})",
     )
-    notes = df[(df.name == f"d{d_oom}") & (df.x_value == t_oom)].set_index("metric")["note"]
-    a = PA.attention_memory_accounting(PA.BATCH_SIZE, t_oom, d_oom)
-    phase = "forward" if notes.get("forward_time", "") == "OOM" else "backward"
     nb.md(
-        f"**Smallest OOM configuration: d = {d_oom}, T = {t_oom}** (it fails in the {phase} phase). Each of the "
-        f"(8, T, T) fp32 tensors takes 8 x {t_oom}^2 x 4 bytes = {a['saved: probabilities P'] / 2**30:.0f} GiB. "
+        f"**Smallest OOM configuration: d = {oom['d']}, T = {oom['T']}** (it fails in the {oom['phase']} phase). "
+        f"Each of the (8, T, T) fp32 tensors takes 8 x {oom['T']}^2 x 4 bytes = {oom['probabilities_GiB']:.0f} GiB. "
         f"Autograd keeps three of them for backward (the masked scores for `amax`, `exp`'s output, and the "
-        f"probabilities P for P V) plus the boolean mask, {a['saved_for_backward'] / 2**30:.1f} GiB in all, "
-        f"against {a['inputs Q, K, V'] / 2**20:.0f} MiB of inputs. The forward pass needs about "
-        f"{a['forward_peak'] / 2**30:.0f} GiB at its peak (S' - max is alive while exp and P are computed) and "
-        f"the backward pass about {a['backward_peak_estimate'] / 2**30:.0f} GiB (the saved tensors plus three "
+        f"probabilities P for P V) plus the boolean mask, {oom['saved_for_backward_GiB']:.1f} GiB in all, "
+        f"against {oom['inputs_MiB']:.0f} MiB of inputs. The forward pass needs about "
+        f"{oom['forward_peak_GiB']:.0f} GiB at its peak (S' - max is alive while exp and P are computed) and "
+        f"the backward pass about {oom['backward_peak_GiB']:.0f} GiB (the saved tensors plus three "
         "T x T gradient buffers)"
-        + (f", more than the {device_bytes / 2**30:.0f} GiB of the GPU." if device_bytes else ".")
+        + (
+            f", more than the {facts['device_bytes'] / 2**30:.0f} GiB of the GPU."
+            if facts["device_bytes"]
+            else "."
+        )
     )
 elif len(df):
     nb.md("No configuration ran out of memory.")
 
 # %% tags=["remove-input"]
-mem = PA.memory_vs_accounting(df)
-if len(mem):
-    big = mem[mem["T"] >= 1024]
-    exps = {d: PA.scaling_exponent(g["T"], g["measured_MiB"]) for d, g in big.groupby("d")}
-    err = (mem["measured_MiB"] / mem["predicted_MiB"] - 1).abs().max()
+if "scaling" in facts:
+    scaling = facts["scaling"]
+    err = scaling["max_relative_error"]
     nb.md(
         "**Scaling.** The memory the forward pass leaves allocated for backward (the output plus every tensor "
-        f"autograd saved) grows as T^{min(exps.values()):.2f} to T^{max(exps.values()):.2f} "
+        f"autograd saved) grows as T^{scaling['exponent_min']:.2f} to T^{scaling['exponent_max']:.2f} "
         f"(least-squares slopes over T >= 1024, per d) and barely depends on d: it is dominated by the three "
-        f"saved (8, T, T) tensors, 3 x 8 x T^2 x 4 bytes ({mem['saved_T2_MiB'].max():,.0f} MiB at "
-        f"T = {mem['T'].max()}), while Q, K, V and O grow only linearly. The accounting predicts every measured "
+        f"saved (8, T, T) tensors, 3 x 8 x T^2 x 4 bytes ({scaling['saved_T2_MiB_max']:,.0f} MiB at "
+        f"T = {scaling['T_max']}), while Q, K, V and O grow only linearly. The accounting predicts every measured "
         + (f"value to within {err:.2%}. " if err > 0 else "value exactly (to the allocator's byte count). ")
         + "**Removing the cost:** never materialise the T x T matrices. FlashAttention tiles Q, K and V into blocks "
         "that fit in on-chip SRAM, computes the softmax online (a running row maximum and row sum per query "

@@ -33,31 +33,45 @@ sizes_mb = [1, 10, 100, 1024]
 gloo_max_mb = 1024  # largest gloo tensor (CPU memory and time)
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies.distributed import comm_bench as C
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies.distributed import comm_bench
 from cs336_systems.studies.distributed.plots import plot_all_reduce
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
     if quick:
-        C.run_grid(gloo_procs=[2], nccl_procs=[], sizes_mb=[0.01, 0.1], warmup=1, max_iters=3, budget_s=0.2,
-                   results_dir=results_dir)  # fmt: skip
+        comm_bench.run_grid(
+            gloo_procs=[2],
+            nccl_procs=[],
+            sizes_mb=[0.01, 0.1],
+            warmup=1,
+            max_iters=3,
+            budget_s=0.2,
+            results_dir=results_dir,
+        )
     else:
-        C.run_grid(gloo_procs=gloo_procs, sizes_mb=sizes_mb, gloo_max_mb=gloo_max_mb, results_dir=results_dir)
-df = load_results(C.PROBLEM, results_dir)
-t = C.tidy(df)
+        comm_bench.run_grid(
+            gloo_procs=gloo_procs, sizes_mb=sizes_mb, gloo_max_mb=gloo_max_mb, results_dir=results_dir
+        )
+df = load_results(comm_bench.PROBLEM, results_dir)
+t = comm_bench.tidy(df)
 
 # %% tags=["remove-input"]
-if nb.have_results(df, C.PROBLEM):
-    save_figure(plot_all_reduce(df), f"{C.PROBLEM}__all_reduce")
-    show_table(C.summary_table(df).reset_index(), caption="all-reduce time (ms, median over calls)",
-               provenance_from=df)  # fmt: skip
-    show_table(C.summary_table(df, "busbw").reset_index(), caption="bus bandwidth (GB/s, median)",
-               provenance_from=df)  # fmt: skip
+if nb.have_results(df, comm_bench.PROBLEM):
+    save_figure(plot_all_reduce(df), f"{comm_bench.PROBLEM}__all_reduce")
+    show_table(
+        comm_bench.summary_table(df).reset_index(),
+        caption="all-reduce time (ms, median over calls)",
+        provenance_from=df,
+    )
+    show_table(
+        comm_bench.summary_table(df, "busbw").reset_index(),
+        caption="bus bandwidth (GB/s, median)",
+        provenance_from=df,
+    )
 
 # %% tags=["remove-input"]
-if nb.have_results(df, C.PROBLEM):
+if nb.have_results(df, comm_bench.PROBLEM):
     ok = t[(t.note == "") & (t.metric == "busbw")]
     time_ok = t[(t.note == "") & (t.metric == "all_reduce_time")]
 
@@ -69,8 +83,11 @@ if nb.have_results(df, C.PROBLEM):
     gloo_worlds = sorted(ok[ok.impl == "gloo/cpu"].world_size.unique())
     nccl_worlds = sorted(ok[ok.impl == "nccl/cuda"].world_size.unique())
     missing = t[(t.note != "") & (t.metric == "all_reduce_time")]
-    parts = [f"**Answer.** At {big:g} MB, Gloo on CPU reaches a bus bandwidth of " + ", ".join(
-        f"{p50('gloo/cpu', w, big):.2f} GB/s with {w} processes" for w in gloo_worlds) + "."]  # fmt: skip
+    parts = [
+        f"**Answer.** At {big:g} MB, Gloo on CPU reaches a bus bandwidth of "
+        + ", ".join(f"{p50('gloo/cpu', w, big):.2f} GB/s with {w} processes" for w in gloo_worlds)
+        + "."
+    ]
     if nccl_worlds:
         w = nccl_worlds[0]
         parts.append(

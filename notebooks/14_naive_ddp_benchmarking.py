@@ -35,24 +35,26 @@ variants = ["single", "naive"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies.distributed import train_bench as T
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies.distributed import ddp_analysis, train_bench
 from cs336_systems.studies.distributed.plots import plot_step_breakdown
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
-    T.measure(variants, quick=quick, results_dir=results_dir, only_missing=only_missing)
-df = load_results(T.PROBLEM, results_dir)
-summ = T.summary(df)
+    train_bench.measure(variants, quick=quick, results_dir=results_dir, only_missing=only_missing)
+df = load_results(train_bench.PROBLEM, results_dir)
+summ = ddp_analysis.summary(df)
 
 # %% tags=["remove-input"]
-naive, single = T.row_of(summ, "naive"), T.row_of(summ, "single")
-if nb.have_results(df, T.PROBLEM) and naive is not None:
-    nb.md(f"Measured: {T.describe_setup(df)}.")
+naive, single = ddp_analysis.row_of(summ, "naive"), ddp_analysis.row_of(summ, "single")
+if nb.have_results(df, train_bench.PROBLEM) and naive is not None:
+    nb.md(f"Measured: {ddp_analysis.describe_setup(df)}.")
     save_figure(plot_step_breakdown(summ, variants), "naive_ddp_benchmarking__step_breakdown")
-    show_table(T.summary_table(summ, variants), caption="time per training step (ms, mean over timed steps)",
-               provenance_from=df)  # fmt: skip
+    show_table(
+        ddp_analysis.summary_table(summ, variants),
+        caption="time per training step (ms, mean over timed steps)",
+        provenance_from=df,
+    )
 
 # %% tags=["remove-input"]
 if naive is not None and naive.note == "":

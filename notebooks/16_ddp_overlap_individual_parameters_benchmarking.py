@@ -38,27 +38,31 @@ traces = ["naive", "overlap"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies.distributed import train_bench as T
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies.distributed import ddp_analysis, train_bench
 from cs336_systems.studies.distributed.plots import plot_ddp_timelines, plot_step_breakdown
 from cs336_systems.studies.distributed.trace_plot import load_trace, overlap_stats, trace_frame
 
 problem = "ddp_overlap_individual_parameters_benchmarking"
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
-    T.measure(variants, quick=quick, results_dir=results_dir, trace=traces, only_missing=only_missing)
-df = load_results(T.PROBLEM, results_dir)
-summ = T.summary(df)
-row = {v: T.row_of(summ, v) for v in variants}
+    train_bench.measure(
+        variants, quick=quick, results_dir=results_dir, trace=traces, only_missing=only_missing
+    )
+df = load_results(train_bench.PROBLEM, results_dir)
+summ = ddp_analysis.summary(df)
+row = {v: ddp_analysis.row_of(summ, v) for v in variants}
 ok = {v: r is not None and r.note == "" for v, r in row.items()}
 
 # %% tags=["remove-input"]
-if nb.have_results(df, T.PROBLEM) and ok["overlap"]:
-    nb.md(f"Measured: {T.describe_setup(df)}.")
+if nb.have_results(df, train_bench.PROBLEM) and ok["overlap"]:
+    nb.md(f"Measured: {ddp_analysis.describe_setup(df)}.")
     save_figure(plot_step_breakdown(summ, variants), f"{problem}__step_breakdown")
-    show_table(T.summary_table(summ, variants), caption="time per training step (ms, mean over timed steps)",
-               provenance_from=df)  # fmt: skip
+    show_table(
+        ddp_analysis.summary_table(summ, variants),
+        caption="time per training step (ms, mean over timed steps)",
+        provenance_from=df,
+    )
 
 # %% tags=["remove-input"]
 if ok["overlap"] and ok["naive"] and ok["flat"]:
@@ -85,11 +89,13 @@ if ok["overlap"] and ok["naive"] and ok["flat"]:
     nb.md(text)
 
 # %% tags=["remove-input"]
-available = [t for t in traces if T.trace_path(results_dir, t).exists()]
+available = [t for t in traces if train_bench.trace_path(results_dir, t).exists()]
 if available:
     save_figure(plot_ddp_timelines(results_dir, available), f"{problem}__timeline")
-    stats = {t: overlap_stats(trace_frame(load_trace(T.trace_path(results_dir, t)))) for t in available}
-    backend = "NCCL" if not quick and "nccl" in T.describe_setup(df) else "all-reduce"
+    stats = {
+        t: overlap_stats(trace_frame(load_trace(train_bench.trace_path(results_dir, t)))) for t in available
+    }
+    backend = "NCCL" if not quick and "nccl" in ddp_analysis.describe_setup(df) else "all-reduce"
     lines = [
         f"{t}: {backend} kernels {s['comm_ms']:.1f} ms in total, {100 * s['hidden_fraction']:.0f} % of that time "
         f"with compute running, {s['comm_after_backward_ms']:.1f} ms of it after the last backward compute kernel"

@@ -39,10 +39,8 @@ only_missing = True  # the DDP notebooks share ddp_training.csv: measure only va
 # %% tags=["remove-input"]
 import math
 
-from cs336_systems.measure.results import load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies.distributed import comm_bench as C
-from cs336_systems.studies.distributed import train_bench as T
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies.distributed import comm_bench, ddp_analysis, train_bench
 from cs336_systems.studies.distributed.plots import plot_bucket_model, plot_bucket_sweep, plot_ddp_timelines
 from cs336_systems.studies.distributed.trace_plot import load_trace, overlap_stats, trace_frame
 
@@ -53,27 +51,41 @@ trace_labels = ["bucketed:0.05"] if quick else traces
 unbucketed = ["single", "overlap"] if quick else ["single", "naive", "flat", "overlap", "torch"]
 variants = [*unbucketed, *(f"bucketed:{b:g}" for b in sizes), *(f"torch:{b:g}" for b in sizes)]
 if nb.should_measure(measure, gpus=2, quick=quick):
-    T.measure(variants, quick=quick, results_dir=results_dir, trace=trace_labels, only_missing=only_missing)
-    comm_rows = C.tidy(load_results(C.PROBLEM, results_dir))
+    train_bench.measure(
+        variants, quick=quick, results_dir=results_dir, trace=trace_labels, only_missing=only_missing
+    )
+    comm_rows = comm_bench.tidy(load_results(comm_bench.PROBLEM, results_dir))
     impl = "gloo/cpu" if quick else "nccl/cuda"
     if comm_rows[(comm_rows.impl == impl) & (comm_rows.note == "")].empty:  # o and w for (b)
         if quick:
-            C.run_grid(gloo_procs=[2], nccl_procs=[], sizes_mb=[0.01, 0.1, 1], warmup=1, max_iters=3, budget_s=0.2,
-                       results_dir=results_dir)  # fmt: skip
+            comm_bench.run_grid(
+                gloo_procs=[2],
+                nccl_procs=[],
+                sizes_mb=[0.01, 0.1, 1],
+                warmup=1,
+                max_iters=3,
+                budget_s=0.2,
+                results_dir=results_dir,
+            )
         else:
-            C.run_grid(gloo_procs=[], results_dir=results_dir)
-df = load_results(T.PROBLEM, results_dir)
-comm = load_results(C.PROBLEM, results_dir)
-summ = T.summary(df)
+            comm_bench.run_grid(gloo_procs=[], results_dir=results_dir)
+df = load_results(train_bench.PROBLEM, results_dir)
+comm = load_results(comm_bench.PROBLEM, results_dir)
+summ = ddp_analysis.summary(df)
 
 # %% tags=["remove-input"]
-if nb.have_results(df, T.PROBLEM) and (summ.kind == "bucketed").any():
-    nb.md(f"Measured: {T.describe_setup(df)}.")
+if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
+    nb.md(f"Measured: {ddp_analysis.describe_setup(df)}.")
     save_figure(plot_bucket_sweep(summ), f"{problem}__bucket_sweep")
-    show_table(T.bucket_table(summ), caption="time per training step (ms, mean) by maximum bucket size",
-               provenance_from=df)  # fmt: skip
+    show_table(
+        ddp_analysis.bucket_table(summ),
+        caption="time per training step (ms, mean) by maximum bucket size",
+        provenance_from=df,
+    )
     others = summ[summ.kind.isin(["single", "naive", "flat", "overlap"])]
-    show_table(T.summary_table(others), caption="the variants without buckets (ms)", provenance_from=df)
+    show_table(
+        ddp_analysis.summary_table(others), caption="the variants without buckets (ms)", provenance_from=df
+    )
 
 # %% tags=["remove-input"]
 ok = summ[summ.note == ""] if len(summ) else summ
@@ -81,8 +93,8 @@ bk = ok[ok.kind == "bucketed"] if len(ok) else ok
 if len(bk):
     best = bk.loc[bk.step_ms.idxmin()]
     worst = bk.loc[bk.step_ms.idxmax()]
-    ref = {k: T.row_of(summ, k) for k in ("single", "naive", "flat", "overlap")}
-    tbl = T.bucket_table(summ)
+    ref = {k: ddp_analysis.row_of(summ, k) for k in ("single", "naive", "flat", "overlap")}
+    tbl = ddp_analysis.bucket_table(summ)
     ratios = tbl.dropna(subset=["ours / PyTorch"])
     parts = [
         f"**(a)** The best bucket size is {best.label.removeprefix('bucketed ')}: {best.step_ms:.0f} ms per step with "
@@ -120,10 +132,12 @@ if len(bk):
     nb.md(" ".join(parts))
 
 # %% tags=["remove-input"]
-available = [t for t in trace_labels if T.trace_path(results_dir, t).exists()]
+available = [t for t in trace_labels if train_bench.trace_path(results_dir, t).exists()]
 if available:
     save_figure(plot_ddp_timelines(results_dir, available), f"{problem}__timeline")
-    stats = {t: overlap_stats(trace_frame(load_trace(T.trace_path(results_dir, t)))) for t in available}
+    stats = {
+        t: overlap_stats(trace_frame(load_trace(train_bench.trace_path(results_dir, t)))) for t in available
+    }
     nb.md(
         "Profiler traces (one step each, rank 0): "
         + "; ".join(
@@ -158,14 +172,17 @@ if available:
 
 # %% tags=["remove-input"]
 try:
-    model = T.bucket_model(df, comm) if len(bk) else None
+    model = ddp_analysis.bucket_model(df, comm) if len(bk) else None
 except ValueError as exc:  # no all-reduce rows to fit o and w from
     model = None
     nb.md(f"*The overhead model needs the all-reduce benchmark of the same backend: {exc}.*")
 if model is not None:
     save_figure(plot_bucket_model(model), f"{problem}__overhead_model")
-    show_table(model["table"], caption="predicted vs measured time after backward (ms) per maximum bucket size",
-               provenance_from=df)  # fmt: skip
+    show_table(
+        model["table"],
+        caption="predicted vs measured time after backward (ms) per maximum bucket size",
+        provenance_from=df,
+    )
     meas = model["table"].dropna(subset=["measured_comm_ms"])
     best_meas = meas.loc[meas.measured_comm_ms.idxmin()] if len(meas) else None
     curve = model["curve"]

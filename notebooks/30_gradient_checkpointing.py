@@ -28,13 +28,12 @@ context_length = 2048
 # %% tags=["remove-input"]
 import torch
 
-from cs336_systems.measure.results import load_results
 from cs336_systems.model import get_config
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import checkpointing_study as CS
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies import checkpointing_study
 
 results_dir = nb.setup(quick)
-strategies = list(CS.STRATEGIES)
+strategies = list(checkpointing_study.STRATEGIES)
 if quick:
     size, batch_size, context_length = "debug", 2, 32
     strategies = [("block", 1), ("none", None), ("recursive", None)]
@@ -42,13 +41,14 @@ cfg = get_config(size, context_length=context_length)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    CS.checkpointing_sweep(
+    checkpointing_study.checkpointing_sweep(
         size=size, batch_size=batch_size, context_length=context_length, results_dir=results_dir
     )
 df = load_results("gradient_checkpointing", results_dir)
 df = df[df.name == size]
-cost = CS.cost_table(size, batch_size, context_length)
-a = cost.attrs
+cost = checkpointing_study.cost_table(size, batch_size, context_length)
+facts = checkpointing_study.facts(df, cost)
+model = facts["model"]
 
 # %% [markdown]
 # **Cost model.** c is one block input (a checkpoint), r what one block saves for backward, counted
@@ -60,12 +60,12 @@ a = cost.attrs
 # gradient buffers, the embedding and the logits come on top.
 
 # %% tags=["remove-input"]
-n = a["num_blocks"]
+n = model["num_blocks"]
 sel = cost[(cost.strategy != "block") | cost.group_size.isin([1, 2, 4, 8, 16, n])].reset_index(drop=True)
 show_table(
     sel,
     caption=f"Predicted peak for {size} (N = {n} blocks), batch {batch_size}, T = {context_length}, fp32: "
-    f"c = {a['c'] / 2**20:.0f} MiB, r = {a['r'] / 2**20:,.0f} MiB per block",
+    f"c = {model['c_MiB']:.0f} MiB, r = {model['r_MiB']:,.0f} MiB per block",
     formats={"peak_activation_GiB": "{:,.2f}", "predicted_total_GiB": "{:,.1f}", "forward_passes": "{:.0f}"},
     provenance_from=f"computed live (saved-tensor hooks on the meta device), torch {torch.__version__}",
 )
@@ -85,24 +85,21 @@ show_table(
 # ```
 
 # %% tags=["remove-input"]
-rec = cost[cost.strategy == "recursive"].iloc[0]
-one = cost[(cost.strategy == "block") & (cost.group_size == a["optimal_group"])].iloc[0]
-none = cost[cost.strategy == "none"].iloc[0]
 nb.md(
     "The forward pass stores only the two half-inputs at the top level. Backward recomputes one half at a "
     "time, which again stores only its two quarter-inputs, and so on: at any moment one checkpoint per level "
     "of the tree is alive plus the residuals of the single block being differentiated, so the peak activation "
     f"memory is about ceil(log2 N) c + r = **O(log N)** blocks' worth. The price is compute: each block's forward "
-    f"runs once per level plus once at the start, ceil(log2 N) + 1 = {rec.forward_passes:.0f} times for N = {n}, "
-    "i.e. **O(N log N)** forward work in total instead of O(N) (the backward pass is unchanged). For comparison, "
-    "the classic one-level scheme with k = sqrt(N) blocks per checkpoint needs O(sqrt N) memory and one extra "
-    f"forward. For {size} the recursive scheme needs {rec.peak_activation_GiB:.1f} GiB of activations, against "
-    f"{one.peak_activation_GiB:.1f} GiB for the best one-level grouping (k = {a['optimal_group']}) and "
-    f"{none.peak_activation_GiB:,.0f} GiB without checkpointing."
+    f"runs once per level plus once at the start, ceil(log2 N) + 1 = {model['recursive_forward_passes']:.0f} times "
+    f"for N = {n}, i.e. **O(N log N)** forward work in total instead of O(N) (the backward pass is unchanged). For "
+    "comparison, the classic one-level scheme with k = sqrt(N) blocks per checkpoint needs O(sqrt N) memory and one "
+    f"extra forward. For {size} the recursive scheme needs {model['recursive_GiB']:.1f} GiB of activations, against "
+    f"{model['one_level_GiB']:.1f} GiB for the best one-level grouping (k = {model['optimal_group']}) and "
+    f"{model['none_GiB']:,.0f} GiB without checkpointing."
 )
 
 # %% tags=["remove-input"]
-meas = CS.measured_table(df)
+meas = checkpointing_study.measured_table(df)
 if nb.have_results(meas, "gradient_checkpointing"):
     show_table(
         meas,
@@ -110,64 +107,60 @@ if nb.have_results(meas, "gradient_checkpointing"):
         "(peak allocated memory of the timed step; 0.5 = attention and MLP halves checkpointed separately)",
         provenance_from=df,
     )
-    save_figure(CS.plot_cost_model(cost[cost.group_size <= 16], df), "gradient_checkpointing__peak_vs_group")
+    save_figure(
+        checkpointing_study.plot_cost_model(cost[cost.group_size <= 16], df),
+        "gradient_checkpointing__peak_vs_group",
+    )
 
 # %% tags=["remove-input"]
-ok = df[(df.metric == "peak_memory") & (df.note == "")]
-block = ok[ok.impl == "block"].set_index("x_value")["mean"]
-if len(block):
-    best = block.idxmin()
-    bigger = block[block.index > best]
-    sub = ok[ok.impl == "sub_block"]["mean"]
-    rec_peak = ok[ok.impl == "recursive"]["mean"]
-    sub_pred = cost[cost.strategy == "sub_block"].peak_activation_GiB.iloc[0]
-    none_note = df[(df.impl == "none") & (df.metric == "peak_memory")].note
-    steps = df[(df.metric == "step_time") & (df.note == "")].set_index(["impl", "x_value"])["mean"]
+if "measured" in facts:
+    measured = facts["measured"]
+    best = measured["best_k"]
     nb.md(
-        f"**(b)** Checkpointing every **k = {best:g}** block(s) gives the lowest peak, {block[best]:.1f} GiB "
-        f"(model: k* = sqrt(N c / r) = {(n * a['c'] / a['r']) ** 0.5:.2f}, so k = {a['optimal_group']}). "
+        f"**(b)** Checkpointing every **k = {best:g}** block(s) gives the lowest peak, {measured['best_GiB']:.1f} GiB "
+        f"(model: k* = sqrt(N c / r) = {model['k_star']:.2f}, so k = {model['optimal_group']}). "
         + (
-            f"The next larger size, k = {bigger.index[0]:g}, peaks at {bigger.iloc[0]:.1f} GiB. "
-            if len(bigger)
+            f"The next larger size, k = {measured['next_k']:g}, peaks at {measured['next_GiB']:.1f} GiB. "
+            if measured["next_k"] is not None
             else ""
         )
         + (
-            f"The next smaller granularity, attention and MLP halves as separate checkpoints, peaks at {sub.iloc[0]:.1f} "
+            "The next smaller granularity, attention and MLP halves as separate checkpoints, peaks at "
+            f"{measured['sub_block_GiB']:.1f} "
             + (
-                f"GiB, within {abs(sub.iloc[0] - block[best]) * 1024:.0f} MiB of k = {best:g} (and recursive "
-                f"bisection at {rec_peak.iloc[0]:.1f} GiB): at this granularity the peak is no longer set by the "
-                "checkpointed residuals (the model predicts "
-                f"{one.peak_activation_GiB:.1f}, {sub_pred:.1f} and {rec.peak_activation_GiB:.1f} GiB of activations "
-                "for the three, which would differ by more) but elsewhere in the step, by what the cost model leaves out "
-                f"(gradient buffers, embedding, logits); k = {best:g} is the coarsest arrangement that reaches this "
-                "floor. "
-                if abs(sub.iloc[0] - block[best]) < 0.05 * block[best] and len(rec_peak)
+                f"GiB, within {measured['sub_block_minus_best_MiB']:.0f} MiB of k = {best:g} (and recursive "
+                f"bisection at {measured['recursive_GiB']:.1f} GiB): at this granularity the peak is no longer set by "
+                "the checkpointed residuals (the model predicts "
+                f"{model['one_level_GiB']:.1f}, {model['sub_block_GiB']:.1f} and {model['recursive_GiB']:.1f} GiB of "
+                "activations for the three, which would differ by more) but elsewhere in the step, by what the cost "
+                f"model leaves out (gradient buffers, embedding, logits); k = {best:g} is the coarsest arrangement "
+                "that reaches this floor. "
+                if measured["sub_block_at_floor"]
                 else "GiB. "
             )
-            if len(sub)
+            if measured["sub_block_GiB"] is not None
             else ""
         )
         + "Larger groups keep more blocks' residuals alive during their recomputation (each block saves "
-        f"{a['r'] / 2**30:.1f} GiB) and save only {a['c'] / 2**20:.0f} MiB per checkpoint dropped; "
+        f"{model['r_GiB']:.1f} GiB) and save only {model['c_MiB']:.0f} MiB per checkpoint dropped; "
         + (
             "the measurement agrees with the model. "
-            if best == a["optimal_group"]
-            else f"the model predicted k = {a['optimal_group']}. "
+            if best == model["optimal_group"]
+            else f"the model predicted k = {model['optimal_group']}. "
         )
         + (
-            f"Without checkpointing the step does not fit ({none_note.iloc[0]}). "
-            if len(none_note) and none_note.iloc[0]
+            f"Without checkpointing the step does not fit ({measured['none_note']}). "
+            if measured["none_note"]
             else ""
         )
         + (
-            f"The price is one extra forward pass: the step takes {steps.get(('block', best), float('nan')):,.0f} ms at "
-            f"k = {best:g}"
+            f"The price is one extra forward pass: the step takes {measured['step_best_ms']:,.0f} ms at k = {best:g}"
             + (
-                f" and {steps[('recursive', 1.0)]:,.0f} ms with recursive bisection."
-                if ("recursive", 1.0) in steps.index
+                f" and {measured['step_recursive_ms']:,.0f} ms with recursive bisection."
+                if measured["step_recursive_ms"] is not None
                 else "."
             )
-            if ("block", best) in steps.index
+            if measured["step_best_ms"] is not None
             else ""
         )
     )

@@ -36,21 +36,20 @@ quick = False  # debug model, gloo on CPU, 2 ranks, 2 steps; results go to a scr
 # %% tags=["remove-input"]
 import math
 
-import pandas as pd
-
-from cs336_systems.measure.results import load_results
-from cs336_systems.model import get_config
-from cs336_systems.report import nb, show_table
-from cs336_systems.studies.distributed import fsdp_bench as F
-from cs336_systems.studies.distributed.sharding_bench import GiB, latest, value
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies.distributed import fsdp_analysis, fsdp_bench, fsdp_parity, sharding_analysis
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
-    F.run(F.FsdpBenchConfig(**(F.QUICK if quick else {})), nproc=2, results_dir=results_dir)
-df = latest(load_results(F.PROBLEM, results_dir))
+    config = fsdp_bench.FsdpBenchConfig(**(fsdp_bench.QUICK if quick else {}))
+    fsdp_bench.run(config, nproc=2, results_dir=results_dir)
+df = sharding_analysis.latest(load_results(fsdp_bench.PROBLEM, results_dir))
 size = df.name.iloc[0] if len(df) else "xl_2026"
-v = lambda impl, metric, mode=None, rank=None: value(df, impl, metric, mode, rank)
-g = lambda x: "n/a" if math.isnan(x) else f"{x:.2f}"
+
+
+def gib(x):
+    return "n/a" if math.isnan(x) else f"{x:.2f}"
+
 
 # %% [markdown]
 # **(a) Expectation.** Per rank, data parallelism keeps the whole training state: 16 bytes per parameter
@@ -63,58 +62,45 @@ g = lambda x: "n/a" if math.isnan(x) else f"{x:.2f}"
 # full-weight gradients on their way to reduce-scatters (what "ignore the all-gather buffers" sets aside).
 
 # %% tags=["remove-input"]
-n = 2
-rep, sh = F.expected_state_bytes(size, n, sharded=False), F.expected_state_bytes(size, n, sharded=True)
-expect = pd.DataFrame(
-    {
-        "replicated (DDP) GiB": {k: rep[k] / GiB for k in ("params", "grads", "optimizer_state", "state")},
-        "FSDP GiB": {k: sh[k] / GiB for k in ("params", "grads", "optimizer_state", "state")},
-    }
-)
-expect["saved GiB"] = expect.iloc[:, 0] - expect.iloc[:, 1]
 show_table(
-    expect.rename_axis("per rank").reset_index(),
-    caption=f"Expected per-rank training state, {size} on {n} GPUs (computed from the model's parameter shapes)",
+    fsdp_analysis.expected_table(size, 2).rename_axis("per rank").reset_index(),
+    caption=f"Expected per-rank training state, {size} on 2 GPUs (computed from the model's parameter shapes)",
     provenance_from="computed by fsdp_bench.expected_state_bytes",
 )
-working = F.expected_working_set_bytes(size, 4) / GiB
 
 # %% tags=["remove-input"]
-if nb.have_results(df, F.PROBLEM):
+if nb.have_results(df, fsdp_bench.PROBLEM):
     show_table(
-        F.memory_table(df).reset_index(),
+        fsdp_analysis.memory_table(df).reset_index(),
         caption="Measured GiB on rank 0 (allocated at each point; iteration_peak over a whole steady iteration)",
         provenance_from=df,
     )
-    F.render_figures(df, results_dir)
+    fsdp_analysis.render_figures(df, results_dir)
 
 # %% tags=["remove-input"]
-saved = v("fsdp", "measured_saving")
-transient = lambda impl: (
-    v(impl, "iteration_peak", "steady", 0) - v(impl, "allocated", "steady:before_step", 0)
-)
+facts = fsdp_analysis.facts(df, size, 2)
 nb.md(
-    f"**(a)** For {size} ({get_config(size).num_params() / 1e9:.2f}B parameters) on {n} GPUs we expect FSDP to "
-    f"save {g(expect.loc['state', 'saved GiB'])} GiB per rank: {g(expect.loc['state', 'replicated (DDP) GiB'])} GiB "
-    f"of weights, gradients and AdamW state shrink to {g(expect.loc['state', 'FSDP GiB'])} GiB "
-    f"(optimizer-state sharding alone would save {g(expect.loc['optimizer_state', 'saved GiB'])} GiB). "
-    f"The working set it adds back is about {g(working)} GiB in fp32 (two gathered copies of the largest weight, "
+    f"**(a)** For {size} ({facts['num_params_b']:.2f}B parameters) on 2 GPUs we expect FSDP to "
+    f"save {gib(facts['expected_saving'])} GiB per rank: {gib(facts['replicated_state'])} GiB "
+    f"of weights, gradients and AdamW state shrink to {gib(facts['fsdp_state'])} GiB "
+    f"(optimizer-state sharding alone would save {gib(facts['optimizer_sharding_saving'])} GiB). "
+    f"The working set it adds back is about {gib(facts['working_set_fp32'])} GiB in fp32 (two gathered copies of the largest weight, "
     f"its full gradient and two full gradients in flight in reduce-scatters). Measured, the peak of a steady fp32 iteration is "
-    f"{g(v('replicated', 'iteration_peak', 'steady', 0))} GiB replicated and {g(v('fsdp', 'iteration_peak', 'steady', 0))} "
-    f"GiB with FSDP: a saving of {g(saved)} GiB"
+    f"{gib(facts['replicated_peak'])} GiB replicated and {gib(facts['fsdp_peak'])} "
+    f"GiB with FSDP: a saving of {gib(facts['measured_saving'])} GiB"
     + (
-        f", {saved / expect.loc['state', 'saved GiB']:.0%} of the expectation. The shortfall, "
-        f"{g(expect.loc['state', 'saved GiB'] - saved)} GiB, is far more than the expected working set of "
-        f"{g(working)} GiB: an fp32 FSDP iteration rises {g(transient('fsdp'))} GiB above its steady state "
-        f"(allocated before the step), the replicated one {g(transient('replicated'))} GiB (its activations). "
+        f", {facts['saving_share']:.0%} of the expectation. The shortfall, "
+        f"{gib(facts['shortfall'])} GiB, is far more than the expected working set of "
+        f"{gib(facts['working_set_fp32'])} GiB: an fp32 FSDP iteration rises {gib(facts['fsdp_transient'])} GiB above its steady state "
+        f"(allocated before the step), the replicated one {gib(facts['replicated_transient'])} GiB (its activations). "
         "Our accounting does not explain the difference, and the committed measurements (allocator readings "
         "at the step boundaries and the iteration peak) do not show which tensors are alive at the peak. "
-        f"With bf16 compute the peak is {g(v('fsdp_bf16', 'iteration_peak', 'steady', 0))} GiB: it rises only "
-        f"{g(transient('fsdp_bf16'))} GiB above the steady state, but that state holds "
-        f"{g(v('fsdp_bf16', 'other', 'steady:before_step', 0))} GiB of memory outside the parameters, gradients and "
-        f"optimizer state from initialisation on (fp32 FSDP: {g(v('fsdp', 'other', 'steady:before_step', 0))} GiB), "
+        f"With bf16 compute the peak is {gib(facts['fsdp_bf16_peak'])} GiB: it rises only "
+        f"{gib(facts['fsdp_bf16_transient'])} GiB above the steady state, but that state holds "
+        f"{gib(facts['fsdp_bf16_other'])} GiB of memory outside the parameters, gradients and "
+        f"optimizer state from initialisation on (fp32 FSDP: {gib(facts['fsdp_other'])} GiB), "
         'the "other" column above.'
-        if not math.isnan(saved)
+        if not math.isnan(facts["measured_saving"])
         else " (not measured in this run: the allocator statistics need GPUs)."
     )
 )
@@ -129,61 +115,13 @@ nb.md(
 # NCCL stream.
 
 # %% tags=["remove-input"]
-st = F.slack_table(df)
-if nb.have_results(st, "the all-gather timing (profiled step)"):
-    show_table(st.reset_index(), caption="All-gather waits in one profiled step (rank 0)", provenance_from=df)
-    from cs336_systems.report import save_figure
-
-    save_figure(F.plot_slack(df), f"{F.PROBLEM}__slack")
-    rows = {(i, m): r for (i, m), r in st.iterrows()}
-    pct = lambda x: f"{x:.0%}" if x in (0.0, 1.0) or 0.005 <= x <= 0.995 else f"{x:.1%}"  # no false 100 %
-    parts = [
-        f"{impl} {phase}: {pct(r.hidden_share)} of {int(r.waits)} waits hidden, {r.exposed_ms + 0.0:.2f} ms exposed in "
-        f"total, median slack {r.median_slack_us / 1e3:.2f} ms"
-        + (
-            f" (median all-gather {r.median_gather_us / 1e3:.2f} ms)"
-            if not math.isnan(r.median_gather_us)
-            else ""
-        )
-        for (impl, phase), r in rows.items()
-    ]
-    fwd = rows.get(("fsdp", "forward"))
-    bwd = rows.get(("fsdp", "backward"))
-    fwd16 = rows.get(("fsdp_bf16", "forward"))
-    nb.md(
-        "**(b)** "
-        + "; ".join(parts)
-        + ". "
-        + (
-            (
-                "In fp32 nearly all forward all-gathers finish before the layer needs them: the one-layer-ahead "
-                "prefetch keeps the communication off the critical path."
-                if fwd.hidden_share >= 0.9
-                else f"In fp32 only {pct(fwd.hidden_share)} of the forward all-gathers finish before the layer needs "
-                f"them: the compute stream waits {fwd.exposed_ms:.1f} ms in total for them (median slack "
-                f"{fwd.median_slack_us:.0f} us, worst {fwd.min_slack_us:.0f} us). The one-layer-ahead prefetch hides a gather "
-                "only when the layer before it computes for longer than the gather takes, and at this small "
-                f"per-GPU batch many forward layers do not (median fp32 gather {fwd.median_gather_us / 1e3:.2f} ms)"
-                + (
-                    f"; in backward, with twice the matmuls per layer, {pct(bwd.hidden_share)} are hidden"
-                    if bwd is not None
-                    else ""
-                )
-                + (
-                    f". The bf16 gathers move half the bytes and take {fwd16.median_gather_us / 1e3:.2f} ms at the "
-                    f"median; {pct(fwd16.hidden_share)} of the forward waits are hidden."
-                    if fwd16 is not None and not math.isnan(fwd16.median_gather_us)
-                    else "."
-                )
-            )
-            + " The step times (ms) are "
-            + ", ".join(f"{i} {g(v(i, 'step_time'))}" for i in F.VARIANTS)
-            + "."
-            if fwd is not None and not math.isnan(fwd.median_gather_us)
-            else "On a CPU (gloo) quick run every wait blocks the host, so all slacks are negative; "
-            "the GPU run answers the question."
-        )
+slack = fsdp_analysis.slack_table(df)
+if nb.have_results(slack, "the all-gather timing (profiled step)"):
+    show_table(
+        slack.reset_index(), caption="All-gather waits in one profiled step (rank 0)", provenance_from=df
     )
+    save_figure(fsdp_analysis.plot_slack(df), f"{fsdp_bench.PROBLEM}__slack")
+    nb.md(fsdp_analysis.allgather_answer(df))
 
 # %% [markdown]
 # **Is FSDP bit-exact in fp32?** `python -m cs336_systems.studies.distributed.fsdp_parity` trains the official
@@ -193,52 +131,12 @@ if nb.have_results(st, "the all-gather timing (profiled step)"):
 # parameter with one process training on the whole batch, counting differences in fp32 ulps.
 
 # %% tags=["remove-input"]
-from cs336_systems.studies.distributed import fsdp_parity as PARITY
-
 if quick:
-    PARITY.run("cpu", results_dir)
+    fsdp_parity.run("cpu", results_dir)
 elif nb.should_measure(measure, gpus=1):
-    PARITY.run("cuda", results_dir)
-parity = PARITY.facts(load_results(PARITY.PROBLEM, results_dir))
-if nb.have_results(pd.DataFrame(parity), "the fp32 parity runs"):
-    for run in parity:
-        t = run["vs_single"].astype({"elements_differing": int, "max_ulp": int}).reset_index()
-        show_table(
-            t.rename(columns={"name": "parameter", "max_abs_diff": "max |difference|"}),
-            caption=f"Our FSDP against one process after {run['steps']} steps, {run['device']} ({run['backend']})",
-            provenance_from=load_results(PARITY.PROBLEM, results_dir).query("gpu_name == @run['device']"),
-            formats={"max |difference|": "{:.1e}"},
-        )
-    said = []
-    for run in parity:
-        differ = run["vs_single"][run["vs_single"]["max_ulp"] > 0]
-        label = {"microbatch": "one process adding the ranks' halves in rank order", "torch_ddp": "torch DDP",
-                 "torch_fsdp2": "torch FSDP2"}  # fmt: skip
-        same = [label[k] for k, ok in run["equal"].items() if ok]
-        said.append(
-            f"On {run['device']} ({run['backend']}) our FSDP is bitwise equal to {', '.join(same)}"
-            + (
-                f" ({', '.join(k for k, ok in run['equal'].items() if ok is None)} not run there)"
-                if None in run["equal"].values()
-                else ""
-            )
-            + f"; against one process {len(differ)} of {len(run['vs_single'])} tensors differ, in "
-            f"{int(differ['elements_differing'].sum())} elements, by at most {int(differ['max_ulp'].max()) if len(differ) else 0} ulps "
-            f"and at most {differ['max_abs_diff'].max() if len(differ) else 0:.1e} in absolute value, "
-            + (
-                "and torch's implementations differ in exactly the same elements by exactly the same amounts."
-                if run["torch_same"]
-                else "while torch's implementations differ otherwise."
-            )
-        )
-    nb.md(
-        " ".join(said)
-        + " So the gap is not our reduction: it is data parallelism itself. A weight gradient is a sum over the "
-        "batch's token rows (dW = G^T X over 160 rows; the RMSNorm gains and the embedding rows likewise). One "
-        "process lets the kernel add all 160 rows in its own order; two ranks each add their 80 and the collective "
-        "adds the two partial sums, and floating-point addition is not associative. The scaling is exact (the mean "
-        "over 10 rows averaged over 2 ranks differs from the mean over 20 by powers of two), and one process that "
-        "accumulates the two halves in rank order reproduces FSDP bit for bit. A large ulp count with a tiny "
-        "absolute difference is an element near zero, where an ulp is tiny. The tests therefore hold our FSDP to "
-        "torch's bits and to that microbatch reference exactly, and to single-process training within 1e-7."
-    )
+    fsdp_parity.run("cuda", results_dir)
+parity = load_results(fsdp_parity.PROBLEM, results_dir)
+if nb.have_results(parity, "the fp32 parity runs"):
+    for table, caption, rows in fsdp_parity.tables(parity):
+        show_table(table, caption=caption, provenance_from=rows, formats={"max |difference|": "{:.1e}"})
+    nb.md(fsdp_parity.answer(parity))

@@ -45,41 +45,18 @@ n_max = 64  # right edge of the plots over N
 
 # %% tags=["remove-input"]
 import matplotlib.pyplot as plt
-import numpy as np
-import pandas as pd
-from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-from cs336_systems import accounting as acc
-from cs336_systems.measure.results import env_metadata
-from cs336_systems.model.config import get_config
-from cs336_systems.report import nb, save_figure, show_table
+from cs336_systems.report import latex_number, nb, save_figure, show_table
+from cs336_systems.studies import parallelism_calcs
 
 results_dir = nb.setup(quick)
-SOURCE = f"computed analytically by cs336_systems.accounting at git {env_metadata()['git_sha']}"
-cfg = get_config(model_size)
-D, DFF, B = cfg.d_model, cfg.d_ff, batch_tokens
-dev = acc.ACCELERATORS[device]
-C, W = dev.flops_per_s, dev.link_bytes_per_s
-
-
-def num(x, spec=",.0f"):
-    """A number for LaTeX math: thousands separators as {,} so they do not get punctuation spacing."""
-    return format(x, spec).replace(",", "{,}")
-
-
+SOURCE = parallelism_calcs.provenance()
+setting = parallelism_calcs.Setting(model_size=model_size, batch_tokens=batch_tokens, device=device)
+facts = parallelism_calcs.facts(setting, allreduce_bytes=allreduce_bytes)
 show_table(
-    pd.DataFrame(
-        [
-            {"symbol": "D", "value": D, "meaning": f"d_model of the {model_size} config"},
-            {"symbol": "D_FF", "value": DFF, "meaning": f"d_ff of the {model_size} config"},
-            {"symbol": "B", "value": B, "meaning": "tokens in the global batch"},
-            {"symbol": "C [TFLOP/s]", "value": C / 1e12, "meaning": f"{dev.name} dense fp16/bf16 peak"},
-            {"symbol": "W [GB/s]", "value": W / acc.GB, "meaning": f"{dev.name} NVLink egress per GPU"},
-            {"symbol": "C / W [FLOP/B]", "value": C / W, "meaning": "FLOPs needed per byte sent"},
-        ]
-    ),
+    parallelism_calcs.constants_table(setting),
     caption="Constants of the numeric illustrations",
-    provenance_from=f"{dev.source}; {SOURCE}",
+    provenance_from=f"{setting.accelerator.source}; {SOURCE}",
 )
 
 # %% [markdown]
@@ -96,55 +73,23 @@ show_table(
 # per device grows linearly with $N$ instead of staying below $2S$.
 
 # %% tags=["remove-input"]
-sim_rows = []
-rng = np.random.default_rng(0)
-for n in range(2, 9):
-    data = [rng.standard_normal(840) for _ in range(n)]  # 840 elements: divisible by 2..8
-    s = 840 * 2  # fp16 bytes
-    alt = acc.simulate_alternate_ring_all_reduce(data, itemsize=2)
-    rs, ag = acc.simulate_ring_all_reduce(data, itemsize=2)
-    assert all(np.allclose(o, np.sum(data, axis=0)) for o in alt.outputs + ag.outputs)
-    sim_rows.append(
-        {
-            "N": n,
-            "alternate: simulated [S/W]": alt.time(1.0) / s,
-            "(N-1)": n - 1,
-            "ring: simulated [S/W]": (rs.time(1.0) + ag.time(1.0)) / s,
-            "2(N-1)/N": 2 * (n - 1) / n,
-            "slowdown": alt.time(1.0) / (rs.time(1.0) + ag.time(1.0)),
-        }
-    )
 show_table(
-    pd.DataFrame(sim_rows),
+    parallelism_calcs.simulation_table(),
     caption="Step-by-step simulation of both all-reduce algorithms (both produce the exact sum)",
     provenance_from=SOURCE,
 )
-
-fig, ax = plt.subplots()
-ns = np.arange(2, n_max + 1)
-ax.plot(
-    ns,
-    [acc.alternate_ring_all_reduce_time(allreduce_bytes, n, W) * 1e3 for n in ns],
-    label="alternate: $(N-1)S/W$",
+save_figure(
+    parallelism_calcs.plot_all_reduce_times(setting, allreduce_bytes, n_max),
+    "alternate_ring_all_reduce__time_vs_n",
 )
-ax.plot(ns, [acc.ring_all_reduce_time(allreduce_bytes, n, W) * 1e3 for n in ns], label="ring: $2(N-1)S/(NW)$")
-ax.set(yscale="log", xlabel="devices N", ylabel="all-reduce time [ms]")
-ax.set_xscale("log", base=2)
-ax.xaxis.set_major_formatter(ScalarFormatter())
-ax.xaxis.set_minor_formatter(NullFormatter())
-ax.set_title(f"All-reduce of S = {allreduce_bytes / acc.GB:g} GB at W = {W / acc.GB:g} GB/s")
-ax.legend()
-save_figure(fig, "alternate_ring_all_reduce__time_vs_n")
 plt.show()
 
 # %% tags=["remove-input"]
-t_alt8 = acc.alternate_ring_all_reduce_time(allreduce_bytes, 8, W)
-t_ring8 = acc.ring_all_reduce_time(allreduce_bytes, 8, W)
 nb.md(
     rf"""**Answer.** $T_\text{{alt}} = (N-1)\,S/W$: each of the $N-1$ steps ships a full $S$-byte tensor over every
 link at once, which is $N/2$ times the $2\frac{{N-1}}{{N}}\frac{{S}}{{W}}$ of the reduce-scatter + all-gather ring. For
-example, all-reducing {allreduce_bytes / acc.GB:g} GB over 8 GPUs at $W = {num(W / acc.GB)}$ GB/s takes
-{t_alt8 * 1e3:.1f} ms instead of {t_ring8 * 1e3:.2f} ms."""
+example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_number(facts["bandwidth_GBps"])}$ GB/s takes
+{facts["alternate_8_ms"]:.1f} ms instead of {facts["ring_8_ms"]:.2f} ms."""
 )
 
 # %% [markdown]
@@ -247,126 +192,30 @@ example, all-reducing {allreduce_bytes / acc.GB:g} GB over 8 GPUs at $W = {num(W
 # a quarter of the overlapped maximum.
 
 # %% tags=["remove-input"]
-n_dp = acc.dp_max_devices(B, C, W)
-n_tp_f, n_tp_b = acc.tp_max_devices_forward(DFF, C, W), acc.tp_max_devices_backward(DFF, C, W)
-nf_o, nt_o = acc.fsdp_tp_max_axes_overlapped(B, DFF, C, W)
-nf_s, nt_s = acc.fsdp_tp_max_axes_serialized(B, DFF, C, W)
-n8 = 8
-fsdp_tp_8 = acc.fsdp_tp_forward_comm_times(B, D, DFF, 2, 4, W)
-rows = [
-    {
-        "scheme, pass": "DP, backward",
-        "compute/device [ms]": acc.dp_backward_flops_per_device(B, D, DFF, n8) / C * 1e3,
-        "comm [ms]": acc.dp_backward_comm_time(D, DFF, n8, W) * 1e3,
-        "max N": n_dp,
-    },
-    {
-        "scheme, pass": "FSDP, forward",
-        "compute/device [ms]": acc.fsdp_forward_flops_per_device(B, D, DFF, n8) / C * 1e3,
-        "comm [ms]": acc.fsdp_forward_comm_time(D, DFF, n8, W) * 1e3,
-        "max N": acc.fsdp_max_devices(B, C, W),
-    },
-    {
-        "scheme, pass": "FSDP, backward",
-        "compute/device [ms]": acc.fsdp_backward_flops_per_device(B, D, DFF, n8) / C * 1e3,
-        "comm [ms]": acc.fsdp_backward_comm_time(D, DFF, n8, W) * 1e3,
-        "max N": acc.fsdp_max_devices(B, C, W),
-    },
-    {
-        "scheme, pass": "TP, forward",
-        "compute/device [ms]": acc.tp_forward_flops_per_device(B, D, DFF, n8) / C * 1e3,
-        "comm [ms]": acc.tp_forward_comm_time(B, D, n8, W) * 1e3,
-        "max N": n_tp_f,
-    },
-    {
-        "scheme, pass": "TP, backward",
-        "compute/device [ms]": acc.tp_backward_flops_per_device(B, D, DFF, n8) / C * 1e3,
-        "comm [ms]": acc.tp_backward_comm_time(B, D, n8, W) * 1e3,
-        "max N": n_tp_b,
-    },
-    {
-        "scheme, pass": "FSDP 4 x TP 2, forward, overlapped",
-        "compute/device [ms]": acc.fsdp_tp_forward_flops_per_device(B, D, DFF, 2, 4) / C * 1e3,
-        "comm [ms]": fsdp_tp_8.overlapped * 1e3,
-        "max N": nf_o * nt_o,
-    },
-    {
-        "scheme, pass": "FSDP 4 x TP 2, forward, serialized",
-        "compute/device [ms]": acc.fsdp_tp_forward_flops_per_device(B, D, DFF, 2, 4) / C * 1e3,
-        "comm [ms]": fsdp_tp_8.serialized * 1e3,
-        "max N": nf_s * nt_s,
-    },
-]
-summary = pd.DataFrame(rows)
-summary["comm / compute"] = summary["comm [ms]"] / summary["compute/device [ms]"]
 show_table(
-    summary,
-    caption=f"One FFN layer (D = {D}, D_FF = {DFF}, B = {B} tokens) on N = {n8} {dev.name}",
+    parallelism_calcs.summary_table(setting),
+    caption=f"One FFN layer (D = {setting.d_model}, D_FF = {setting.d_ff}, B = {batch_tokens} tokens) "
+    f"on N = {parallelism_calcs.EXAMPLE_DEVICES} {setting.accelerator.name}",
     provenance_from=SOURCE,
     note="max N: the closed-form bound (exact (N-1)/N factors for DP, FSDP, TP; (N-1)/N ~ 1 for the 2D grid)",
 )
-
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-ns = np.arange(2, n_max + 1)
-ratio = {
-    "DP / FSDP (bwd)": [
-        acc.dp_backward_comm_time(D, DFF, n, W) / (acc.dp_backward_flops_per_device(B, D, DFF, n) / C)
-        for n in ns
-    ],
-    "TP forward": [
-        acc.tp_forward_comm_time(B, D, n, W) / (acc.tp_forward_flops_per_device(B, D, DFF, n) / C) for n in ns
-    ],
-    "TP backward": [
-        acc.tp_backward_comm_time(B, D, n, W) / (acc.tp_backward_flops_per_device(B, D, DFF, n) / C)
-        for n in ns
-    ],
-}
-for (label, r), ls in zip(ratio.items(), ["-", "--", "-"]):
-    axes[0].plot(ns, r, ls=ls, label=label)  # DP and TP forward coincide when B ~ 1.5 D_FF
-axes[0].axhline(1.0, color="k", ls="--", lw=1)
-axes[0].set(yscale="log", xlabel="devices N", ylabel="comm time / compute time")
-axes[0].set_xscale("log", base=2)
-axes[0].xaxis.set_major_formatter(ScalarFormatter())
-axes[0].xaxis.set_minor_formatter(NullFormatter())
-axes[0].set_title(f"B = {B} tokens, {dev.name}")
-axes[0].legend(fontsize="small")
-bs = np.logspace(2, 6, 100)
-axes[1].plot(bs, acc.dp_max_devices(bs, C, W), label="DP / FSDP: $1 + BW/C$")
-axes[1].plot(bs, np.full_like(bs, n_tp_f), label=r"TP fwd: $1 + \frac{3}{2} D_{FF} W/C$")
-axes[1].plot(
-    bs,
-    acc.fsdp_tp_max_devices_overlapped(bs, DFF, C, W),
-    label=r"FSDP x TP, overlapped: $\frac{3}{2} B D_{FF} W^2/C^2$",
-)
-axes[1].plot(
-    bs,
-    acc.fsdp_tp_max_devices_serialized(bs, DFF, C, W),
-    ls="--",
-    label=r"FSDP x TP, serialized: $\frac{3}{8} B D_{FF} W^2/C^2$",
-)
-axes[1].set(xscale="log", yscale="log", xlabel="batch B [tokens]", ylabel="largest compute-bound N")
-axes[1].set_ylim(bottom=1)
-axes[1].set_title(f"D_FF = {DFF}, {dev.name}")
-axes[1].legend(fontsize="small")
-fig.tight_layout()
-save_figure(fig, "parallelism_calcs__bounds")
+save_figure(parallelism_calcs.plot_bounds(setting, n_max), "parallelism_calcs__bounds")
 plt.show()
 
 # %% tags=["remove-input"]
-other = acc.B200
 nb.md(
-    rf"""**Answers (8.2-8.5, numerically).** With the {dev.name} constants above, $C/W = {num(C / W, ",.1f")}$ FLOP per
-byte, so a device must do about {C / W:,.0f} FLOPs for every byte it sends. For the {model_size} FFN layer and
-$B = {num(B)}$ tokens: DP and FSDP stay compute-bound up to $N \le 1 + BW/C = {n_dp:.2f}$ devices, so one 8-GPU node
-is just enough, and 16 devices with the same $W$ would need $B \ge (16 - 1) \cdot C/W \approx {num(15 * C / W)}$ tokens
+    rf"""**Answers (8.2-8.5, numerically).** With the {setting.accelerator.name} constants above, $C/W = {latex_number(facts["flops_per_byte"], ",.1f")}$ FLOP per
+byte, so a device must do about {facts["flops_per_byte"]:,.0f} FLOPs for every byte it sends. For the {model_size} FFN layer and
+$B = {latex_number(batch_tokens)}$ tokens: DP and FSDP stay compute-bound up to $N \le 1 + BW/C = {facts["dp_max_devices"]:.2f}$ devices, so one 8-GPU node
+is just enough, and 16 devices with the same $W$ would need $B \ge (16 - 1) \cdot C/W \approx {latex_number(facts["min_batch_16_devices"])}$ tokens
 (more across nodes, where the per-GPU network bandwidth is well below NVLink's).
-TP is independent of the batch: $N_{{TP}} \le 1 + \tfrac{{3}}{{2}} D_{{FF}} W/C = {n_tp_f:.2f}$ for the forward and
-${n_tp_b:.2f}$ for the backward. The 2D grid multiplies the two limits: with overlapping axes
-$N_{{FSDP}} \le {nf_o:.2f}$ and $N_{{TP}} \le {nt_o:.2f}$, i.e. $N \le {nf_o * nt_o:.0f}$ devices; without overlap the
-AM-GM optimum $N_{{FSDP}} = {nf_s:.2f}$, $N_{{TP}} = {nt_s:.2f}$ allows only $N \le {nf_s * nt_s:.0f}$. On a {other.name}
-($C/W = {num(other.flops_per_byte, ",.0f")}$) the same bounds are
-{acc.dp_max_devices(B, other.flops_per_s, other.link_bytes_per_s):.2f} (DP), {acc.tp_max_devices_forward(DFF, other.flops_per_s, other.link_bytes_per_s):.2f} (TP forward) and
-{acc.fsdp_tp_max_devices_overlapped(B, DFF, other.flops_per_s, other.link_bytes_per_s):.0f} (2D, overlapped): faster
+TP is independent of the batch: $N_{{TP}} \le 1 + \tfrac{{3}}{{2}} D_{{FF}} W/C = {facts["tp_max_devices_forward"]:.2f}$ for the forward and
+${facts["tp_max_devices_backward"]:.2f}$ for the backward. The 2D grid multiplies the two limits: with overlapping axes
+$N_{{FSDP}} \le {facts["overlapped_max_fsdp"]:.2f}$ and $N_{{TP}} \le {facts["overlapped_max_tp"]:.2f}$, i.e. $N \le {facts["overlapped_max_devices"]:.0f}$ devices; without overlap the
+AM-GM optimum $N_{{FSDP}} = {facts["serialized_fsdp"]:.2f}$, $N_{{TP}} = {facts["serialized_tp"]:.2f}$ allows only $N \le {facts["serialized_max_devices"]:.0f}$. On a {facts["other_name"]}
+($C/W = {latex_number(facts["other_flops_per_byte"], ",.0f")}$) the same bounds are
+{facts["other_dp_max_devices"]:.2f} (DP), {facts["other_tp_max_devices_forward"]:.2f} (TP forward) and
+{facts["other_overlapped_max_devices"]:.0f} (2D, overlapped): faster
 compute without proportionally faster links makes every scheme communication-bound sooner. These use datasheet
 link rates; a measured all-reduce bandwidth (problem distributed_communication_single_node) is lower and would
 tighten every bound in proportion."""

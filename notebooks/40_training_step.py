@@ -26,9 +26,10 @@ size = "2.7B"
 context_lengths = [512, 2048]
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.results import latest_run, load_results
-from cs336_systems.report import nb, save_figure, show_table
-from cs336_systems.studies import train_step
+import pandas as pd
+
+from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
+from cs336_systems.studies import train_step, train_step_results
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, quick=quick):
@@ -36,21 +37,26 @@ if nb.should_measure(measure, quick=quick):
             else ["--size", size, "--context-length", *map(str, context_lengths)])  # fmt: skip
     train_step.main([*argv, "--results-dir", str(results_dir)])
 df = latest_run(load_results(train_step.PROBLEM, results_dir), keys=("name", "impl", "x_value", "metric"))
-facts = train_step.facts(df)
+facts = train_step_results.facts(df)
 nb.have_results(df)
 
 # %% tags=["remove-input"]
 rows = []
 for ctx, f in sorted((k, v) for k, v in facts.items() if isinstance(k, int)):
     for path in ("stock", "ours"):
-        rows.append({
-            "context": ctx, "step": path, "step (ms)": f[f"{path}_ms"], "forward": f[f"{path}_forward_ms"],
-            "backward": f[f"{path}_backward_ms"], "optimizer": f[f"{path}_optimizer_ms"],
-            "peak (GiB)": f[f"{path}_peak_memory_gib"], "MFU datasheet": f[f"{path}_mfu_datasheet"],
-            "MFU measured peak": f[f"{path}_mfu_measured_peak"],
-        })  # fmt: skip
-import pandas as pd
-
+        rows.append(
+            {
+                "context": ctx,
+                "step": path,
+                "step (ms)": f[f"{path}_ms"],
+                "forward": f[f"{path}_forward_ms"],
+                "backward": f[f"{path}_backward_ms"],
+                "optimizer": f[f"{path}_optimizer_ms"],
+                "peak (GiB)": f[f"{path}_peak_memory_gib"],
+                "MFU datasheet": f[f"{path}_mfu_datasheet"],
+                "MFU measured peak": f[f"{path}_mfu_measured_peak"],
+            }
+        )
 show_table(
     pd.DataFrame(rows),
     caption=f"{size}, batch 4: median step and phase times, ours vs stock in one process",
@@ -69,12 +75,12 @@ show_table(
 
 # %% tags=["remove-input"]
 if "waterfall" in facts:
-    save_figure(train_step.plot_waterfall(df), "training_step__waterfall")
+    save_figure(train_step_results.plot_waterfall(df), "training_step__waterfall")
 
 # %% tags=["remove-input"]
 if "waterfall" in facts:
     show_table(
-        train_step.waterfall_table(df).reset_index(names="stage"),
+        train_step_results.waterfall_table(df).reset_index(names="stage"),
         caption="Waterfall: each optimisation added to the previous stage (median ms)",
         formats={c: "{:.1f}" for c in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")},
         provenance_from=df,

@@ -405,3 +405,12 @@ def test_tpu_fp8_weight_gathers_halve_the_fsdp_term():
     assert fp8.min_batch(combine="max") == pytest.approx(bf16.min_batch(combine="max") / 2)
     assert fp8.min_batch() == pytest.approx(bf16.min_batch() / 2)
     assert fp8.is_compute_bound(fp8.min_batch()) and not fp8.is_compute_bound(0.99 * fp8.min_batch())
+
+
+def test_gpu_takes_its_compute_rate_from_the_datasheet_table_and_rejects_unknown_names():
+    from cs336_systems.accounting.hardware import H200_SXM, gpu, peak_flops
+
+    assert H200_SXM.flops_per_s == peak_flops("H200 SXM", "bf16")
+    assert H200_SXM.memory_bytes == 141e9
+    with pytest.raises(ValueError, match="no bf16 peak"):
+        gpu("Mystery GPU", link_bytes_per_s=1e9, memory_gb=1, source="none")

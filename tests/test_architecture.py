@@ -214,13 +214,11 @@ def test_notebook_check_flags_what_it_should():
         assert notebook_violations(path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: thin notebooks")
 def test_notebooks_import_only_studies_report_and_public_api():
     bad = [v for path in sorted((ROOT / "notebooks").glob("*.py")) for v in notebook_violations(path)]
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: split the modules past 500 lines")
 def test_no_module_is_longer_than_500_lines():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, "\n".join(f"{m}: {n} lines" for m, n in sorted(long.items()))

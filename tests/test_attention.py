@@ -163,8 +163,18 @@ def _bad(name):
     return cases[name]
 
 
-BAD = ["device", "dtype", "integer", "head_dim_mismatch", "batch_mismatch", "kv_length", "two_dims", "five_dims",
-       "ndim_mismatch", "empty_sequence"]  # fmt: skip
+BAD = [
+    "device",
+    "dtype",
+    "integer",
+    "head_dim_mismatch",
+    "batch_mismatch",
+    "kv_length",
+    "two_dims",
+    "five_dims",
+    "ndim_mismatch",
+    "empty_sequence",
+]
 
 
 @pytest.mark.parametrize("name", BAD)

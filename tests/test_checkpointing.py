@@ -154,9 +154,14 @@ def test_cost_table_uses_meta_accounting():
 
 def test_checkpointing_sweep_runs_and_records_skips(tmp_path):
     df = study.checkpointing_sweep(
-        [("block", 1), ("recursive", None)], size="debug", batch_size=2, context_length=16, device="cpu",
-        results_dir=tmp_path, progress=False,
-    )  # fmt: skip
+        [("block", 1), ("recursive", None)],
+        size="debug",
+        batch_size=2,
+        context_length=16,
+        device="cpu",
+        results_dir=tmp_path,
+        progress=False,
+    )
     steps = df[df.metric == "step_time"]
     assert set(steps.impl) == {"block", "recursive"} and (steps.n == 1).all()
     skipped = study.checkpointing_sweep(

@@ -14,8 +14,25 @@ from cs336_systems.studies import timing_gpu_run as S
 
 
 def test_cli_writes_schema_rows_with_every_step(tmp_path):
-    E.main(["--size", "debug", "--context-length", "16", "--mode", "forward", "train", "--warmup", "1",
-            "--steps", "3", "--device", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
+    E.main(
+        [
+            "--size",
+            "debug",
+            "--context-length",
+            "16",
+            "--mode",
+            "forward",
+            "train",
+            "--warmup",
+            "1",
+            "--steps",
+            "3",
+            "--device",
+            "cpu",
+            "--results-dir",
+            str(tmp_path),
+        ]
+    )
     df = load_results("benchmarking_script", tmp_path)
     assert list(df.columns) == COLUMNS
     by_mode = df.groupby("mode").metric.apply(set).to_dict()
@@ -42,15 +59,26 @@ def test_warmup_and_steps_accounting(monkeypatch):
         return real_step(self, timer)
 
     monkeypatch.setattr(E.Workload, "step", counting_step)
-    cfg = E.EndToEndConfig(size="debug", context_length=8, batch_size=1, mode="forward_backward", warmup=2, steps=4,
-                           device="cpu", x_axis="warmup")  # fmt: skip
+    cfg = E.EndToEndConfig(
+        size="debug",
+        context_length=8,
+        batch_size=1,
+        mode="forward_backward",
+        warmup=2,
+        steps=4,
+        device="cpu",
+        x_axis="warmup",
+    )
     rows = E.run_one(cfg)
     assert calls == [False, False, True, True, True, True]  # warm-up untimed, then the timed steps
     fwd = next(r for r in rows if r["metric"] == "forward_time")
     assert fwd["n"] == 4 and len(json.loads(fwd["samples"])) == 4
     assert (fwd["x_name"], fwd["x_value"]) == ("warmup", 2)
-    E.run_one(E.EndToEndConfig(size="debug", context_length=8, batch_size=1, mode="forward", warmup=0,
-                                      steps=2, device="cpu"))  # fmt: skip
+    E.run_one(
+        E.EndToEndConfig(
+            size="debug", context_length=8, batch_size=1, mode="forward", warmup=0, steps=2, device="cpu"
+        )
+    )
     assert calls[6:] == [True, True]
 
 
@@ -70,8 +98,9 @@ def test_a_failing_config_becomes_rows_and_the_sweep_continues(monkeypatch, tmp_
         return real_step(self, timer)
 
     monkeypatch.setattr(E.Workload, "step", step)
-    configs = E.grid(size="debug", context_length=[8, 16, 24], batch_size=1, mode="train", warmup=0, steps=1,
-                     device="cpu")  # fmt: skip
+    configs = E.grid(
+        size="debug", context_length=[8, 16, 24], batch_size=1, mode="train", warmup=0, steps=1, device="cpu"
+    )
     df = E.sweep(configs, results_dir=tmp_path, progress=False)
     bad = df[df.x_value == 16]
     assert set(bad.note) == {note} and bad["mean"].isna().all()
@@ -105,8 +134,18 @@ def test_budget_skips_are_recorded_not_dropped(tmp_path):
 
 
 def test_driver_quick_stages(tmp_path):
-    summary = S.main(["--out", str(tmp_path / "out"), "--quick", "--results-dir", str(tmp_path / "res"),
-                      "--stages", "bench", "mixed"])  # fmt: skip
+    summary = S.main(
+        [
+            "--out",
+            str(tmp_path / "out"),
+            "--quick",
+            "--results-dir",
+            str(tmp_path / "res"),
+            "--stages",
+            "bench",
+            "mixed",
+        ]
+    )
     assert set(summary["stages"]) == {"bench", "mixed"}
     bench = load_results("benchmarking_script", tmp_path / "res")
     mixed = load_results("benchmarking_mixed_precision", tmp_path / "res")
@@ -149,3 +188,19 @@ def test_flash_model_check_and_sweep_quick(tmp_path):
     assert set(steps["impl"]) == set(FM.IMPLS) and steps["note"].isna().all()
     table = FM.speedup_table(df)
     assert "speed-up vs naive" in table.columns and len(table) == 1
+
+
+def test_row_fields_carry_the_configuration_and_take_overrides():
+    from cs336_systems.studies.end_to_end import EndToEndConfig, row_fields
+
+    cfg = EndToEndConfig(size="small", context_length=128, mode="forward", device="cpu")
+    fields = row_fields(cfg, "p")
+    assert (fields["problem"], fields["name"], fields["x_name"], fields["x_value"]) == (
+        "p",
+        "small",
+        "context_length",
+        128,
+    )
+    assert fields["config"]["model"]["d_model"] == 768
+    custom = row_fields(cfg, "p", impl="x", config={"a": 1})
+    assert custom["impl"] == "x" and custom["config"] == {"a": 1}

@@ -289,7 +289,7 @@ def _synthetic_gpu_trace() -> dict:
 
 
 def test_allgather_timing_on_a_synthetic_gpu_trace():
-    from cs336_systems.studies.distributed.fsdp_bench import allgather_timing, compact_trace, plot_timeline
+    from cs336_systems.studies.distributed.fsdp_trace import allgather_timing, compact_trace, plot_timeline
 
     compact = compact_trace(_synthetic_gpu_trace())
     kernels = [e for e in compact["traceEvents"] if e.get("cat") == "kernel"]
@@ -304,7 +304,7 @@ def test_allgather_timing_on_a_synthetic_gpu_trace():
 
 
 def test_allgather_timing_on_a_cpu_trace_is_the_blocked_wait():
-    from cs336_systems.studies.distributed.fsdp_bench import allgather_timing
+    from cs336_systems.studies.distributed.fsdp_trace import allgather_timing
 
     trace = {
         "traceEvents": [e for e in _synthetic_gpu_trace()["traceEvents"] if e.get("cat") == "user_annotation"]

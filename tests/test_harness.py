@@ -32,14 +32,42 @@ def test_summarize_statistics():
 
 def test_rows_round_trip_with_provenance(tmp_path):
     rows = [
-        make_row(problem="demo", name="small", metric="forward_time", unit="ms", samples=[1.0, 3.0],
-                 x_name="context_length", x_value=128, config={"a": 1}),
-        failure_row(problem="demo", name="2.7B", metric="forward_time", unit="ms", note="OOM",
-                    x_name="context_length", x_value=1024),
-    ]  # fmt: skip
+        make_row(
+            problem="demo",
+            name="small",
+            metric="forward_time",
+            unit="ms",
+            samples=[1.0, 3.0],
+            x_name="context_length",
+            x_value=128,
+            config={"a": 1},
+        ),
+        failure_row(
+            problem="demo",
+            name="2.7B",
+            metric="forward_time",
+            unit="ms",
+            note="OOM",
+            x_name="context_length",
+            x_value=1024,
+        ),
+    ]
     path = append_rows("demo", rows, tmp_path)
-    append_rows("demo", [make_row(problem="demo", name="small", metric="forward_time", unit="ms", value=5.0,
-                                  x_name="context_length", x_value=128)], tmp_path)  # fmt: skip
+    append_rows(
+        "demo",
+        [
+            make_row(
+                problem="demo",
+                name="small",
+                metric="forward_time",
+                unit="ms",
+                value=5.0,
+                x_name="context_length",
+                x_value=128,
+            )
+        ],
+        tmp_path,
+    )
     assert path == tmp_path / "demo.csv"
     header = path.read_text().splitlines()[0].split(",")
     assert header == COLUMNS  # written once, schema order

@@ -49,9 +49,12 @@ def test_run_variants_records_each_crash_and_relaunches_the_rest(
     monkeypatch.setattr(launch, "run_torchrun", fake)
     recorded = []
     failed = launch.run_variants(
-        "m", ["a", "b", "c", "d"], lambda rest: rest,
-        finished=lambda: set(fake.finished), on_failure=lambda v, note: recorded.append((v, note)),
-    )  # fmt: skip
+        "m",
+        ["a", "b", "c", "d"],
+        lambda rest: rest,
+        finished=lambda: set(fake.finished),
+        on_failure=lambda v, note: recorded.append((v, note)),
+    )
     assert failed == crash_on
     assert [v for v, _ in recorded] == crash_on and all(n == expected_note for _, n in recorded)
     assert fake.finished == {"a", "b", "c", "d"} - set(crash_on)
@@ -66,8 +69,13 @@ def test_crash_after_the_last_variant_is_not_charged_to_anyone(monkeypatch):
     fake = FakeTorchrun([], crash_at_end=True)
     monkeypatch.setattr(launch, "run_torchrun", fake)
     recorded = []
-    failed = launch.run_variants("m", ["a", "b"], lambda rest: rest, finished=lambda: set(fake.finished),
-                                 on_failure=lambda v, n: recorded.append(v))  # fmt: skip
+    failed = launch.run_variants(
+        "m",
+        ["a", "b"],
+        lambda rest: rest,
+        finished=lambda: set(fake.finished),
+        on_failure=lambda v, n: recorded.append(v),
+    )
     assert failed == [] and recorded == [] and len(fake.launches) == 1
 
 

@@ -24,12 +24,24 @@ from cs336_systems.model import (
 )
 
 STAFF_NAMES = {
-    "token_embeddings.weight", "ln_final.weight", "lm_head.weight",
-    *(f"layers.{{i}}.{n}" for n in [
-        "ln1.weight", "ln2.weight", "attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
-        "attn.output_proj.weight", "ffn.w1.weight", "ffn.w2.weight", "ffn.w3.weight",
-    ]),
-}  # fmt: skip
+    "token_embeddings.weight",
+    "ln_final.weight",
+    "lm_head.weight",
+    *(
+        f"layers.{{i}}.{n}"
+        for n in [
+            "ln1.weight",
+            "ln2.weight",
+            "attn.q_proj.weight",
+            "attn.k_proj.weight",
+            "attn.v_proj.weight",
+            "attn.output_proj.weight",
+            "ffn.w1.weight",
+            "ffn.w2.weight",
+            "ffn.w3.weight",
+        ]
+    ),
+}
 
 
 def tiny_model(**kw):

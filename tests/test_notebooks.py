@@ -351,8 +351,10 @@ def test_merge_two_notebooks_and_markdown(tmp_path):
     a = _tiny_executed_notebook(tmp_path / "01_alpha.ipynb", "1.1 alpha")
     b = _tiny_executed_notebook(tmp_path / "02_beta.ipynb", "1.2 beta")
     md = tmp_path / "writeup.md"
-    md.write_text("---\ntitle: Tiny\nauthor: Someone\ndate: 2025-01-02\n---\n# Front\ntext\n"
-                  "<!-- notebooks up to 1 -->\n# Between\n<!-- notebooks -->\n# Back\n")  # fmt: skip
+    md.write_text(
+        "---\ntitle: Tiny\nauthor: Someone\ndate: 2025-01-02\n---\n# Front\ntext\n"
+        "<!-- notebooks up to 1 -->\n# Between\n<!-- notebooks -->\n# Back\n"
+    )
     merged = assemble.merge([b, a], md)
     nbformat.validate(merged)
     assert merged.metadata["title"] == "Tiny" and merged.metadata["date"] == "2025-01-02"
@@ -449,8 +451,11 @@ def test_accumulation_experiment_matches_ieee_simulation():
     df = accumulation_experiment().set_index("case")
     # independent reference: numpy scalars, rounding every partial sum to the accumulator's dtype
     ref = {}
-    for case, acc, inc in [("fp32 += fp32", np.float32, np.float32), ("fp16 += fp16", np.float16, np.float16),
-                           ("fp32 += fp16", np.float32, np.float16)]:  # fmt: skip
+    for case, acc, inc in [
+        ("fp32 += fp32", np.float32, np.float32),
+        ("fp16 += fp16", np.float16, np.float16),
+        ("fp32 += fp16", np.float32, np.float16),
+    ]:
         s = acc(0)
         for _ in range(1000):
             s = acc(s + acc(inc(0.01)))

@@ -10,7 +10,7 @@ import torch
 from cs336_systems.measure.budget import TimeBudget
 from cs336_systems.measure.results import load_results
 from cs336_systems.model.checkpointing import saved_tensors
-from cs336_systems.studies import memory_attention_gpu_run
+from cs336_systems.studies import attention_results, memory_attention_gpu_run
 from cs336_systems.studies import pytorch_attention as pa
 from cs336_systems.studies.compile_study import attention_compile_sweep, whole_model_compile_sweep
 
@@ -87,9 +87,15 @@ def test_oom_paths_become_rows(ok_calls):
     fwd, bwd = (rows[rows.metric == m].iloc[0] for m in ("forward_time", "backward_time"))
     assert fwd.note == "" and fwd.n == 2 and bwd.note == "OOM"
     assert ("first_backward_time" in set(rows.metric)) == bool(ok_calls)
-    assert pa.smallest_oom(pd.DataFrame([{"note": "OOM", "name": "d32", "x_value": 8192},
-                                         {"note": "OOM", "name": "d16", "x_value": 16384},
-                                         {"note": "", "name": "d16", "x_value": 256}])) == (32, 8192)  # fmt: skip
+    assert attention_results.smallest_oom(
+        pd.DataFrame(
+            [
+                {"note": "OOM", "name": "d32", "x_value": 8192},
+                {"note": "OOM", "name": "d16", "x_value": 16384},
+                {"note": "", "name": "d16", "x_value": 256},
+            ]
+        )
+    ) == (32, 8192)
 
 
 def test_budget_skips_and_reduces_reps():
@@ -104,22 +110,42 @@ def test_budget_skips_and_reduces_reps():
 
 def test_compiled_sweep_replays_backward(tmp_path):
     # aot_eager goes through Dynamo and AOTAutograd (donated buffers) without Inductor's C++ compile
-    df = attention_compile_sweep((8,), (16,), extra_points=(), backend="aot_eager", reps=2, warmup=1,
-                                 device="cpu", batch_size=2, results_dir=tmp_path, progress=False)  # fmt: skip
+    df = attention_compile_sweep(
+        (8,),
+        (16,),
+        extra_points=(),
+        backend="aot_eager",
+        reps=2,
+        warmup=1,
+        device="cpu",
+        batch_size=2,
+        results_dir=tmp_path,
+        progress=False,
+    )
     assert (df.note == "").all() and set(df.impl) == {"naive_compiled[aot_eager]"}
     assert len(load_results("torch_compile", tmp_path)) == len(df)
 
 
 def test_scaling_exponent():
-    assert pa.scaling_exponent([256, 1024, 4096], [3 * t * t for t in (256, 1024, 4096)]) == pytest.approx(
-        2.0
-    )
-    assert math.isnan(pa.scaling_exponent([256], [1.0]))
+    assert attention_results.scaling_exponent(
+        [256, 1024, 4096], [3 * t * t for t in (256, 1024, 4096)]
+    ) == pytest.approx(2.0)
+    assert math.isnan(attention_results.scaling_exponent([256], [1.0]))
 
 
 def test_whole_model_sweep_eager_and_skipped(tmp_path):
-    df = whole_model_compile_sweep(("debug",), ("forward",), context_length=16, warmup=1, steps=2, device="cpu",
-                                   include_compiled=False, skip_reason="test", results_dir=tmp_path, progress=False)  # fmt: skip
+    df = whole_model_compile_sweep(
+        ("debug",),
+        ("forward",),
+        context_length=16,
+        warmup=1,
+        steps=2,
+        device="cpu",
+        include_compiled=False,
+        skip_reason="test",
+        results_dir=tmp_path,
+        progress=False,
+    )
     eager, compiled = df[df.impl == "naive"], df[df.impl == "naive+compile"]
     assert set(eager.metric) == {"forward_time", "step_time", "wall_time"} and (eager.note == "").all()
     assert set(compiled.note) == {"skipped: test"} and "wall_time" in set(compiled.metric)

@@ -12,7 +12,7 @@ import pytest
 matplotlib.use("Agg")
 
 from cs336_systems.measure.results import append_rows, load_results, make_row
-from cs336_systems.studies.distributed import comm_bench, train_bench
+from cs336_systems.studies.distributed import comm_bench, ddp_analysis, train_bench
 from cs336_systems.studies.distributed.plots import render_figures
 from cs336_systems.studies.distributed.train_bench import TrainBenchConfig, Variant
 
@@ -39,8 +39,15 @@ def test_variant_labels():
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_training")
-    cfg = TrainBenchConfig(size="debug", context_length=16, global_batch=4, warmup=1, steps=2, backend="gloo",
-                           trace=("naive", "overlap"))  # fmt: skip
+    cfg = TrainBenchConfig(
+        size="debug",
+        context_length=16,
+        global_batch=4,
+        warmup=1,
+        steps=2,
+        backend="gloo",
+        trace=("naive", "overlap"),
+    )
     variants = ["single", "naive", "flat", "overlap", "bucketed:0.01", "torch"]
     failed = train_bench.run_sweep(cfg, variants, nproc=2, results_dir=str(out), inject_failure="flat")
     return out, failed
@@ -78,7 +85,7 @@ def test_traces_summary_and_figures(sweep, tmp_path):
     out, _ = sweep
     for label in ("naive", "overlap"):
         assert train_bench.trace_path(out, label).exists()
-    summ = train_bench.summary(load_results(train_bench.PROBLEM, out))
+    summ = ddp_analysis.summary(load_results(train_bench.PROBLEM, out))
     assert list(summ.kind) == ["single", "naive", "flat", "overlap", "bucketed", "torch"]
     assert summ.loc[summ.kind == "single", "overhead_ms"].iloc[0] == 0
     assert math.isnan(summ.loc[summ.kind == "flat", "step_ms"].iloc[0])
@@ -87,11 +94,22 @@ def test_traces_summary_and_figures(sweep, tmp_path):
     for mb in (0.01, 0.1, 1.0):
         nbytes = int(mb * 2**20)
         rec = {"world_size": 2, "size_bytes": nbytes}
-        rows.append(make_row(problem=comm_bench.PROBLEM, name="all_reduce", impl="gloo/cpu", mode="world2",
-                             x_name="size_mb", x_value=mb, metric="all_reduce_time", unit="ms",
-                             value=(50e-6 + nbytes / 2e9) * 1e3, config=rec))  # fmt: skip
+        rows.append(
+            make_row(
+                problem=comm_bench.PROBLEM,
+                name="all_reduce",
+                impl="gloo/cpu",
+                mode="world2",
+                x_name="size_mb",
+                x_value=mb,
+                metric="all_reduce_time",
+                unit="ms",
+                value=(50e-6 + nbytes / 2e9) * 1e3,
+                config=rec,
+            )
+        )
     append_rows(comm_bench.PROBLEM, rows, out)
-    model = train_bench.bucket_model(
+    model = ddp_analysis.bucket_model(
         load_results(train_bench.PROBLEM, out),
         load_results(comm_bench.PROBLEM, out),
         grid_mb=[0.001, 0.01, 1],

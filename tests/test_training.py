@@ -14,6 +14,7 @@ from cs336_systems.kernels.linear_cross_entropy import linear_cross_entropy
 from cs336_systems.model import MODEL_SIZES, AdamW, BasicsTransformerLM, cross_entropy
 from cs336_systems.model.loss import random_batch
 from cs336_systems.studies import train_step as study
+from cs336_systems.studies import train_step_results
 from cs336_systems.training import FusedAdamW, TrainStepConfig, build_train_step, mixed_precision_groups
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,8 +108,18 @@ def test_adamw_launch_rejects_bad_input():
     with pytest.raises(ValueError, match="step counts from 1"):
         adamw_step_(plan, [buf], buf, buf, buf, step=0, lr=1, betas=(0.9, 0.9), eps=1e-8, weight_decay=0)
     with pytest.raises(ValueError, match="contiguous"):
-        adamw_step_(plan, [torch.zeros(4, 2, device=DEVICE).t()], buf, buf, buf, step=1, lr=1,
-                    betas=(0.9, 0.9), eps=1e-8, weight_decay=0)  # fmt: skip
+        adamw_step_(
+            plan,
+            [torch.zeros(4, 2, device=DEVICE).t()],
+            buf,
+            buf,
+            buf,
+            step=1,
+            lr=1,
+            betas=(0.9, 0.9),
+            eps=1e-8,
+            weight_decay=0,
+        )
     with pytest.raises(ValueError, match="one device"):
         FusedAdamW([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))])
 
@@ -172,8 +183,11 @@ def test_fast_step_follows_the_reference_step_for_20_steps():
     )
     assert max(abs(a - b) for a, b in zip(same, ref)) <= (0 if DEVICE == "cpu" else 1e-3)
     # the fused loss rounds differently (dW summed over chunks in fp32): bf16-level agreement
-    fast = _losses(TrainStepConfig.fastest(compile=False, attention="sdpa" if DEVICE == "cpu" else "flash_triton",
-                                           lr=1e-3))  # fmt: skip
+    fast = _losses(
+        TrainStepConfig.fastest(
+            compile=False, attention="sdpa" if DEVICE == "cpu" else "flash_triton", lr=1e-3
+        )
+    )
     assert max(abs(a - b) for a, b in zip(fast, ref)) < 2e-2
     assert ref[-1] < ref[0]  # it trains
 
@@ -191,7 +205,7 @@ def test_study_quick_run_writes_nothing_by_default(tmp_path, capsys):
     df = study.main(["--quick", "--parts", "compare", "--no-save"])
     assert set(df[df.name == "compare"].impl) == {"stock", "ours"}
     assert (df[df.metric == "step_ms"].p50 > 0).all()
-    facts = study.facts(df)
+    facts = train_step_results.facts(df)
     assert math.isfinite(facts[32]["ratio"])
     study.main(["--quick", "--parts", "compare", "--results-dir", str(tmp_path)])
     assert (tmp_path / "training_step.csv").exists()
@@ -200,8 +214,12 @@ def test_study_quick_run_writes_nothing_by_default(tmp_path, capsys):
 def test_step_flops_counts_weights_and_causal_attention():
     cfg = MODEL_SIZES["2.7B"]
     flops = study.step_flops(cfg, 4, 512)
-    weights = 6 * 4 * 512 * (cfg.num_params() - cfg.vocab_size * cfg.d_model - cfg.d_model
-                             - cfg.num_layers * 2 * cfg.d_model)  # fmt: skip
+    weights = (
+        6
+        * 4
+        * 512
+        * (cfg.num_params() - cfg.vocab_size * cfg.d_model - cfg.d_model - cfg.num_layers * 2 * cfg.d_model)
+    )
     attention = 3 * cfg.num_layers * 2 * 4 * 512 * 512 * cfg.d_model
     assert flops == pytest.approx(weights + attention)
 

@@ -69,6 +69,20 @@ class Accelerator:
         return self.flops_per_s / self.link_bytes_per_s
 
 
+def gpu(name: str, *, link_bytes_per_s: float, memory_gb: float, source: str) -> Accelerator:
+    """A GPU whose C is its dense bf16 datasheet peak from the table above."""
+    flops = peak_flops(name, "bf16")
+    if flops is None:
+        raise ValueError(f"no bf16 peak known for {name!r}")
+    return Accelerator(
+        name=name,
+        flops_per_s=flops,
+        link_bytes_per_s=link_bytes_per_s,
+        memory_bytes=memory_gb * GB,
+        source=source,
+    )
+
+
 TPU_V5P = Accelerator(
     name="TPU v5p",
     flops_per_s=4.6e14,
@@ -77,26 +91,23 @@ TPU_V5P = Accelerator(
     source="CS336 2025 handout section 2.4 (from the TPU Scaling Book): C = 4.6e14 FLOP/s bf16, "
     "W_ici = 2 * 9e10 B/s (bidirectional ICI), 95 GB HBM",
 )
-H100_SXM = Accelerator(
-    name="H100 SXM",
-    flops_per_s=peak_flops("H100 SXM", "bf16"),
+H100_SXM = gpu(
+    "H100 SXM",
     link_bytes_per_s=450e9,
-    memory_bytes=80 * GB,
+    memory_gb=80,
     source="NVIDIA H100 datasheet: 989.4 TFLOP/s dense bf16/fp16; NVLink 4 = 900 GB/s total, i.e. "
     "450 GB/s per direction (18 links x 25 GB/s); 80 GB HBM3",
 )
-H200_SXM = Accelerator(
-    name="H200 SXM",
-    flops_per_s=peak_flops("H200 SXM", "bf16"),
+H200_SXM = gpu(
+    "H200 SXM",
     link_bytes_per_s=450e9,
-    memory_bytes=141 * GB,
+    memory_gb=141,
     source="NVIDIA H200 datasheet: same compute and NVLink 4 as the H100 SXM; 141 GB HBM3e",
 )
-B200 = Accelerator(
-    name="B200",
-    flops_per_s=peak_flops("B200", "bf16"),
+B200 = gpu(
+    "B200",
     link_bytes_per_s=900e9,
-    memory_bytes=180 * GB,
+    memory_gb=180,
     source="NVIDIA B200 (HGX) datasheet: 2.25 PFLOP/s dense bf16/fp16; NVLink 5 = 1.8 TB/s total, "
     "900 GB/s per direction; 180 GB HBM3e",
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from cs336_systems.accounting.communication import (
     ring_all_gather_time,
@@ -43,13 +44,13 @@ def ffn_weight_bytes(d_model: float, d_ff: float, *, elem_bytes: float = 2) -> f
 
 def dp_backward_flops_per_device(batch: float, d_model: float, d_ff: float, n_dp: float) -> float:
     """12 B D D_FF / N_DP: each device runs the full backward on its B / N_DP rows."""
-    _check_devices(n_dp=n_dp)
+    _check_devices(devices=n_dp)
     return ffn_backward_flops(batch, d_model, d_ff) / n_dp
 
 
 def dp_forward_flops_per_device(batch: float, d_model: float, d_ff: float, n_dp: float) -> float:
     """6 B D D_FF / N_DP."""
-    _check_devices(n_dp=n_dp)
+    _check_devices(devices=n_dp)
     return ffn_forward_flops(batch, d_model, d_ff) / n_dp
 
 
@@ -70,14 +71,9 @@ def dp_max_devices(batch: float, flops_per_s: float, bandwidth: float, *, elem_b
 # -- FSDP ----------------------------------------------------------------------------------------------
 
 
-def fsdp_forward_flops_per_device(batch: float, d_model: float, d_ff: float, n_fsdp: float) -> float:
-    """6 B D D_FF / N_FSDP (the same compute as DP: only where the weights live changes)."""
-    return dp_forward_flops_per_device(batch, d_model, d_ff, n_fsdp)
-
-
-def fsdp_backward_flops_per_device(batch: float, d_model: float, d_ff: float, n_fsdp: float) -> float:
-    """12 B D D_FF / N_FSDP."""
-    return dp_backward_flops_per_device(batch, d_model, d_ff, n_fsdp)
+# 6 B D D_FF / N forward and 12 B D D_FF / N backward, as DP: FSDP changes only where the weights live.
+fsdp_forward_flops_per_device = dp_forward_flops_per_device
+fsdp_backward_flops_per_device = dp_backward_flops_per_device
 
 
 def fsdp_forward_comm_time(
@@ -103,16 +99,9 @@ def fsdp_max_devices(batch: float, flops_per_s: float, bandwidth: float, *, elem
 # -- tensor parallel -------------------------------------------------------------------------------
 
 
-def tp_forward_flops_per_device(batch: float, d_model: float, d_ff: float, n_tp: float) -> float:
-    """6 B D D_FF / N_TP: every device multiplies the full batch by a 1/N_TP slice of D_FF."""
-    _check_devices(n_tp=n_tp)
-    return ffn_forward_flops(batch, d_model, d_ff) / n_tp
-
-
-def tp_backward_flops_per_device(batch: float, d_model: float, d_ff: float, n_tp: float) -> float:
-    """12 B D D_FF / N_TP."""
-    _check_devices(n_tp=n_tp)
-    return ffn_backward_flops(batch, d_model, d_ff) / n_tp
+# Every device multiplies the full batch by a 1/N_TP slice of D_FF: the FLOPs of DP's B/N rows at full width.
+tp_forward_flops_per_device = dp_forward_flops_per_device
+tp_backward_flops_per_device = dp_backward_flops_per_device
 
 
 def tp_forward_comm_time(
@@ -227,19 +216,10 @@ def fsdp_tp_max_axes_overlapped(
     return (1.0 + n_f, 1.0 + n_t) if exact else (n_f, n_t)
 
 
-def fsdp_tp_max_devices_overlapped(
-    batch: float,
-    d_ff: float,
-    flops_per_s: float,
-    bandwidth: float,
-    *,
-    elem_bytes: float = 2,
-    exact: bool = False,
-) -> float:
-    """N = N_FSDP N_TP <= (B W / C)(1.5 D_FF W / C) = 1.5 B D_FF W^2 / C^2 (exact: (1 + BW/C)(1 + 1.5 D_FF W/C))."""
-    n_f, n_t = fsdp_tp_max_axes_overlapped(
-        batch, d_ff, flops_per_s, bandwidth, elem_bytes=elem_bytes, exact=exact
-    )
+def fsdp_tp_max_devices_overlapped(*args: Any, **kwargs: Any) -> float:
+    """N = N_FSDP N_TP <= (B W / C)(1.5 D_FF W / C) = 1.5 B D_FF W^2 / C^2 (exact: (1 + BW/C)(1 + 1.5 D_FF W/C)).
+    Arguments as `fsdp_tp_max_axes_overlapped`."""
+    n_f, n_t = fsdp_tp_max_axes_overlapped(*args, **kwargs)
     return n_f * n_t
 
 
@@ -256,12 +236,10 @@ def fsdp_tp_max_axes_serialized(
     return n_f / 2.0, n_t / 2.0
 
 
-def fsdp_tp_max_devices_serialized(
-    batch: float, d_ff: float, flops_per_s: float, bandwidth: float, *, elem_bytes: float = 2
-) -> float:
+def fsdp_tp_max_devices_serialized(*args: Any, **kwargs: Any) -> float:
     """AM-GM: 6 D_FF N_F + 4 B N_T >= 2 sqrt(24 B D_FF N), so N <= (6 B D_FF W/C)^2 / (96 B D_FF)
-    = (3/8) B D_FF W^2 / C^2, a quarter of the overlapped bound."""
-    n_f, n_t = fsdp_tp_max_axes_serialized(batch, d_ff, flops_per_s, bandwidth, elem_bytes=elem_bytes)
+    = (3/8) B D_FF W^2 / C^2, a quarter of the overlapped bound. Arguments as `fsdp_tp_max_axes_serialized`."""
+    n_f, n_t = fsdp_tp_max_axes_serialized(*args, **kwargs)
     return n_f * n_t
 
 

@@ -1,7 +1,8 @@
 """Report helpers used by every problem notebook and by `make pdf`.
 
 * `nb`: `setup(quick) -> results_dir` (scratch dirs in quick mode, style, display options),
-  `should_measure(measure, gpus=, quick=)`, `have_results(df, what)`, `md(text)`.
+  `should_measure(measure, gpus=, quick=)`, `have_results(df, what)`, `md(text)`;
+  `latex_number(x, spec)` (also here): a number for LaTeX math in answer prose.
 * `save_figure(fig, "<problem>__<what>")`: PNG + PDF into `figures/` (scratch dir in quick mode).
 * `show_table(df, caption=None, provenance_from=None)`: markdown in Lab, page-safe booktabs LaTeX in
   the PDF, with a provenance footer.
@@ -16,6 +17,7 @@ Layer: uses the library and `cs336_systems.measure` (the results store), never a
 from cs336_systems.measure.results import device_name, env_metadata, latest_run, load_results
 from cs336_systems.report import nb
 from cs336_systems.report.figures import save_figure
+from cs336_systems.report.nb import latex_number
 from cs336_systems.report.style import apply_style, impl_color, impl_palette
 from cs336_systems.report.tables import show_table, table
 
@@ -26,6 +28,7 @@ __all__ = [
     "impl_color",
     "impl_palette",
     "latest_run",
+    "latex_number",
     "load_results",
     "nb",
     "save_figure",

@@ -251,13 +251,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example:\n  python -m cs336_systems.report.assemble --pdf writeup.pdf",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--executed", type=Path, default=REPO_ROOT / "build" / "executed",
-                    help="folder of executed notebooks (NN_<problem>.ipynb)")  # fmt: skip
-    ap.add_argument("--sources", type=Path, default=REPO_ROOT / "notebooks",
-                    help="folder of the notebook sources (NN_<problem>.py): one executed copy each")  # fmt: skip
+    ap.add_argument(
+        "--executed",
+        type=Path,
+        default=REPO_ROOT / "build" / "executed",
+        help="folder of executed notebooks (NN_<problem>.ipynb)",
+    )
+    ap.add_argument(
+        "--sources",
+        type=Path,
+        default=REPO_ROOT / "notebooks",
+        help="folder of the notebook sources (NN_<problem>.py): one executed copy each",
+    )
     ap.add_argument("--writeup", type=Path, default=REPO_ROOT / "writeup.md")
-    ap.add_argument("--notebook", type=Path, default=REPO_ROOT / "build" / "writeup.ipynb",
-                    help="where to write the merged notebook")  # fmt: skip
+    ap.add_argument(
+        "--notebook",
+        type=Path,
+        default=REPO_ROOT / "build" / "writeup.ipynb",
+        help="where to write the merged notebook",
+    )
     ap.add_argument("--pdf", type=Path, default=REPO_ROOT / "writeup.pdf")
     ap.add_argument("--no-pdf", action="store_true", help="only write the merged notebook")
     ap.add_argument("--allow-errors", action="store_true", help="typeset notebooks that contain errors")

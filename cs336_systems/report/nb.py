@@ -136,6 +136,11 @@ def md(text: str) -> None:
     _display_markdown(text)
 
 
+def latex_number(x: float, spec: str = ",.0f") -> str:
+    """`x` formatted for LaTeX math: thousands separators as {,} so they get no punctuation spacing."""
+    return format(x, spec).replace(",", "{,}")
+
+
 def _display_markdown(text: str) -> None:
     try:
         from IPython.display import Markdown, display

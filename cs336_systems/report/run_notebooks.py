@@ -139,10 +139,19 @@ def execute(source: Path, params: list[str], timeout_s: float, python: str = sys
     except Exception as exc:  # report it and go on with the next notebook
         return Outcome(name, False, time.monotonic() - start, f"jupytext conversion failed: {exc}")
     cmd = [
-        python, "-m", "papermill", str(converted), str(out),
-        "-k", "python3", "--cwd", str(source.parent), "--no-progress-bar", "--log-output",
+        python,
+        "-m",
+        "papermill",
+        str(converted),
+        str(out),
+        "-k",
+        "python3",
+        "--cwd",
+        str(source.parent),
+        "--no-progress-bar",
+        "--log-output",
         *params,
-    ]  # fmt: skip
+    ]
     with open(log, "w") as fh:
         fh.write("$ " + shlex.join(cmd) + "\n")
         fh.flush()

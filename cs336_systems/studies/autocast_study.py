@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_systems.measure.results import make_row
 from cs336_systems.model import SIZES_2025
+from cs336_systems.studies import timing_analysis
 from cs336_systems.studies.end_to_end import EndToEndConfig, grid
 
 PROBLEM = "benchmarking_mixed_precision"
@@ -129,10 +130,21 @@ def dtype_rows(table: pd.DataFrame, problem: str = PROBLEM) -> list[dict[str, An
     for order, (quantity, observed) in enumerate(table.itertuples(index=False)):
         first = getattr(torch, observed.split(",")[0].strip().replace("torch.", ""), None)
         bits = _BITS.get(first) if isinstance(first, torch.dtype) else None
-        rows.append(make_row(problem=problem, name="toy_model", impl=label, mode=quantity, dtype=observed,
-                             x_name="order", x_value=order, metric="observed_dtype_bits", unit="bits",
-                             value=float(bits) if bits else None,
-                             config={"device": device, "autocast_dtype": ac, "model": "ToyModel(32, 8)"}))  # fmt: skip
+        rows.append(
+            make_row(
+                problem=problem,
+                name="toy_model",
+                impl=label,
+                mode=quantity,
+                dtype=observed,
+                x_name="order",
+                x_value=order,
+                metric="observed_dtype_bits",
+                unit="bits",
+                value=float(bits) if bits else None,
+                config={"device": device, "autocast_dtype": ac, "model": "ToyModel(32, 8)"},
+            )
+        )
     return rows
 
 
@@ -158,14 +170,16 @@ def layernorm_precision(
         sq = (x - mean) * (x - mean)  # squared deviations, in `dtype`
         var = sq.mean(dim=-1, keepdim=True)
         out = (x - mean) * torch.rsqrt(var + 1e-5)
-        rows.append({
-            "dtype": str(dtype).replace("torch.", ""),
-            "max |x - mean|": float((ref_x - ref_x.mean(dim=-1, keepdim=True)).abs().max()),
-            "largest finite value": float(torch.finfo(dtype).max),
-            "squares overflowed": bool(torch.isinf(sq).any()),
-            "variance rel. error": float(((var.double() - ref_var).abs() / ref_var).max()),
-            "output max abs error": float((out.double() - ref).abs().max()),
-        })  # fmt: skip
+        rows.append(
+            {
+                "dtype": str(dtype).replace("torch.", ""),
+                "max |x - mean|": float((ref_x - ref_x.mean(dim=-1, keepdim=True)).abs().max()),
+                "largest finite value": float(torch.finfo(dtype).max),
+                "squares overflowed": bool(torch.isinf(sq).any()),
+                "variance rel. error": float(((var.double() - ref_var).abs() / ref_var).max()),
+                "output max abs error": float((out.double() - ref).abs().max()),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -182,5 +196,65 @@ def timing_configs(
     """fp32 vs bf16-autocast end_to_end configurations (forward-only, and a training step whose rows
     give forward, backward and optimizer times separately)."""
     kw = {"device": device} if device else {}
-    return grid(size=list(sizes), context_length=context_length, mode=list(modes), autocast=list(autocast),
-                warmup=warmup, steps=steps, **kw)  # fmt: skip
+    return grid(
+        size=list(sizes),
+        context_length=context_length,
+        mode=list(modes),
+        autocast=list(autocast),
+        warmup=warmup,
+        steps=steps,
+        **kw,
+    )
+
+
+def layernorm_frame(spreads: Sequence[float] = (300.0, 1.0)) -> pd.DataFrame:
+    """`layernorm_precision` for a wide and a narrow input spread, one frame with a `spread` column."""
+    return pd.concat([layernorm_precision(spread=s).assign(spread=s) for s in spreads], ignore_index=True)
+
+
+def facts(df: pd.DataFrame, *, context_length: int) -> dict[str, Any]:
+    """The numbers the benchmarking_mixed_precision answers state: (a) the toy model's dtypes, (b) the
+    LayerNorm precision experiment (computed live), (c) the bf16 speed-ups at `context_length`.
+    (a) and (c) are absent when `df` has no such rows."""
+    out: dict[str, Any] = {}
+    dtypes = timing_analysis.dtype_frame(df)
+    if len(dtypes):
+        out["gpu_name"] = dtypes.attrs["gpu_name"]
+        out["autocast_dtype"] = dtypes.attrs["autocast_dtype"].replace("torch.", "")
+        out["dtype_of"] = dict(
+            zip(dtypes.quantity, dtypes.dtype.str.replace("torch.", "", regex=False), strict=True)
+        )
+    ln = layernorm_frame()
+    wide, narrow = ln[ln.spread == 300.0].set_index("dtype"), ln[ln.spread == 1.0].set_index("dtype")
+    fp16_max = wide.loc["float16", "largest finite value"]
+    out |= {
+        "fp16_largest_finite": fp16_max,
+        "fp16_overflow_deviation": fp16_max**0.5,
+        "fp16_output_error_wide": wide.loc["float16", "output max abs error"],
+        "bf16_variance_error_wide": wide.loc["bfloat16", "variance rel. error"],
+        "bf16_output_error_narrow": narrow.loc["bfloat16", "output max abs error"],
+        "bf16_over_fp16_error_narrow": narrow.loc["bfloat16", "output max abs error"]
+        / narrow.loc["float16", "output max abs error"],
+        "fp32_output_error_narrow": narrow.loc["float32", "output max abs error"],
+    }
+    stats = timing_analysis.timing_stats(df)
+    table = timing_analysis.mixed_table(stats[stats.x == context_length])
+    if len(table):
+        speedup = table.xs("speed-up", axis=1, level=1)
+        step = speedup["train step"]
+        out["speedup"] = {
+            "sizes": list(speedup.index),
+            "step_first": step.iloc[0],
+            "step_last": step.iloc[-1],
+            "grows_with_size": bool(step.iloc[-1] > step.iloc[0]),
+            **{
+                f"{name}_{end}": getattr(speedup[phase], end)()
+                for name, phase in (
+                    ("forward", "forward"),
+                    ("backward", "backward"),
+                    ("optimizer", "optimizer step"),
+                )
+                for end in ("min", "max")
+            },
+        }
+    return out

@@ -41,7 +41,7 @@ from cs336_systems.model.checkpointing import (
     optimal_group_size,
     saved_tensors,
 )
-from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, _config_record, build_workload
+from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, build_workload, row_fields
 from cs336_systems.studies.memory import _make_block, block_saved_memory, residual_stream_bytes
 
 PROBLEM = "gradient_checkpointing"
@@ -117,21 +117,40 @@ def cost_table(
 
 
 def study_config(
-    strategy: str, group: int | None, *, size: str = SIZE, batch_size: int = BATCH_SIZE,
-    context_length: int = CONTEXT_LENGTH, warmup: int = 1, steps: int = 1, device: str | None = None,
-) -> EndToEndConfig:  # fmt: skip
+    strategy: str,
+    group: int | None,
+    *,
+    size: str = SIZE,
+    batch_size: int = BATCH_SIZE,
+    context_length: int = CONTEXT_LENGTH,
+    warmup: int = 1,
+    steps: int = 1,
+    device: str | None = None,
+) -> EndToEndConfig:
     make_block_runner(strategy, group)  # validates
     return EndToEndConfig(
-        size=size, context_length=context_length, batch_size=batch_size, mode="train", warmup=warmup, steps=steps,
-        checkpoint_group=group if strategy == "block" else None, device=device or EndToEndConfig().device,
-    )  # fmt: skip
+        size=size,
+        context_length=context_length,
+        batch_size=batch_size,
+        mode="train",
+        warmup=warmup,
+        steps=steps,
+        checkpoint_group=group if strategy == "block" else None,
+        device=device or EndToEndConfig().device,
+    )
+
+
+def strategy_row_fields(strategy: str, group: int | None, cfg: EndToEndConfig) -> dict[str, Any]:
+    """Row keywords of one strategy: the strategy is the impl, its group size the x axis."""
+    return row_fields(
+        cfg, PROBLEM, impl=strategy, mode="train", x_name="group_size", x_value=strategy_x(strategy, group)
+    )
 
 
 def run_strategy(strategy: str, group: int | None, cfg: EndToEndConfig) -> list[dict[str, Any]]:
     """Train `cfg` with one checkpointing strategy; rows of phase times, step time, peak memory."""
-    config = {**_config_record(cfg), "strategy": strategy, "group_size": group}
-    common = dict(problem=PROBLEM, name=cfg.size, impl=strategy, mode="train", dtype=cfg.dtype_label,
-                  x_name="group_size", x_value=strategy_x(strategy, group), config=config)  # fmt: skip
+    common = strategy_row_fields(strategy, group, cfg)
+    common["config"] |= {"strategy": strategy, "group_size": group}
     cuda = torch.device(cfg.device).type == "cuda" and torch.cuda.is_available()
     outcome: dict[str, str] = {}
     timer = PhaseTimer(device=cfg.device, enabled=False)
@@ -174,35 +193,29 @@ def run_strategy(strategy: str, group: int | None, cfg: EndToEndConfig) -> list[
 def checkpointing_sweep(
     strategies: Sequence[tuple[str, int | None]] = STRATEGIES,
     *,
-    size: str = SIZE,
-    batch_size: int = BATCH_SIZE,
-    context_length: int = CONTEXT_LENGTH,
-    warmup: int = 1,
-    steps: int = 1,
-    device: str | None = None,
     budget: TimeBudget | None = None,
     step_estimate_s: float = 8.0,
     save: bool = True,
     results_dir: str | None = None,
     progress: bool = True,
+    **config: Any,
 ) -> pd.DataFrame:
     """Run the strategies in order under an optional time budget (skipped ones get "skipped:" rows).
 
+    config: the keywords of `study_config` (size, batch_size, context_length, warmup, steps, device).
     step_estimate_s: assumed seconds per training step until the first strategy has been measured.
     """
     all_rows = []
     per_step = step_estimate_s
     for strategy, group in tqdm(strategies, desc=PROBLEM, disable=not progress):
-        cfg = study_config(strategy, group, size=size, batch_size=batch_size, context_length=context_length,
-                           warmup=warmup, steps=steps, device=device)  # fmt: skip
+        cfg = study_config(strategy, group, **config)
         # recomputation adds forwards: the recursive scheme runs about log2(N) + 1 of them
         factor = 1.0 + (0.6 if strategy == "recursive" else 0.0)
-        estimate = (warmup + steps) * per_step * factor + 5.0
+        estimate = (cfg.warmup + cfg.steps) * per_step * factor + 5.0
         if strategy == "none":  # expected to OOM within the first forward
             estimate = min(estimate, 10.0)
         if budget is not None and not budget.can_afford(estimate):
-            common = dict(problem=PROBLEM, name=size, impl=strategy, mode="train", dtype=cfg.dtype_label,
-                          x_name="group_size", x_value=strategy_x(strategy, group), config=_config_record(cfg))  # fmt: skip
+            common = strategy_row_fields(strategy, group, cfg)
             why = budget.skip_note(f"~{estimate:.0f} s needed")
             rows = [
                 skipped_row(metric=m, unit=u, reason=why, **common)
@@ -213,15 +226,19 @@ def checkpointing_sweep(
             rows = run_strategy(strategy, group, cfg)
             measured = any(r["metric"] == "step_time" and r["n"] for r in rows)
             if measured and strategy == "block":  # calibrate (model build included: conservative)
-                per_step = (timeit.default_timer() - start) / (warmup + steps)
+                per_step = (timeit.default_timer() - start) / (cfg.warmup + cfg.steps)
         if save:
             append_rows(PROBLEM, rows, results_dir)
         all_rows.extend(rows)
     return pd.DataFrame(all_rows)
 
 
-STRATEGY_LABELS = {"none": "no checkpointing", "block": "one level, k blocks", "sub_block": "one level, half blocks",
-                   "recursive": "recursive bisection"}  # fmt: skip
+STRATEGY_LABELS = {
+    "none": "no checkpointing",
+    "block": "one level, k blocks",
+    "sub_block": "one level, half blocks",
+    "recursive": "recursive bisection",
+}
 
 
 def measured_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -233,7 +250,14 @@ def measured_table(df: pd.DataFrame) -> pd.DataFrame:
     )
     if t.empty:
         return pd.DataFrame()
-    value = t.apply(lambda r: r["note"] if r["note"] and not r["n"] else (f"{r['mean']:.1f}" if r["unit"] == "GiB" else f"{r['mean']:,.0f}"), axis=1)  # fmt: skip
+    value = t.apply(
+        lambda r: (
+            r["note"]
+            if r["note"] and not r["n"]
+            else (f"{r['mean']:.1f}" if r["unit"] == "GiB" else f"{r['mean']:,.0f}")
+        ),
+        axis=1,
+    )
     t = t.assign(
         value=value, metric=t["metric"].map({"peak_memory": "peak memory (GiB)", "step_time": "step (ms)"})
     )
@@ -268,10 +292,67 @@ def plot_cost_model(cost: pd.DataFrame, measured: pd.DataFrame | None = None):
             m = ok[ok.impl == strategy]
             if len(m):
                 x = m.x_value if strategy == "block" else [1] * len(m)
-                ax.plot(x, m["mean"], marker, color="black", ms=6, mfc="none" if strategy != "block" else "black",
-                        label=f"measured: {STRATEGY_LABELS[strategy]}")  # fmt: skip
+                ax.plot(
+                    x,
+                    m["mean"],
+                    marker,
+                    color="black",
+                    ms=6,
+                    mfc="none" if strategy != "block" else "black",
+                    label=f"measured: {STRATEGY_LABELS[strategy]}",
+                )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("blocks per checkpoint k")
     ax.set_ylabel("peak memory (GiB)")
     ax.legend(fontsize=7, loc="upper left")
     return fig
+
+
+def facts(df: pd.DataFrame, cost: pd.DataFrame) -> dict[str, Any]:
+    """The numbers the gradient_checkpointing answers state. `cost` is `cost_table(...)` (the model:
+    `"model"`); `df` the measured rows of one size (`"measured"`, absent without block rows)."""
+    a = cost.attrs
+    rec = cost[cost.strategy == "recursive"].iloc[0]
+    one = cost[(cost.strategy == "block") & (cost.group_size == a["optimal_group"])].iloc[0]
+    out: dict[str, Any] = {
+        "model": {
+            "num_blocks": a["num_blocks"],
+            "c_MiB": a["c"] / 2**20,
+            "r_MiB": a["r"] / 2**20,
+            "r_GiB": a["r"] / 2**30,
+            "optimal_group": a["optimal_group"],
+            "k_star": (a["num_blocks"] * a["c"] / a["r"]) ** 0.5,
+            "recursive_forward_passes": rec.forward_passes,
+            "recursive_GiB": rec.peak_activation_GiB,
+            "one_level_GiB": one.peak_activation_GiB,
+            "sub_block_GiB": cost[cost.strategy == "sub_block"].peak_activation_GiB.iloc[0],
+            "none_GiB": cost[cost.strategy == "none"].peak_activation_GiB.iloc[0],
+        }
+    }
+    ok = df[(df.metric == "peak_memory") & (df.note == "")]
+    block = ok[ok.impl == "block"].set_index("x_value")["mean"]
+    if len(block):
+        best = block.idxmin()
+        bigger = block[block.index > best]
+        sub = ok[ok.impl == "sub_block"]["mean"]
+        rec_peak = ok[ok.impl == "recursive"]["mean"]
+        none_note = df[(df.impl == "none") & (df.metric == "peak_memory")].note
+        steps = df[(df.metric == "step_time") & (df.note == "")].set_index(["impl", "x_value"])["mean"]
+        sub_peak = sub.iloc[0] if len(sub) else None
+        out["measured"] = {
+            "best_k": best,
+            "best_GiB": block[best],
+            "next_k": bigger.index[0] if len(bigger) else None,
+            "next_GiB": bigger.iloc[0] if len(bigger) else None,
+            "sub_block_GiB": sub_peak,
+            "recursive_GiB": rec_peak.iloc[0] if len(rec_peak) else None,
+            # the halves reach the same floor as the best block grouping (within 5%)
+            "sub_block_at_floor": sub_peak is not None
+            and abs(sub_peak - block[best]) < 0.05 * block[best]
+            and len(rec_peak) > 0,
+            "sub_block_minus_best_MiB": abs(sub_peak - block[best]) * 1024 if sub_peak is not None else None,
+            "none_note": none_note.iloc[0] if len(none_note) and none_note.iloc[0] else None,
+            "step_best_ms": steps.get(("block", best)),
+            "step_recursive_ms": steps.get(("recursive", 1.0)),
+        }
+    return out

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from cs336_systems.measure.budget import TimeBudget, skipped_row
 from cs336_systems.measure.results import append_rows, make_row
 from cs336_systems.model import SIZES_2025, get_config
-from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, _config_record, run_one
+from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, row_fields, run_one
 from cs336_systems.studies.pytorch_attention import HEAD_DIMS, SEQ_LENS, attention_grid, attention_sweep
 
 PROBLEM = "torch_compile"
@@ -103,11 +103,10 @@ def whole_model_compile_sweep(
     compile_per_layer: dict[str, float] = {}  # mode -> measured compile seconds per layer
     last_eager_per_param: dict[str, float] = {}
     cells = [(s, m, c) for s in sizes for m in modes for c in (False, True)]
+    run_settings = {"context_length": context_length, "warmup": warmup, "steps": steps, "device": dev}
     for size, mode, compiled in tqdm(cells, desc=PROBLEM, disable=not progress):
-        cfg = EndToEndConfig(size=size, context_length=context_length, mode=mode, warmup=warmup, steps=steps,
-                             compile=compiled, device=dev)  # fmt: skip
-        common = dict(problem=PROBLEM, name=size, impl=cfg.impl_label, mode=mode, dtype=cfg.dtype_label,
-                      x_name="context_length", x_value=context_length, config=_config_record(cfg))  # fmt: skip
+        cfg = EndToEndConfig(size=size, mode=mode, compile=compiled, **run_settings)
+        common = row_fields(cfg, PROBLEM, x_name="context_length", x_value=context_length)
         mcfg = get_config(size)
         n_steps = warmup + steps
         per_step = step_s.get((size, mode)) or last_eager_per_param.get(mode, 1e-9) * mcfg.num_params()
@@ -163,9 +162,17 @@ def torch_compile_study(
         grid: dict[str, Any] = dict(head_dims=(16,), seq_lens=(64, 128), extra_points=())
         attention_sweep(attention_grid(**grid, **kw), results_dir=results_dir, progress=False)
         attention_compile_sweep(**grid, backend="aot_eager", results_dir=results_dir, progress=False, **kw)
-        whole_model_compile_sweep(("debug",), context_length=32, warmup=1, steps=2, device=device or "cpu",
-                                  include_compiled=False, results_dir=results_dir, progress=False,
-                                  skip_reason="quick mode on a CPU: Inductor's C++ compile of a whole model takes minutes")  # fmt: skip
+        whole_model_compile_sweep(
+            ("debug",),
+            context_length=32,
+            warmup=1,
+            steps=2,
+            device=device or "cpu",
+            include_compiled=False,
+            results_dir=results_dir,
+            progress=False,
+            skip_reason="quick mode on a CPU: Inductor's C++ compile of a whole model takes minutes",
+        )
         return
     dev = {"device": device} if device else {}
     attention_compile_sweep(budget=budget, results_dir=results_dir, **dev)
@@ -188,8 +195,12 @@ def attention_speedup_table(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.D
         t = latest_run(df[df.metric.isin(["forward_time", "backward_time"])])
         if t.empty:
             return pd.DataFrame()
-        t = t.assign(d=t["name"].str.lstrip("d").astype(int), T=t["x_value"].astype(int), variant=label,
-                     phase=t["metric"].str.replace("_time", ""))  # fmt: skip
+        t = t.assign(
+            d=t["name"].str.lstrip("d").astype(int),
+            T=t["x_value"].astype(int),
+            variant=label,
+            phase=t["metric"].str.replace("_time", ""),
+        )
         parts.append(t)
     t = pd.concat(parts)
     cells = t.assign(value=t.apply(_fmt, axis=1)).pivot_table(
@@ -248,3 +259,69 @@ def protocol(df: pd.DataFrame) -> str:
         if "warmup" in cfg and "steps" in cfg:
             seen.add((cfg["warmup"], cfg["steps"], cfg.get("context_length")))
     return "; ".join(f"{w} warm-up + {n} timed steps, context {t}" for w, n, t in sorted(seen)) or "unknown"
+
+
+def _speedups(tab: pd.DataFrame, phase: str) -> pd.Series:
+    return tab[(phase, "speedup")].str.rstrip("x").replace("", float("nan")).astype(float)
+
+
+def facts(compiled: pd.DataFrame, eager_attention: pd.DataFrame) -> dict[str, Any]:
+    """The numbers the torch_compile answers state. `compiled`: the torch_compile rows; `eager_attention`:
+    the naive rows of pytorch_attention (the eager baseline). `"attention"` (a) and `"model"` (b) are
+    absent without rows; `"attention_table"` and `"model_table"` are the two tables shown."""
+    attn = compiled[compiled.x_name == "seq_len"]
+    model = compiled[compiled.x_name == "context_length"]
+    tab = attention_speedup_table(eager_attention, attn)
+    wm = whole_model_table(model)
+    out: dict[str, Any] = {"attention_table": tab, "model_table": wm}
+    out["any_skipped"] = len(wm) > 0 and bool(wm["compiled (ms)"].str.startswith("skipped").any())
+    out["protocol"] = protocol(model) if len(model) else "not run"
+    sp: dict[str, pd.Series] = {}
+    if len(tab) and ("forward", "speedup") in tab.columns:
+        sp = {p: _speedups(tab, p) for p in ("forward", "backward")}
+        t_level = tab.index.get_level_values("T")
+        both = sp["forward"].notna()  # configurations measured eager and compiled (eager can OOM)
+        big_t = t_level[both].max()
+        at_big = {p: sp[p][both & (t_level == big_t)] for p in sp}
+        only_compiled = tab[~both & (tab[("forward", "compiled")].str.len() > 0)]
+        only_compiled = only_compiled[
+            only_compiled[("forward", "compiled")].map(lambda v: v.replace(".", "", 1).isdigit())
+        ]
+        first = attn[attn.metric == "first_forward_time"]["mean"]
+        out["attention"] = {
+            **{f"{p}_{end}": getattr(sp[p], end)() for p in sp for end in ("min", "max")},
+            "longest_T": big_t,
+            "forward_at_longest": at_big["forward"].mean(),
+            "backward_at_longest": at_big["backward"].mean(),
+            "forward_at_longest_by_d": [(d, v) for (d, _), v in at_big["forward"].items()],
+            "shrinks_with_d": bool(at_big["forward"].is_monotonic_decreasing),
+            "only_compiled_ran": [
+                (d, t, r[("forward", "eager")], r[("forward", "compiled")], r[("backward", "compiled")])
+                for (d, t), r in only_compiled.iterrows()
+            ],
+            "compile_s": first.max() / 1e3 if len(first) else None,
+        }
+    if len(wm) and (wm.speedup != "").any():
+        ok = wm[wm.speedup != ""].assign(x=lambda t: t.speedup.str.rstrip("x").astype(float))
+        ctx = int(model.x_value.astype(float).max())
+        t_lvl = tab.index.get_level_values("T") if len(tab) else []
+        lengths = sorted(set(t_lvl))
+        near = [t for t in lengths if t <= ctx][-1:] + [t for t in lengths if t >= ctx][:1]
+        sp_near = sp["forward"][[t in near for t in t_lvl]].dropna() if len(tab) else []
+        by_size = list(ok.groupby("mode"))  # rows in model-size order (whole_model_table sorts them)
+        skipped = wm[wm["compiled (ms)"].str.startswith("skipped")]
+        out["model"] = {
+            "speedup_by_mode": [
+                (m, r["min"], r["max"]) for m, r in ok.groupby("mode").x.agg(["min", "max"]).iterrows()
+            ],
+            "shrinks_with_size": all(len(g) > 1 and g.x.iloc[-1] < g.x.iloc[0] for _, g in by_size),
+            "smallest_and_largest": [
+                (m, g.x.iloc[0], g["size"].iloc[0], g.x.iloc[-1], g["size"].iloc[-1]) for m, g in by_size
+            ],
+            "context_length": ctx,
+            "attention_T_near_context": near,
+            "attention_forward_near_context": (min(sp_near), max(sp_near)) if len(sp_near) else None,
+            "attention_forward_max": sp["forward"].max() if sp else None,
+            "skipped": [f"{r.size} {r.mode}" for r in skipped.itertuples()],
+        }
+    return out

@@ -44,8 +44,11 @@ from cs336_systems.model import (
 
 MODES = ("forward", "forward_backward", "train")
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-PHASES = {"forward": ("forward",), "forward_backward": ("forward", "backward"),
-          "train": ("forward", "backward", "optimizer")}  # fmt: skip
+PHASES = {
+    "forward": ("forward",),
+    "forward_backward": ("forward", "backward"),
+    "train": ("forward", "backward", "optimizer"),
+}
 X_AXES = ("context_length", "warmup", "batch_size", "steps", "checkpoint_group")
 
 
@@ -139,10 +142,25 @@ def _config_record(cfg: EndToEndConfig) -> dict[str, Any]:
     return {**dataclasses.asdict(cfg), "model": mcfg.as_kwargs(), "num_params": mcfg.num_params()}
 
 
+def row_fields(cfg: EndToEndConfig, problem: str, **overrides: Any) -> dict[str, Any]:
+    """The keywords every results row of one configuration carries (for make_row, failure_row and
+    skipped_row): problem, size as name, impl, mode, dtype, the x axis and the config record.
+    `overrides` replace any of them (e.g. a study's own impl or x axis)."""
+    fields = {
+        "problem": problem,
+        "name": cfg.size,
+        "impl": cfg.impl_label,
+        "mode": cfg.mode,
+        "dtype": cfg.dtype_label,
+        "x_name": cfg.x_axis,
+        "x_value": getattr(cfg, cfg.x_axis),
+    }
+    return fields | {"config": overrides.pop("config", None) or _config_record(cfg)} | overrides
+
+
 def run_one(cfg: EndToEndConfig, problem: str = "benchmarking_script") -> list[dict[str, Any]]:
     """Measure one configuration; returns tidy rows (failure rows on OOM or error)."""
-    common = dict(problem=problem, name=cfg.size, impl=cfg.impl_label, mode=cfg.mode, dtype=cfg.dtype_label,
-                  x_name=cfg.x_axis, x_value=getattr(cfg, cfg.x_axis), config=_config_record(cfg))  # fmt: skip
+    common = row_fields(cfg, problem)
     outcome: dict[str, str] = {}
     timer = PhaseTimer(device=cfg.device)
     peak_gib = None
@@ -185,8 +203,14 @@ def run_one(cfg: EndToEndConfig, problem: str = "benchmarking_script") -> list[d
     return rows
 
 
-def sweep(configs: Sequence[EndToEndConfig], problem: str = "benchmarking_script", *, save: bool = True,
-          results_dir: str | None = None, progress: bool = True) -> pd.DataFrame:  # fmt: skip
+def sweep(
+    configs: Sequence[EndToEndConfig],
+    problem: str = "benchmarking_script",
+    *,
+    save: bool = True,
+    results_dir: str | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
     """Run configurations in order, appending each one's rows as soon as it finishes (nothing lost)."""
     all_rows = []
     for cfg in tqdm(configs, desc=problem, disable=not progress):
@@ -209,8 +233,9 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
         return df
     t = df[df.metric.str.endswith("_time") | (df.metric == "peak_memory")].copy()
     t["value"] = t.apply(lambda r: r["note"] if r["note"] else f"{r['mean']:.2f} +- {r['std']:.2f}", axis=1)
-    return t.pivot_table(index=["name", "impl", "dtype", "mode", "x_value"], columns="metric",
-                         values="value", aggfunc="last")  # fmt: skip
+    return t.pivot_table(
+        index=["name", "impl", "dtype", "mode", "x_value"], columns="metric", values="value", aggfunc="last"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
@@ -259,13 +284,28 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible (use --device cpu)")
     with cli.usage_errors(p):
-        configs = grid(size=args.size, context_length=args.context_length, batch_size=args.batch_size, mode=args.mode,
-                   warmup=args.warmup, steps=args.steps, autocast=args.autocast, compile=args.compile,
-                   attention=args.attention, checkpoint_group=args.checkpoint_group, nvtx=args.nvtx,
-                   memory_snapshot=args.memory_snapshot, device=args.device, x_axis=args.x_axis)  # fmt: skip
+        configs = grid(
+            size=args.size,
+            context_length=args.context_length,
+            batch_size=args.batch_size,
+            mode=args.mode,
+            warmup=args.warmup,
+            steps=args.steps,
+            autocast=args.autocast,
+            compile=args.compile,
+            attention=args.attention,
+            checkpoint_group=args.checkpoint_group,
+            nvtx=args.nvtx,
+            memory_snapshot=args.memory_snapshot,
+            device=args.device,
+            x_axis=args.x_axis,
+        )
     results_dir = None if args.no_save else cli.results_dir_for(args.results_dir)
-    print("resolved configs:", json.dumps([dataclasses.asdict(c) for c in configs][:3], default=str),
-          f"... ({len(configs)} total)" if len(configs) > 3 else "")  # fmt: skip
+    print(
+        "resolved configs:",
+        json.dumps([dataclasses.asdict(c) for c in configs][:3], default=str),
+        f"... ({len(configs)} total)" if len(configs) > 3 else "",
+    )
     df = sweep(configs, args.problem, save=not args.no_save, results_dir=results_dir)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(summary_table(df).to_string())

@@ -249,7 +249,6 @@ def capture_step(
 def _profile_step_cpu(work: Any, timer: _MarkingTimer) -> dict[str, Any]:
     from torch.cuda._memory_viz import _profile_to_snapshot
 
-
     activities = [torch.profiler.ProfilerActivity.CPU]
     with (
         kineto_logs_filtered(),

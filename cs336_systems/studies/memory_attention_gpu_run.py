@@ -48,8 +48,9 @@ from cs336_systems.model import MODEL_SIZES, SIZES_2025
 from cs336_systems.studies import memory as mem
 from cs336_systems.studies.checkpointing_study import checkpointing_sweep
 from cs336_systems.studies.compile_study import attention_compile_sweep, whole_model_compile_sweep
-from cs336_systems.studies.end_to_end import _config_record
+from cs336_systems.studies.end_to_end import row_fields
 from cs336_systems.studies.pytorch_attention import attention_grid, attention_sweep
+from cs336_systems.studies.timing_gpu_run import gpu_run_parser
 
 PARTS = ("memory", "checkpointing", "block_saved", "attention", "attention_compiled", "compile_model")
 # Seconds per part (the last part takes the remainder of the total budget).
@@ -78,8 +79,7 @@ def run_memory(
     for cfg in grid:
         key = (cfg.mode, cfg.dtype_label, cfg.context_length)
         if budget.exhausted():
-            common = dict(problem=mem.PROBLEM, name=cfg.size, impl=cfg.impl_label, mode=cfg.mode, dtype=cfg.dtype_label,
-                          x_name="context_length", x_value=cfg.context_length, config=_config_record(cfg))  # fmt: skip
+            common = row_fields(cfg, mem.PROBLEM, x_name="context_length", x_value=cfg.context_length)
             rows = [
                 skipped_row(metric=m, unit="GiB", reason=budget.skip_note(), **common)
                 for m in ("peak_memory", "resident_memory")
@@ -155,18 +155,19 @@ def memory_profiling_study(
 
 def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     """Run the parts; `start` (default: now) is when the budget began (the script passes its import time)."""
-    p = cli.make_parser(
-        __doc__, "python -m cs336_systems.studies.memory_attention_gpu_run --quick --parts memory"
+    p = gpu_run_parser(
+        __doc__,
+        example="python -m cs336_systems.studies.memory_attention_gpu_run --quick --parts memory",
+        out={
+            "default": None,
+            "help": "directory for snapshots (.pickle.gz), preview figures and manifest.json "
+            "(default: figures/data/memory_profiling; quick: <results dir>/memory_profiling)",
+        },
+        quick_help="tiny sizes (runs on a CPU); scratch results directory",
+        budget=("--budget", 360.0, "total wall-clock seconds for all parts"),
     )
-    p.add_argument("--out", default=None,
-                   help="directory for snapshots (.pickle.gz), preview figures and manifest.json "
-                        "(default: figures/data/memory_profiling; quick: <results dir>/memory_profiling)")  # fmt: skip
-    p.add_argument("--budget", type=float, default=360.0, help="total wall-clock seconds for all parts")
     p.add_argument(
         "--parts", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run, in this order"
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="tiny sizes (runs on a CPU); scratch results directory"
     )
     p.add_argument(
         "--attn-reps", type=int, default=100, help="forward and backward passes per attention config"
@@ -188,8 +189,13 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
         choices=list(MODEL_SIZES),
         help="model sizes of compile_model",
     )
-    p.add_argument("--compile-modes", nargs="+", default=["forward", "train"], choices=["forward", "train"],
-                   help="end-to-end modes of compile_model")  # fmt: skip
+    p.add_argument(
+        "--compile-modes",
+        nargs="+",
+        default=["forward", "train"],
+        choices=["forward", "train"],
+        help="end-to-end modes of compile_model",
+    )
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
     )
@@ -205,8 +211,10 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     if args.quick and cli.is_committed(out.parent):
         p.error("--out: a quick run must not write into the committed figures/data/")
     out.mkdir(parents=True, exist_ok=True)
-    _log(f"device={args.device} ({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}), "
-         f"budget={args.budget:.0f}s, parts={args.parts}, results={results_dir or 'figures/data'}, out={out}")  # fmt: skip
+    _log(
+        f"device={args.device} ({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}), "
+        f"budget={args.budget:.0f}s, parts={args.parts}, results={results_dir or 'figures/data'}, out={out}"
+    )
     # minus a margin for the last configuration's overrun and for writing the manifest
     total = TimeBudget(
         max(args.budget - SAFETY_MARGIN_S, 0.0),
@@ -225,19 +233,32 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
         "memory": lambda b: run_memory(out, b, quick=q, device=dev, results_dir=results_dir),
         "checkpointing": lambda b: checkpointing_sweep(
             **({"size": "debug", "batch_size": 2, "context_length": 64} if q else {}),
-            device=dev, budget=b, results_dir=results_dir, progress=False),
+            device=dev,
+            budget=b,
+            results_dir=results_dir,
+            progress=False,
+        ),
         "block_saved": lambda b: run_block_saved(out, b, quick=q, device=dev, results_dir=results_dir),
         "attention": lambda b: attention_sweep(
-            attention_grid(**grid_kw, **attn_kw), budget=b, results_dir=results_dir, progress=False),
+            attention_grid(**grid_kw, **attn_kw), budget=b, results_dir=results_dir, progress=False
+        ),
         "attention_compiled": lambda b: attention_compile_sweep(
-            **grid_kw, backend=backend, budget=b, results_dir=results_dir, progress=False, **attn_kw),
+            **grid_kw, backend=backend, budget=b, results_dir=results_dir, progress=False, **attn_kw
+        ),
         "compile_model": lambda b: whole_model_compile_sweep(
-            ("debug",) if q else args.compile_sizes, args.compile_modes, context_length=64 if q else 512,
-            warmup=3, steps=5, device=dev,
+            ("debug",) if q else args.compile_sizes,
+            args.compile_modes,
+            context_length=64 if q else 512,
+            warmup=3,
+            steps=5,
+            device=dev,
             include_compiled=not q or args.quick_compile_model,
             skip_reason="quick mode on a CPU: Inductor's C++ compile of a whole model takes minutes",
-            budget=b, results_dir=results_dir, progress=False),
-    }  # fmt: skip
+            budget=b,
+            results_dir=results_dir,
+            progress=False,
+        ),
+    }
     manifest: dict[str, Any] = {"budget_s": args.budget, "device": dev, "quick": q, "parts": {}}
     planned = 0.0
     selected = [part for part in PARTS if part in args.parts]

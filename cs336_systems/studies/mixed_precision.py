@@ -14,6 +14,8 @@ costs microseconds, so the notebook computes it live instead of persisting resul
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import torch
 
@@ -80,3 +82,28 @@ def accumulation_experiment(
             }
         )
     return pd.DataFrame(rows)
+
+
+def facts(df: pd.DataFrame, steps: int = 1000, increment: float = 0.01) -> dict[str, float]:
+    """The numbers the answer quotes, from `accumulation_experiment(steps, increment)`'s rows: each case's
+    result and errors, and the fp16 / fp32 spacing near the end value that explains them."""
+    r = df.set_index("case")
+    near = steps * increment
+    exponent = math.floor(math.log2(near))  # values in [2**e, 2**(e+1)) share one spacing
+    spacing16 = torch.finfo(torch.float16).eps * 2**exponent
+    below = torch.tensor(near - 0.5, dtype=torch.float16)  # a partial sum just below the end value
+    return {
+        "exact": near,
+        "fp32_result": r.loc["fp32 += fp32", "result"],
+        "fp16_result": r.loc["fp16 += fp16", "result"],
+        "mixed_result": r.loc["fp32 += fp16", "result"],
+        "mixed_accumulation_error": r.loc["fp32 += fp16", "accumulation_error"],
+        "mixed_representation_error": r.loc["fp32 += fp16", "representation_error"],
+        "fp16_increment_stored": r.loc["fp32 += fp16", "increment_stored"],
+        "fp32_spacing": torch.finfo(torch.float32).eps * 2**exponent,
+        "fp16_spacing": spacing16,
+        "fp16_spacing_log2": int(math.log2(spacing16)),
+        "fp16_partial_sum": float(below),
+        # what one fp16 add of the increment adds to that partial sum
+        "fp16_step_there": float(below + torch.tensor(increment, dtype=torch.float16)) - float(below),
+    }

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import timeit
 from collections.abc import Callable, Sequence
@@ -267,11 +266,23 @@ def run_attention(
     """
     first_compile = attention_fn is None and cfg.impl == "naive_compiled" and cfg.backend not in _COMPILED
     fn = attention_fn or (naive_attention if cfg.impl == "naive" else compiled_attention(cfg.backend))
-    config = {**asdict(cfg), "causal": True, "dtype": "float32",
-              "accounting": attention_memory_accounting(cfg.batch_size, cfg.seq_len, cfg.d),
-              "device_total_bytes": _device_total_bytes(cfg.device)}  # fmt: skip
-    common = dict(problem=cfg.problem, name=f"d{cfg.d}", impl=cfg.impl_label, mode="fwd_bwd", dtype="fp32",
-                  x_name="seq_len", x_value=cfg.seq_len, config=config)  # fmt: skip
+    config = {
+        **asdict(cfg),
+        "causal": True,
+        "dtype": "float32",
+        "accounting": attention_memory_accounting(cfg.batch_size, cfg.seq_len, cfg.d),
+        "device_total_bytes": _device_total_bytes(cfg.device),
+    }
+    common = dict(
+        problem=cfg.problem,
+        name=f"d{cfg.d}",
+        impl=cfg.impl_label,
+        mode="fwd_bwd",
+        dtype="fp32",
+        x_name="seq_len",
+        x_value=cfg.seq_len,
+        config=config,
+    )
     cuda = _cuda(cfg.device)
     metrics = [("forward_time", "ms"), ("backward_time", "ms")]
     if cuda:
@@ -350,126 +361,3 @@ def attention_sweep(
             append_rows(cfg.problem, rows, results_dir)
         all_rows.extend(rows)
     return pd.DataFrame(all_rows)
-
-
-def smallest_oom(df: pd.DataFrame) -> tuple[int, int] | None:
-    """(d, T) of the smallest configuration (by d*T, then T) with an OOM row, or None."""
-    oom = df[df["note"].astype(str).str.contains("OOM")]
-    if oom.empty:
-        return None
-    pts = {(int(str(n).lstrip("d")), int(t)) for n, t in zip(oom["name"], oom["x_value"])}
-    return min(pts, key=lambda p: (p[0] * p[1], p[1], p[0]))
-
-
-def accounting_table(
-    batch_size: int, seq_len: int, d: int, device_bytes: float | None = None
-) -> pd.DataFrame:
-    """`attention_memory_accounting` as a table in MiB/GiB, optionally with the device's capacity."""
-    acc = attention_memory_accounting(batch_size, seq_len, d)
-    df = pd.DataFrame({"component": list(acc), "bytes": list(acc.values())})
-    df["MiB"] = df["bytes"] / MIB
-    df["GiB"] = df["bytes"] / 2**30
-    if device_bytes is not None:
-        df["fraction of device"] = df["bytes"] / device_bytes
-    return df
-
-
-def scaling_exponent(seq_lens: Sequence[float], values: Sequence[float]) -> float:
-    """Least-squares slope of log(values) against log(seq_lens) (2.0 = quadratic in T)."""
-    pts = [(math.log(t), math.log(v)) for t, v in zip(seq_lens, values) if v and v > 0 and t > 0]
-    if len(pts) < 2:
-        return math.nan
-    mx = sum(p[0] for p in pts) / len(pts)
-    my = sum(p[1] for p in pts) / len(pts)
-    den = sum((p[0] - mx) ** 2 for p in pts)
-    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else math.nan
-
-
-def _parse_d(name: object) -> int:
-    return int(str(name).lstrip("d"))
-
-
-def results_table(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
-    """(d, T) x {forward ms, backward ms, memory before backward MiB}: means, or the failure note."""
-    from cs336_systems.measure.results import latest_run
-
-    metrics = {
-        "forward_time": "forward (ms)",
-        "backward_time": "backward (ms)",
-        "memory_before_backward": "memory before backward (MiB)",
-    }
-    t = latest_run(df[(df.impl == impl) & df.metric.isin(list(metrics))])
-    if t.empty:
-        return pd.DataFrame()
-    value = t.apply(
-        lambda r: (
-            r["note"]
-            if r["note"] and r["n"] == 0
-            else (f"{r['mean']:.3g}" if r["unit"] == "ms" else f"{r['mean']:,.0f}")
-        ),
-        axis=1,
-    )
-    t = t.assign(
-        d=t["name"].map(_parse_d), T=t["x_value"].astype(int), value=value, metric=t["metric"].map(metrics)
-    )
-    out = t.pivot_table(index=["d", "T"], columns="metric", values="value", aggfunc="last")
-    return out[[m for m in metrics.values() if m in out.columns]]
-
-
-def memory_vs_accounting(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
-    """Memory of the forward graph (output O + what autograd saved; allocated after the forward minus
-    allocated before it) next to `attention_memory_accounting`'s prediction, in MiB."""
-    from cs336_systems.measure.results import latest_run
-
-    t = latest_run(df[(df.impl == impl) & (df.metric == "memory_forward_graph") & (df.note == "")])
-    rows = []
-    for r in t.itertuples():
-        cfg = json.loads(r.config_json) if isinstance(r.config_json, str) else {}
-        b, d, n = cfg.get("batch_size", BATCH_SIZE), _parse_d(r.name), int(r.x_value)
-        acc = attention_memory_accounting(b, n, d)
-        rows.append({"d": d, "T": n, "measured_MiB": r.mean,
-                     "predicted_MiB": (acc["saved_for_backward"] + acc["output O"]) / MIB,
-                     "saved_T2_MiB": 3 * b * n * n * 4 / MIB})  # fmt: skip
-    return pd.DataFrame(rows).sort_values(["d", "T"]).reset_index(drop=True) if rows else pd.DataFrame()
-
-
-def plot_scaling(df: pd.DataFrame, impl: str = "naive"):
-    """Two panels against T (log-log): forward/backward time per d; memory of the forward graph (saved
-    for backward + output), measured (markers) against `attention_memory_accounting` (lines)."""
-    import matplotlib.pyplot as plt
-
-    from cs336_systems.measure.results import latest_run
-
-    t = latest_run(df[(df.impl == impl) & (df.note == "")])
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9.0, 3.4))
-    ds = sorted({_parse_d(n) for n in t["name"]})
-    colors = plt.get_cmap("viridis")([i / max(len(ds) - 1, 1) * 0.85 for i in range(len(ds))])
-    for d, c in zip(ds, colors):
-        sel = t[t["name"] == f"d{d}"]
-        for metric, style in (("forward_time", "-"), ("backward_time", "--")):
-            s = sel[sel.metric == metric].sort_values("x_value")
-            ax_t.plot(
-                s.x_value,
-                s["mean"],
-                style,
-                marker="o",
-                color=c,
-                label=f"d={d}" if metric == "forward_time" else None,
-            )
-        m = sel[sel.metric == "memory_forward_graph"].sort_values("x_value")
-        if len(m):
-            ax_m.plot(m.x_value, m["mean"], "o", color=c, label=f"d={d} measured")
-            accs = [attention_memory_accounting(BATCH_SIZE, int(n), d) for n in m.x_value]
-            pred = [(a["saved_for_backward"] + a["output O"]) / MIB for a in accs]
-            ax_m.plot(m.x_value, pred, "-", color=c, alpha=0.6)
-    for ax in (ax_t, ax_m):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length T")
-    ax_t.set_ylabel("ms per pass (solid: forward, dashed: backward)")
-    ax_m.set_ylabel("saved for backward + output (MiB)")
-    ax_t.legend(fontsize=8)
-    if ax_m.lines:
-        ax_m.legend(fontsize=7, title="lines: accounting", title_fontsize=7)
-    fig.tight_layout()
-    return fig

@@ -30,14 +30,23 @@ def flash_section() -> str:
     if final.empty:
         return ""
     rows = [
-        {"implementation": name, "fwd+bwd median (ms), median of runs": f"{final[col].median():.3f}",
-         "range over runs (ms)": f"{final[col].min():.3f} - {final[col].max():.3f}",
-         "vs SDPA flash (median of runs)": f"{(final[col] / final['sdpa_flash ms']).median():.3f}x"}
-        for name, col in (("flash_triton (ours)", "ours ms"), ("sdpa_flash", "sdpa_flash ms"), ("sdpa_cudnn", "sdpa_cudnn ms"))
-    ]  # fmt: skip
-    return (f"**FlashAttention-2 leaderboard protocol** (bf16, causal, 16 x 16384 x 64, `torch.compile(apply)`, "
-            f"fwd + bwd, do_bench(rep=10000) median; {len(final)} runs of the final kernels on the "
-            f"{', '.join(sorted(final['gpu'].unique()))}):\n\n" + pd.DataFrame(rows).to_markdown(index=False))  # fmt: skip
+        {
+            "implementation": name,
+            "fwd+bwd median (ms), median of runs": f"{final[col].median():.3f}",
+            "range over runs (ms)": f"{final[col].min():.3f} - {final[col].max():.3f}",
+            "vs SDPA flash (median of runs)": f"{(final[col] / final['sdpa_flash ms']).median():.3f}x",
+        }
+        for name, col in (
+            ("flash_triton (ours)", "ours ms"),
+            ("sdpa_flash", "sdpa_flash ms"),
+            ("sdpa_cudnn", "sdpa_cudnn ms"),
+        )
+    ]
+    return (
+        f"**FlashAttention-2 leaderboard protocol** (bf16, causal, 16 x 16384 x 64, `torch.compile(apply)`, "
+        f"fwd + bwd, do_bench(rep=10000) median; {len(final)} runs of the final kernels on the "
+        f"{', '.join(sorted(final['gpu'].unique()))}):\n\n" + pd.DataFrame(rows).to_markdown(index=False)
+    )
 
 
 def end_to_end_section() -> str:
@@ -57,8 +66,10 @@ def end_to_end_section() -> str:
     order = [s for s in ("small", "medium", "large", "xl", "2.7B") if s in table.index]
     table = table.loc[order].map(lambda v: "OOM/n.a." if pd.isna(v) else f"{v:.1f}")
     ctx = int(fp32["x_value"].astype(float).iloc[0])
-    return (f"**End-to-end step time, ms** (batch 4, context {ctx}, fp32 unless noted, mean of 10 steps after 5 "
-            f"warm-up; {_device(fp32)}):\n\n" + table.reset_index().to_markdown(index=False))  # fmt: skip
+    return (
+        f"**End-to-end step time, ms** (batch 4, context {ctx}, fp32 unless noted, mean of 10 steps after 5 "
+        f"warm-up; {_device(fp32)}):\n\n" + table.reset_index().to_markdown(index=False)
+    )
 
 
 def ddp_section() -> str:
@@ -76,8 +87,10 @@ def ddp_section() -> str:
     out = out.map(
         lambda v: f"{v:.1f}" if isinstance(v, float) and not pd.isna(v) else ("" if pd.isna(v) else v)
     )
-    return (f"**DDP training step, 2025 XL model, 2 GPUs** (global batch 8, context 512, fp32, NCCL; comm = "
-            f"exposed gradient communication; {_device(df)}):\n\n" + out.to_markdown(index=False))  # fmt: skip
+    return (
+        f"**DDP training step, 2025 XL model, 2 GPUs** (global batch 8, context 512, fp32, NCCL; comm = "
+        f"exposed gradient communication; {_device(df)}):\n\n" + out.to_markdown(index=False)
+    )
 
 
 def build() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
 import matplotlib.ticker as mticker
@@ -44,12 +45,21 @@ def timing_stats(df: pd.DataFrame, *, x_name: str = "context_length") -> pd.Data
         )
     d = latest_run(df, KEYS)
     d = d[(d.x_name == x_name) & d.metric.str.endswith("_time")]
-    return pd.DataFrame({
-        "size": d["name"], "mode": d["mode"], "dtype": d["dtype"], "metric": d["metric"], "x": d["x_value"],
-        "mean": d["mean"], "std": d["std"], "cv": d["std"] / d["mean"], "n": d["n"],
-        "samples": d["samples"].map(lambda s: json.loads(s) if isinstance(s, str) and s else []),
-        "note": d["note"],
-    }).reset_index(drop=True)  # fmt: skip
+    return pd.DataFrame(
+        {
+            "size": d["name"],
+            "mode": d["mode"],
+            "dtype": d["dtype"],
+            "metric": d["metric"],
+            "x": d["x_value"],
+            "mean": d["mean"],
+            "std": d["std"],
+            "cv": d["std"] / d["mean"],
+            "n": d["n"],
+            "samples": d["samples"].map(lambda s: json.loads(s) if isinstance(s, str) and s else []),
+            "note": d["note"],
+        }
+    ).reset_index(drop=True)
 
 
 def _cell(r) -> str:
@@ -92,11 +102,16 @@ def ablation_steps(df: pd.DataFrame, bench_warmup: int = 5) -> pd.DataFrame:
 def ablation_table(steps: pd.DataFrame) -> pd.DataFrame:
     """Per (size, warm-up steps): first measured step, median of the others, their ratio, mean and std."""
     g = steps.groupby(["size", "warmup"])
-    t = pd.DataFrame({
-        "first step (ms)": g.apply(lambda x: x.sort_values("step").ms.iloc[0], include_groups=False),
-        "median of the rest (ms)": g.apply(lambda x: x.sort_values("step").ms.iloc[1:].median(), include_groups=False),
-        "mean (ms)": g.ms.mean(), "std (ms)": g.ms.std(ddof=0),
-    })  # fmt: skip
+    t = pd.DataFrame(
+        {
+            "first step (ms)": g.apply(lambda x: x.sort_values("step").ms.iloc[0], include_groups=False),
+            "median of the rest (ms)": g.apply(
+                lambda x: x.sort_values("step").ms.iloc[1:].median(), include_groups=False
+            ),
+            "mean (ms)": g.ms.mean(),
+            "std (ms)": g.ms.std(ddof=0),
+        }
+    )
     t["first / rest"] = t["first step (ms)"] / t["median of the rest (ms)"]
     return t.reindex(order_sizes(t.index.get_level_values(0)), level=0)
 
@@ -129,9 +144,13 @@ def plot_ablation(steps: pd.DataFrame):
 
 def mixed_table(stats: pd.DataFrame) -> pd.DataFrame:
     """Per size: fp32 and bf16-autocast mean times (ms) of each phase, and the speed-up fp32 / bf16."""
-    cols = [("forward", "forward_time", "forward (no_grad)"), ("train", "forward_time", "forward"),
-            ("train", "backward_time", "backward"), ("train", "optimizer_time", "optimizer step"),
-            ("train", "step_time", "train step")]  # fmt: skip
+    cols = [
+        ("forward", "forward_time", "forward (no_grad)"),
+        ("train", "forward_time", "forward"),
+        ("train", "backward_time", "backward"),
+        ("train", "optimizer_time", "optimizer step"),
+        ("train", "step_time", "train step"),
+    ]
     out = {}
     for mode, metric, label in cols:
         sel = stats[(stats["mode"] == mode) & (stats.metric == metric) & (stats.note == "")]
@@ -149,8 +168,13 @@ def plot_mixed(table: pd.DataFrame):
     width = 0.8 / max(len(phases), 1)
     x = np.arange(len(table.index))
     for i, phase in enumerate(phases):
-        ax.bar(x + (i - (len(phases) - 1) / 2) * width, table[(phase, "speed-up")], width, label=phase,
-               color=plt.cm.tab10(i))  # fmt: skip
+        ax.bar(
+            x + (i - (len(phases) - 1) / 2) * width,
+            table[(phase, "speed-up")],
+            width,
+            label=phase,
+            color=plt.cm.tab10(i),
+        )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(x, table.index)
     ax.set_ylabel("fp32 time / bf16-autocast time")
@@ -166,8 +190,11 @@ def dtype_frame(df: pd.DataFrame) -> pd.DataFrame:
     t = pd.DataFrame({"quantity": d["mode"].values, "dtype": d["dtype"].values})
     if len(d):
         cfg = json.loads(d["config_json"].iloc[0])
-        t.attrs.update(device=cfg.get("device", ""), autocast_dtype=cfg.get("autocast_dtype", ""),
-                       gpu_name=d["gpu_name"].iloc[0])  # fmt: skip
+        t.attrs.update(
+            device=cfg.get("device", ""),
+            autocast_dtype=cfg.get("autocast_dtype", ""),
+            gpu_name=d["gpu_name"].iloc[0],
+        )
     return t
 
 
@@ -194,5 +221,83 @@ def plot_class_shares(f: pd.DataFrame, context_length: int):
     return fig
 
 
-__all__ = ["ablation_steps", "ablation_table", "dtype_frame", "mixed_table", "order_sizes", "plot_ablation",
-           "plot_class_shares", "plot_mixed", "timing_stats", "timing_table"]  # fmt: skip
+__all__ = [
+    "ablation_steps",
+    "ablation_table",
+    "dtype_frame",
+    "mixed_table",
+    "order_sizes",
+    "plot_ablation",
+    "plot_class_shares",
+    "plot_mixed",
+    "timing_stats",
+    "timing_table",
+]
+
+
+def facts(df: pd.DataFrame, *, context_length: int, warmup: int) -> dict[str, Any]:
+    """The numbers the benchmarking_script answers state. `"timing"` (b): forward and backward times,
+    their ratio, and the spread (std / mean) of every phase at `context_length`; `"ablation"` (c): the
+    first measured step against the others per number of warm-up steps (`warmup` is the (b) grid's, the
+    fully warmed-up reference). Each part is absent when `df` has no rows for it."""
+    out: dict[str, Any] = {}
+    stats = timing_stats(df)
+    stats = stats[stats.x == context_length]
+    done = stats[stats.note == ""]
+    ok = done[done["mode"] == "forward_backward"]
+    if len(ok):
+        fwd = ok[ok.metric == "forward_time"].set_index("size")["mean"]
+        bwd = ok[ok.metric == "backward_time"].set_index("size")["mean"]
+        sizes = [s for s in SIZE_ORDER if s in fwd.index]
+        ratio = (bwd / fwd).reindex(sizes)
+        by_phase = done.set_index(["size", "mode", "metric"])
+        cv, short = by_phase.cv, by_phase["mean"] < 100  # ms: a "short" phase
+        worst = cv.idxmax()
+        failed = stats[stats.note != ""].drop_duplicates("size")
+        out["timing"] = {
+            "sizes": sizes,
+            "forward_first_ms": fwd[sizes[0]],
+            "forward_last_ms": fwd[sizes[-1]],
+            "backward_first_ms": bwd[sizes[0]],
+            "backward_last_ms": bwd[sizes[-1]],
+            "backward_over_forward_min": ratio.min(),
+            "backward_over_forward_max": ratio.max(),
+            "cv_max": cv.max(),
+            "cv_max_at": {"size": worst[0], "mode": worst[1], "phase": worst[2].replace("_time", "")},
+            "cv_median": cv.median(),
+            # the spread of phases below / above 100 ms, when both kinds exist and the spread is notable
+            "cv_split": (
+                {"short_max": cv[short].max(), "long_max": cv[~short].max()}
+                if cv.max() >= 0.05 and short.any() and (~short).any()
+                else None
+            ),
+            "failed": [(r.size, r.note) for r in failed.itertuples()],
+        }
+    steps = ablation_steps(df, bench_warmup=warmup)
+    if len(steps):
+        t = ablation_table(steps)
+        cold = t.index.get_level_values("size")[0]
+        ratio = t["first / rest"]
+        opt = timing_stats(df, x_name="warmup")
+        opt = (
+            opt[(opt.metric == "optimizer_time") & (opt.x == 0) & (opt.note == "")].set_index("size").samples
+        )
+        opt_ratio = [v[0] / (sum(v[1:]) / max(len(v) - 1, 1)) for v in opt if len(v) > 1]
+
+        def row(warm: int) -> dict[str, float] | None:
+            if (cold, warm) not in t.index:
+                return None
+            r = t.loc[(cold, warm)]
+            return {"first_ms": r["first step (ms)"], "mean_ms": r["mean (ms)"], "std_ms": r["std (ms)"]}
+
+        later = [s for s in dict.fromkeys(t.index.get_level_values("size")) if s != cold]
+        out["ablation"] = {
+            "cold_size": cold,
+            "cold": row(0),
+            "warmed": row(warmup),
+            "first_over_rest": {w: ratio.get((cold, w), float("nan")) for w in (0, 1, 2)},
+            "later_first_over_rest": [(s, ratio[(s, 0)]) for s in later if (s, 0) in ratio.index],
+            "later_sizes": later,
+            "optimizer_first_over_rest_max": max(opt_ratio) if opt_ratio else None,
+        }
+    return out

@@ -26,6 +26,7 @@ failure/skip note) and the timeline PNG.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -48,7 +49,7 @@ from cs336_systems.measure.results import REPO_ROOT, append_rows, failure_row, l
 from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.model import SIZES_2025, get_config
 from cs336_systems.studies import autocast_study, profile
-from cs336_systems.studies.end_to_end import MODES, PHASES, EndToEndConfig, grid, run_one
+from cs336_systems.studies.end_to_end import MODES, PHASES, EndToEndConfig, grid, row_fields, run_one
 
 BENCH = "benchmarking_script"
 MIXED = autocast_study.PROBLEM
@@ -87,9 +88,18 @@ class Plan:
 def make_plan(quick: bool = False, **overrides: Any) -> Plan:
     """The GPU plan, or with quick=True the debug model on the CPU with short protocols."""
     if quick:
-        base = dict(sizes=("debug",), context_length=64, warmup=1, steps=3, ablation_sizes=("debug",),
-                    ablation_fresh_process=False, profile_contexts=(32, 64), trace_size="debug", trace_context=64,
-                    device="cpu")  # fmt: skip
+        base = dict(
+            sizes=("debug",),
+            context_length=64,
+            warmup=1,
+            steps=3,
+            ablation_sizes=("debug",),
+            ablation_fresh_process=False,
+            profile_contexts=(32, 64),
+            trace_size="debug",
+            trace_context=64,
+            device="cpu",
+        )
         overrides = {**base, **overrides}
     return Plan(**overrides)
 
@@ -110,8 +120,7 @@ def predicted_seconds(
 
 
 def _skipped_rows(cfg: EndToEndConfig, problem: str, note: str) -> list[dict[str, Any]]:
-    common = dict(problem=problem, name=cfg.size, impl=cfg.impl_label, mode=cfg.mode, dtype=cfg.dtype_label,
-                  x_name=cfg.x_axis, x_value=getattr(cfg, cfg.x_axis), config=dataclasses.asdict(cfg))  # fmt: skip
+    common = row_fields(cfg, problem, config=dataclasses.asdict(cfg))
     return [failure_row(metric=f"{p}_time", unit="ms", note=note, **common) for p in PHASES[cfg.mode]]
 
 
@@ -144,8 +153,14 @@ def run_toy_dtypes(plan: Plan, results_dir=None) -> pd.DataFrame:
 
 def run_benchmarking_script(plan: Plan, results_dir=None, budget: TimeBudget | None = None) -> list[dict]:
     """Stage 2: every size x mode at plan.context_length, plan.warmup + plan.steps."""
-    configs = grid(size=list(plan.sizes), context_length=plan.context_length, mode=list(MODES),
-                   warmup=plan.warmup, steps=plan.steps, device=plan.device)  # fmt: skip
+    configs = grid(
+        size=list(plan.sizes),
+        context_length=plan.context_length,
+        mode=list(MODES),
+        warmup=plan.warmup,
+        steps=plan.steps,
+        device=plan.device,
+    )
     return _budgeted_sweep(configs, BENCH, results_dir, budget or TimeBudget())
 
 
@@ -166,8 +181,14 @@ def run_mixed_precision(
         autocasts = ["bf16"]
     else:
         autocasts = ["none", "bf16"]
-    configs = autocast_study.timing_configs(plan.sizes, context_length=plan.context_length, autocast=autocasts,
-                                            warmup=plan.warmup, steps=plan.steps, device=plan.device)  # fmt: skip
+    configs = autocast_study.timing_configs(
+        plan.sizes,
+        context_length=plan.context_length,
+        autocast=autocasts,
+        warmup=plan.warmup,
+        steps=plan.steps,
+        device=plan.device,
+    )
     rows.extend(_budgeted_sweep(configs, MIXED, results_dir, budget))
     return rows
 
@@ -185,8 +206,18 @@ def run_warmup_ablation(plan: Plan, results_dir=None, budget: TimeBudget | None 
         torch.cuda.empty_cache()  # the child gets the memory this process cached
     written = []
     for w in tqdm(plan.ablation_warmups, desc="warm-up ablation"):
-        cfgs = [EndToEndConfig(size=s, context_length=plan.context_length, mode="train", warmup=w, steps=plan.steps,
-                               device=plan.device, x_axis="warmup") for s in plan.ablation_sizes]  # fmt: skip
+        cfgs = [
+            EndToEndConfig(
+                size=s,
+                context_length=plan.context_length,
+                mode="train",
+                warmup=w,
+                steps=plan.steps,
+                device=plan.device,
+                x_axis="warmup",
+            )
+            for s in plan.ablation_sizes
+        ]
         if not plan.ablation_fresh_process:
             written.extend(_budgeted_sweep(cfgs, BENCH, results_dir, budget, progress=False))
             continue
@@ -195,14 +226,39 @@ def run_warmup_ablation(plan: Plan, results_dir=None, budget: TimeBudget | None 
         )
         reason = budget.skip_reason(est)
         if reason is None:
-            cmd = [sys.executable, "-m", "cs336_systems.studies.end_to_end", "--size", *plan.ablation_sizes,
-                   "--context-length", str(plan.context_length), "--mode", "train", "--warmup", str(w),
-                   "--steps", str(plan.steps), "--x-axis", "warmup", "--problem", BENCH, "--results-dir", results,
-                   "--device", plan.device]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "cs336_systems.studies.end_to_end",
+                "--size",
+                *plan.ablation_sizes,
+                "--context-length",
+                str(plan.context_length),
+                "--mode",
+                "train",
+                "--warmup",
+                str(w),
+                "--steps",
+                str(plan.steps),
+                "--x-axis",
+                "warmup",
+                "--problem",
+                BENCH,
+                "--results-dir",
+                results,
+                "--device",
+                plan.device,
+            ]
             env = {**os.environ, "CS336_GIT_SHA": os.environ.get("CS336_GIT_SHA", _git_sha())}
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT,
-                                      timeout=budget.subprocess_timeout())  # fmt: skip
+                proc = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    cwd=REPO_ROOT,
+                    timeout=budget.subprocess_timeout(),
+                )
                 reason = (
                     None
                     if proc.returncode == 0
@@ -238,11 +294,17 @@ def run_profiling(
     results = default_results_dir(results_dir)
     trace_path = results / plan.trace_name
     rows = []
-    configs = [profile.ProfileConfig(size=s, context_length=c, warmup=plan.profile_warmup, steps=plan.profile_steps,
-                                     device=plan.device) for c in plan.profile_contexts for s in plan.sizes]  # fmt: skip
+    configs = [
+        profile.ProfileConfig(
+            size=s, context_length=c, warmup=plan.profile_warmup, steps=plan.profile_steps, device=plan.device
+        )
+        for c in plan.profile_contexts
+        for s in plan.sizes
+    ]
     for cfg in tqdm(configs, desc=PROFILE):
-        est = 3.0 + predicted_seconds(cfg.size, cfg.context_length, "train", "none", cfg.warmup + cfg.steps + 0.4,
-                                      cfg.device)  # fmt: skip
+        est = 3.0 + predicted_seconds(
+            cfg.size, cfg.context_length, "train", "none", cfg.warmup + cfg.steps + 0.4, cfg.device
+        )
         reason = budget.skip_reason(est)
         if reason:
             r = profile.failure_rows(cfg, reason)
@@ -281,14 +343,27 @@ def _git_sha() -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
+def gpu_run_parser(
+    doc: str, *, example: str, out: dict[str, Any], quick_help: str, budget: tuple[str, float, str]
+) -> argparse.ArgumentParser:
+    """The options every GPU-session script has: `--out` (add_argument keywords), `--quick` and a
+    wall-clock budget `(flag, default seconds, help)`; the description is the module docstring's
+    first paragraph and `example` is shown in the help."""
+    p = cli.make_parser(doc, example)
+    p.add_argument("--out", **out)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    flag, default, budget_help = budget
+    p.add_argument(flag, type=float, default=default, help=budget_help)
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.timing_gpu_run --out /tmp/s1a --quick")
-    p.add_argument("--out", required=True, help="directory for summary.json and the timeline PNG")
-    p.add_argument(
-        "--quick", action="store_true", help="debug model on the CPU, short protocols (a smoke run)"
-    )
-    p.add_argument(
-        "--budget-s", type=float, default=285.0, help="wall-clock budget of the whole run (seconds)"
+    p = gpu_run_parser(
+        __doc__,
+        example="python -m cs336_systems.studies.timing_gpu_run --out /tmp/s1a --quick",
+        out={"required": True, "help": "directory for summary.json and the timeline PNG"},
+        quick_help="debug model on the CPU, short protocols (a smoke run)",
+        budget=("--budget-s", 285.0, "wall-clock budget of the whole run (seconds)"),
     )
     p.add_argument(
         "--results-dir",
@@ -296,8 +371,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         metavar="DIR",
         help="where result rows go (default: $CS336_RESULTS_DIR, else figures/data/; quick: <out>/results)",
     )
-    p.add_argument("--stages", nargs="+", default=["toy", "bench", "mixed", "ablation", "profile"],
-                   choices=["toy", "bench", "mixed", "ablation", "profile"], help="stages to run, in this order")  # fmt: skip
+    p.add_argument(
+        "--stages",
+        nargs="+",
+        default=["toy", "bench", "mixed", "ablation", "profile"],
+        choices=["toy", "bench", "mixed", "ablation", "profile"],
+        help="stages to run, in this order",
+    )
     args = p.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
         p.error("no CUDA device: this run is meant for a GPU host (use --quick for a CPU smoke run)")
@@ -315,8 +395,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(
         "plan:", json.dumps(dataclasses.asdict(plan)), "| results:", results, "| budget:", args.budget_s, "s"
     )
-    summary: dict[str, Any] = {"plan": dataclasses.asdict(plan), "results_dir": results, "budget_s": args.budget_s,
-                               "stages": {}}  # fmt: skip
+    summary: dict[str, Any] = {
+        "plan": dataclasses.asdict(plan),
+        "results_dir": results,
+        "budget_s": args.budget_s,
+        "stages": {},
+    }
     bench_rows = None
     for stage in ["toy", "bench", "mixed", "ablation", "profile"]:
         if stage not in args.stages:
@@ -339,8 +423,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for problem in (BENCH, MIXED, PROFILE):
         df = load_results(problem, results)
         df = df[df.timestamp >= started]  # this run's rows only
-        notes[problem] = {"rows": len(df), "failures": df.loc[df.note != "", ["name", "mode", "x_value", "note"]]
-                          .drop_duplicates().astype(str).values.tolist()}  # fmt: skip
+        notes[problem] = {
+            "rows": len(df),
+            "failures": df.loc[df.note != "", ["name", "mode", "x_value", "note"]]
+            .drop_duplicates()
+            .astype(str)
+            .values.tolist(),
+        }
     summary["results"] = notes
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: summary[k] for k in ("stages", "total_s")}))

@@ -29,9 +29,9 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pandas as pd
 import torch
@@ -55,6 +55,9 @@ from cs336_systems.training.fused_adamw import mixed_precision_groups
 
 PROBLEM = "training_step"
 PHASES = ("forward", "backward", "optimizer")
+# the command-line options recorded as each context length's run config
+RUN_CONFIG_KEYS = ("size", "batch_size", "rounds", "steps", "warmup", "compile", "attention")
+PARTS = ("bandwidth", "check", "compare", "waterfall")
 
 STAGES: list[tuple[str, dict]] = [
     ("handout fp32", {}),
@@ -166,34 +169,36 @@ def bandwidth_rows(cfg: ModelConfig, device, run_cfg: dict) -> list[dict]:
     numel = sum(p.numel() for p in model.parameters())
     adamw_ms = kernel_time(opt.step, device=device)["p50"]
     rows = []
+    bandwidth = {"problem": PROBLEM, "name": "bandwidth", "metric": "bandwidth", "unit": "GB/s"}
     for impl, ms, nbytes in [("copy", copy_ms, 2 * 4 * n), ("fused_adamw", adamw_ms, 28 * numel)]:
-        rows.append(
-            make_row(
-                problem=PROBLEM, name="bandwidth", impl=impl, metric="bandwidth", unit="GB/s",
-                value=nbytes / (ms * 1e-3) / 1e9, config=run_cfg | {"bytes": nbytes, "ms": ms, "blocks": blocks},
-            )
-        )  # fmt: skip
+        config = run_cfg | {"bytes": nbytes, "ms": ms, "blocks": blocks}
+        rows.append(make_row(impl=impl, value=nbytes / (ms * 1e-3) / 1e9, config=config, **bandwidth))
     return rows
 
 
+def _at_context(run_cfg: dict) -> dict[str, Any]:
+    """Row keywords of this run: the problem, its context length as the x axis, and `run_cfg` as config."""
+    at = {"x_name": "context_length", "x_value": run_cfg["context_length"]}
+    return {"problem": PROBLEM, "config": run_cfg, **at}
+
+
+def _step_failure(name: str, impl: str, note: str, run_cfg: dict) -> dict[str, Any]:
+    """The row of a path whose step could not run (an OOM or an error); the other paths go on."""
+    return failure_row(name=name, impl=impl, metric="step_ms", unit="ms", note=note, **_at_context(run_cfg))
+
+
 def _rows_for_path(path: str, name: str, times: list[dict], extra: dict, run_cfg: dict) -> list[dict]:
-    rows = []
-    for metric in ("step", *PHASES):
-        rows.append(
-            make_row(
-                problem=PROBLEM, name=name, impl=path, mode="train", dtype="bf16", x_name="context_length",
-                x_value=run_cfg["context_length"], metric=f"{metric}_ms", unit="ms",
-                samples=[t[metric] for t in times], config=run_cfg | extra,
-            )
-        )  # fmt: skip
-    for metric, (unit, value) in extra.items():
-        if isinstance(value, float | int):
-            rows.append(
-                make_row(
-                    problem=PROBLEM, name=name, impl=path, mode="train", dtype="bf16", x_name="context_length",
-                    x_value=run_cfg["context_length"], metric=metric, unit=unit, value=value, config=run_cfg,
-                )
-            )  # fmt: skip
+    train = {"name": name, "impl": path, "mode": "train", "dtype": "bf16"}
+    timed = [(f"{m}_ms", [t[m] for t in times]) for m in ("step", *PHASES)]
+    rows = [
+        make_row(metric=metric, unit="ms", samples=samples, **train, **_at_context(run_cfg | extra))
+        for metric, samples in timed
+    ]
+    rows += [
+        make_row(metric=metric, unit=unit, value=value, **train, **_at_context(run_cfg))
+        for metric, (unit, value) in extra.items()
+        if isinstance(value, float | int)
+    ]
     return rows
 
 
@@ -249,9 +254,7 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
     rows = []
 
     def failed(path: str, note: str) -> None:  # an OOM or error is a row, and the other paths go on
-        rows.append(failure_row(problem=PROBLEM, name="compare", impl=path, metric="step_ms", unit="ms",
-                                note=note, x_name="context_length", x_value=run_cfg["context_length"],
-                                config=run_cfg))  # fmt: skip
+        rows.append(_step_failure("compare", path, note, run_cfg))
         steps.pop(path, None)
         gc.collect()
         if torch.cuda.is_available():
@@ -312,13 +315,12 @@ def waterfall(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches) -> li
                 timed_step(step, *batches[i % len(batches)])
             marks = [timed_step(step, *batches[i % len(batches)])[1] for i in range(args.steps)]
             synchronize()
-            rows += _rows_for_path(label, "waterfall", [phase_ms(m) for m in marks],
-                                   {"first_step_s": ("s", first)}, run_cfg | {"stage": stage})  # fmt: skip
+            extra = {"first_step_s": ("s", first)}
+            times = [phase_ms(m) for m in marks]
+            rows += _rows_for_path(label, "waterfall", times, extra, run_cfg | {"stage": stage})
             del step
         if outcome:
-            rows.append(failure_row(problem=PROBLEM, name="waterfall", impl=label, metric="step_ms", unit="ms",
-                                    note=outcome["note"], x_name="context_length",
-                                    x_value=run_cfg["context_length"], config=run_cfg | {"stage": stage}))  # fmt: skip
+            rows.append(_step_failure("waterfall", label, outcome["note"], run_cfg | {"stage": stage}))
         torch._dynamo.reset()  # compiled code must not keep the stage's model alive
         gc.collect()
         if torch.cuda.is_available():
@@ -329,22 +331,21 @@ def waterfall(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches) -> li
 def check(cfg: ModelConfig, args, state: dict, batches, num_steps: int = 20) -> list[dict]:
     """Loss of each of `num_steps` steps: ours vs the plain reference step (reference AdamW, no fusions)."""
     attention = "sdpa" if not torch.cuda.is_available() else args.attention
+    optimizer = {"lr": args.lr, "weight_decay": args.weight_decay}
     configs = {
-        "reference": TrainStepConfig(autocast=True, attention="sdpa", lr=args.lr, weight_decay=args.weight_decay),
+        "reference": TrainStepConfig(autocast=True, attention="sdpa", **optimizer),
         "ours": dataclasses.replace(ours_config(args), attention=attention),
-    }  # fmt: skip
+    }
+    loss = {"problem": PROBLEM, "name": "check", "mode": "train", "dtype": "bf16", "metric": "loss"}
+    check_config = {"size": args.size_name, "context_length": cfg.context_length}
+    loss |= {"x_name": "step", "unit": "nats", "config": check_config}
     rows = []
     for name, tc in configs.items():
         model = BasicsTransformerLM.from_config(cfg, device=args.device)
         model.load_state_dict(state)
         step = build_train_step(model, tc)
         losses = [step(*batches[i % len(batches)]).item() for i in range(num_steps)]
-        rows += [
-            make_row(problem=PROBLEM, name="check", impl=name, mode="train", dtype="bf16", x_name="step",
-                     x_value=i + 1, metric="loss", unit="nats", value=v,
-                     config={"size": args.size_name, "context_length": cfg.context_length})
-            for i, v in enumerate(losses)
-        ]  # fmt: skip
+        rows += [make_row(impl=name, x_value=i + 1, value=v, **loss) for i, v in enumerate(losses)]
         del step, model
         gc.collect()
     return rows
@@ -354,13 +355,12 @@ def run(args) -> pd.DataFrame:
     rows: list[dict] = []
     device = torch.device(args.device)
     peak = matmul_peak(device)
-    rows.append(make_row(problem=PROBLEM, name="matmul_peak", impl="torch.mm", dtype="bf16",
-                         metric="tflops", unit="TFLOP/s", value=peak / 1e12))  # fmt: skip
+    matmul = {"problem": PROBLEM, "name": "matmul_peak", "impl": "torch.mm", "dtype": "bf16"}
+    rows.append(make_row(metric="tflops", unit="TFLOP/s", value=peak / 1e12, **matmul))
     for ctx in args.context_length:
         cfg = MODEL_SIZES[args.size].replace(context_length=ctx)
-        run_cfg = dict(ours=dataclasses.asdict(ours_config(args)),
-                       size=args.size, context_length=ctx, batch_size=args.batch_size, rounds=args.rounds,
-                       steps=args.steps, warmup=args.warmup, compile=args.compile, attention=args.attention)  # fmt: skip
+        run_cfg = {key: getattr(args, key) for key in RUN_CONFIG_KEYS} | {"context_length": ctx}
+        run_cfg["ours"] = dataclasses.asdict(ours_config(args))
         torch.manual_seed(0)
         state = {
             k: v.detach().cpu()
@@ -393,74 +393,6 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     return t.pivot_table(index=["name", "impl"], columns="x_value", values="p50", sort=False)
 
 
-def waterfall_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Median step and phase times (ms) of each waterfall stage, in the order they were added."""
-    w = df[
-        (df.name == "waterfall") & df.metric.isin(["step_ms", "forward_ms", "backward_ms", "optimizer_ms"])
-    ]
-    order = [label for label, _ in STAGES]
-    t = w.pivot_table(index="impl", columns="metric", values="p50", aggfunc="last")
-    t = t.reindex([o for o in order if o in t.index])
-    notes = df[(df.name == "waterfall") & (df.note.fillna("") != "")].set_index("impl")["note"]
-    t["note"] = [notes.get(i, "") for i in t.index]
-    return t[["step_ms", "forward_ms", "backward_ms", "optimizer_ms", "note"]]
-
-
-def plot_waterfall(df: pd.DataFrame, ax=None):
-    """Horizontal bars: step time per waterfall stage, with the stock step as a vertical line."""
-    import matplotlib.pyplot as plt
-
-    t = waterfall_table(df)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 0.45 * len(t) + 1.2))
-    ax.barh(t.index[::-1], t["step_ms"][::-1], color="#4c72b0")
-    for y, v in enumerate(t["step_ms"][::-1]):
-        ax.text(v, y, f" {v:.0f}", va="center", fontsize=8)
-    stock = df[(df.name == "compare") & (df.impl == "stock") & (df.metric == "step_ms")]
-    for ctx, g in stock.groupby("x_value"):
-        if ctx in set(df[df.name == "waterfall"].x_value):
-            ax.axvline(
-                g.p50.iloc[-1],
-                color="#c44e52",
-                ls="--",
-                label=f"stock PyTorch step ({g.p50.iloc[-1]:.0f} ms)",
-            )
-    ax.set_xscale("log")
-    ax.set_xlabel("median step time (ms, log scale)")
-    ax.legend(loc="lower right")
-    return ax.figure
-
-
-def facts(df: pd.DataFrame) -> dict:
-    """The numbers the training-step answer quotes, from the latest run's rows."""
-    out: dict = {}
-    if not df.empty and "bandwidth" in set(df.name):
-        bw = df[df.name == "bandwidth"].groupby("impl").p50.last()
-        out["copy_gbs"], out["adamw_gbs"] = bw.get("copy"), bw.get("fused_adamw")
-        out["adamw_fraction_of_copy"] = out["adamw_gbs"] / out["copy_gbs"]
-    if not df.empty and "matmul_peak" in set(df.name):
-        out["matmul_tflops"] = df[df.name == "matmul_peak"].p50.iloc[-1]
-    if not df.empty and "waterfall" in set(df.name):
-        out["waterfall"] = waterfall_table(df)["step_ms"].to_dict()
-    if not df.empty and "check" in set(df.name):
-        c = df[df.name == "check"].pivot_table(index="x_value", columns="impl", values="p50", aggfunc="last")
-        out["check_max_loss_diff"] = float((c["ours"] - c["reference"]).abs().max())
-        out["check_steps"] = len(c)
-    cmp = df[(df.name == "compare")]
-    for ctx, g in cmp.groupby("x_value"):
-        get = {(r.impl, r.metric): r.p50 for r in g.itertuples()}
-        if ("stock", "step_ms") in get and ("ours", "step_ms") in get:
-            out[int(ctx)] = {
-                "stock_ms": get["stock", "step_ms"],
-                "ours_ms": get["ours", "step_ms"],
-                "ratio": get["ours", "step_ms"] / get["stock", "step_ms"],
-                **{f"{p}_{m}": get.get((p, m), math.nan) for p in ("stock", "ours")
-                   for m in ("peak_memory_gib", "mfu_datasheet", "mfu_measured_peak", "first_step_s",
-                             "forward_ms", "backward_ms", "optimizer_ms")},
-            }  # fmt: skip
-    return out
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cs336_systems.studies.train_step",
@@ -474,16 +406,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds of stock and ours")
     p.add_argument("--steps", type=int, default=8, help="timed steps per path per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compile) step")
-    p.add_argument("--parts", nargs="+", choices=["bandwidth", "check", "compare", "waterfall"],
-                   default=["bandwidth", "check", "compare", "waterfall"])  # fmt: skip
-    p.add_argument("--attention", choices=["flash_triton", "sdpa"], default="sdpa",
-                   help="attention of our step")  # fmt: skip
-    p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="our step applies the update after backward instead of overlapping it")  # fmt: skip
-    p.add_argument("--compile-mode", choices=["default", "max-autotune-no-cudagraphs"], default="default",
-                   help="torch.compile mode of our blocks (stock always uses the default)")  # fmt: skip
-    p.add_argument("--overlap-programs", type=int, default=0,
-                   help="grid cap of our overlapped optimizer launches (0: uncapped)")  # fmt: skip
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument(
+        "--attention", choices=["flash_triton", "sdpa"], default="sdpa", help="attention of our step"
+    )
+    p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="our step applies the update after backward instead of overlapping it",
+    )
+    p.add_argument(
+        "--compile-mode",
+        choices=["default", "max-autotune-no-cudagraphs"],
+        default="default",
+        help="torch.compile mode of our blocks (stock always uses the default)",
+    )
+    p.add_argument(
+        "--overlap-programs",
+        type=int,
+        default=0,
+        help="grid cap of our overlapped optimizer launches (0: uncapped)",
+    )
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager stock and ours")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)

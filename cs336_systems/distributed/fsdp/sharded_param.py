@@ -58,8 +58,15 @@ class ShardedParam:
             data = torch.zeros(shard_numel, dtype=full.dtype, device=full.device)
             data[: stop - start].copy_(flat[start:stop])
         shard = nn.Parameter(data, requires_grad=full.requires_grad)
-        return cls(name=name, shape=full.shape, numel=numel, rank=rank, world_size=world_size, shard=shard,
-                   aliases=[name])  # fmt: skip
+        return cls(
+            name=name,
+            shape=full.shape,
+            numel=numel,
+            rank=rank,
+            world_size=world_size,
+            shard=shard,
+            aliases=[name],
+        )
 
     def unsharded_view(self, gathered: Tensor) -> Tensor:
         """The full weight as a view of an all-gathered (padded_numel,) buffer."""

@@ -1,6 +1,9 @@
-"""Studies of the distributed problems, run as `torchrun` workers from a driver in the same module:
-`comm_bench` (all-reduce), `train_bench` (DDP variants), `sharding_bench` (optimizer state sharding),
-`fsdp_bench` (FSDP), `ddp_check` (DDP against one process), with their figures in `plots` and
-`trace_plot`. Grouped apart from the single-GPU studies because they share the torchrun launch path
-(`cs336_systems.distributed.launch`) and their figures.
+"""Studies of the distributed problems, run as `torchrun` workers from a driver in the same module.
+
+`runner` is the one runner: launch N ranks, measure the variants in order, record a failed variant and
+relaunch the rest, write rows. It is configured by `train_bench` (DDP variants; `ddp_variants` holds
+the labels and wrappers, `ddp_analysis` the tables, bucket model and facts), `sharding_bench`
+(optimizer-state sharding; `sharding_analysis`) and `fsdp_bench` (FSDP; `fsdp_analysis`,
+`fsdp_trace` for the profiled step); `rank_memory` measures a rank's memory. Also `comm_bench`
+(all-reduce), `ddp_check` (DDP against one process), figures in `plots` and `trace_plot`.
 """

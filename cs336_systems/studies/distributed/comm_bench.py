@@ -81,9 +81,16 @@ def bus_bandwidth_factor(world_size: int) -> float:
 
 
 def _row_keys(backend: str, world_size: int, size_mb: float, cfg_record: dict) -> dict[str, Any]:
-    return dict(problem=PROBLEM, name="all_reduce", impl=f"{backend}/{BACKEND_DEVICE[backend]}",
-                mode=f"world{world_size}", dtype="fp32", x_name="size_mb", x_value=size_mb,
-                config=cfg_record)  # fmt: skip
+    return dict(
+        problem=PROBLEM,
+        name="all_reduce",
+        impl=f"{backend}/{BACKEND_DEVICE[backend]}",
+        mode=f"world{world_size}",
+        dtype="fp32",
+        x_name="size_mb",
+        x_value=size_mb,
+        config=cfg_record,
+    )
 
 
 def failure_rows(backend: str, world_size: int, sizes_mb: Sequence[float], note: str) -> list[dict[str, Any]]:
@@ -159,15 +166,20 @@ def run_worker(cfg: CommBenchConfig, results_dir: str | None = None) -> list[dic
     """Body of one torchrun process: every size in turn; rank 0 appends the rows after each size."""
     device = setup_process_group(cfg.backend)
     rows: list[dict[str, Any]] = []
-    rank0_print(f"[comm_bench] {cfg.backend} on {device.type}, world size {dist.get_world_size()}, "
-                f"sizes {list(cfg.sizes_mb)} MB")  # fmt: skip
+    rank0_print(
+        f"[comm_bench] {cfg.backend} on {device.type}, world size {dist.get_world_size()}, "
+        f"sizes {list(cfg.sizes_mb)} MB"
+    )
     for size_mb in cfg.sizes_mb:
         size_rows = bench_size(cfg, size_mb, device)
         if size_rows:
             append_rows(cfg.problem, size_rows, results_dir)
             t = next(r for r in size_rows if r["metric"] == "all_reduce_time")
-            rank0_print(f"  {size_mb:>7g} MB: {t['p50']:.3f} ms (p50 of {t['n']})" if not t["note"]
-                        else f"  {size_mb:>7g} MB: {t['note']}")  # fmt: skip
+            rank0_print(
+                f"  {size_mb:>7g} MB: {t['p50']:.3f} ms (p50 of {t['n']})"
+                if not t["note"]
+                else f"  {size_mb:>7g} MB: {t['note']}"
+            )
         rows.extend(size_rows)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -207,12 +219,25 @@ def run_grid(
         if not sizes:
             continue
         if backend == "nccl" and nproc > n_gpus:
-            append_rows(PROBLEM, failure_rows(backend, nproc, sizes, f"not run: needs {nproc} GPUs, {n_gpus} visible"),
-                        results_dir)  # fmt: skip
+            append_rows(
+                PROBLEM,
+                failure_rows(backend, nproc, sizes, f"not run: needs {nproc} GPUs, {n_gpus} visible"),
+                results_dir,
+            )
             print(f"[comm_bench] nccl x{nproc}: skipped ({n_gpus} GPUs visible)")
             continue
-        args = ["--backend", backend, "--sizes-mb", *map(str, sizes), "--warmup", str(warmup),
-                "--max-iters", str(max_iters), "--budget-s", str(budget_s)]  # fmt: skip
+        args = [
+            "--backend",
+            backend,
+            "--sizes-mb",
+            *map(str, sizes),
+            "--warmup",
+            str(warmup),
+            "--max-iters",
+            str(max_iters),
+            "--budget-s",
+            str(budget_s),
+        ]
         rows_before = len(load_results(PROBLEM, results_dir))
         try:
             run_torchrun(MODULE, args, nproc, timeout_s=timeout_s, env=child_env(results_dir))
@@ -329,9 +354,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.results_dir = str(cli.results_dir_for(args.results_dir))
         nccl = None if args.nccl_procs == ["auto"] else [int(n) for n in args.nccl_procs]
         print("resolved grid:", json.dumps({k: v for k, v in vars(args).items() if k != "backend"}))
-        run_grid(gloo_procs=args.gloo_procs, nccl_procs=nccl, sizes_mb=args.sizes_mb, gloo_max_mb=args.gloo_max_mb,
-                 warmup=args.warmup, max_iters=args.max_iters, budget_s=args.budget_s,
-                 results_dir=args.results_dir, timeout_s=args.timeout_s)  # fmt: skip
+        run_grid(
+            gloo_procs=args.gloo_procs,
+            nccl_procs=nccl,
+            sizes_mb=args.sizes_mb,
+            gloo_max_mb=args.gloo_max_mb,
+            warmup=args.warmup,
+            max_iters=args.max_iters,
+            budget_s=args.budget_s,
+            results_dir=args.results_dir,
+            timeout_s=args.timeout_s,
+        )
         return
     if "WORLD_SIZE" not in os.environ:
         p.error("worker mode runs under torchrun (or pass --grid to launch the grid)")

@@ -109,14 +109,24 @@ def _check_one(variant: str, steps: int, batch: int) -> tuple[list[dict], dict]:
         for (name, p_ref), p in zip(reference.named_parameters(), ddp.module.parameters()):
             gathered = [torch.empty_like(p) for _ in range(world)]
             dist.all_gather(gathered, p.detach())
-            records.append({
-                "variant": variant, "step": step, "param": name, "trainable": p.requires_grad,
-                "max_abs_diff_vs_single": float((p - p_ref).abs().max()),
-                "max_abs_diff_across_ranks": float(max((t - gathered[0]).abs().max() for t in gathered)),
-                "local_loss": float(loss),
-            })  # fmt: skip
-    meta = {"variant": variant, "world_size": world, "batch": batch, "steps": steps,
-            "overwritten_by_broadcast": dict(enumerate(changed_per_rank))}  # fmt: skip
+            records.append(
+                {
+                    "variant": variant,
+                    "step": step,
+                    "param": name,
+                    "trainable": p.requires_grad,
+                    "max_abs_diff_vs_single": float((p - p_ref).abs().max()),
+                    "max_abs_diff_across_ranks": float(max((t - gathered[0]).abs().max() for t in gathered)),
+                    "local_loss": float(loss),
+                }
+            )
+    meta = {
+        "variant": variant,
+        "world_size": world,
+        "batch": batch,
+        "steps": steps,
+        "overwritten_by_broadcast": dict(enumerate(changed_per_rank)),
+    }
     return records, meta
 
 
@@ -176,8 +186,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "WORLD_SIZE" in os.environ:
         run_check(args.variants, args.steps, args.batch, args.out)
         return
-    results = check_against_single_process(args.variants, world_size=args.world_size, steps=args.steps,
-                                           batch=args.batch)  # fmt: skip
+    results = check_against_single_process(
+        args.variants, world_size=args.world_size, steps=args.steps, batch=args.batch
+    )
     for df, meta in results.values():
         print(json.dumps(meta))
         print(df.groupby("step")[["max_abs_diff_vs_single", "max_abs_diff_across_ranks"]].max().to_string())

@@ -312,6 +312,56 @@ def facts(df: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+LABELS = {"microbatch": "one process adding the ranks' halves in rank order", "torch_ddp": "torch DDP",
+          "torch_fsdp2": "torch FSDP2"}  # fmt: skip
+
+
+def tables(df: pd.DataFrame) -> list[tuple[pd.DataFrame, str, pd.DataFrame]]:
+    """Per recorded run: (ours against one process per parameter, caption, the rows behind it)."""
+    out = []
+    for run in facts(df):
+        t = run["vs_single"].astype({"elements_differing": int, "max_ulp": int}).reset_index()
+        t = t.rename(columns={"name": "parameter", "max_abs_diff": "max |difference|"})
+        caption = (
+            f"Our FSDP against one process after {run['steps']} steps, {run['device']} ({run['backend']})"
+        )
+        out.append((t, caption, df[df.gpu_name == run["device"]]))
+    return out
+
+
+def answer(df: pd.DataFrame) -> str:
+    """The writeup's paragraph: what was measured on each device, and why data parallelism differs."""
+    said = []
+    for run in facts(df):
+        differ = run["vs_single"][run["vs_single"]["max_ulp"] > 0]
+        same = [LABELS[k] for k, ok in run["equal"].items() if ok]
+        missing = [LABELS[k] for k, ok in run["equal"].items() if ok is None]
+        said.append(
+            f"On {run['device']} ({run['backend']}) our FSDP is bitwise equal to {', '.join(same)}"
+            + (f" ({', '.join(missing)} not run there)" if missing else "")
+            + f"; against one process {len(differ)} of {len(run['vs_single'])} tensors differ, in "
+            f"{int(differ['elements_differing'].sum())} elements, by at most "
+            f"{int(differ['max_ulp'].max()) if len(differ) else 0} ulps and at most "
+            f"{differ['max_abs_diff'].max() if len(differ) else 0:.1e} in absolute value, "
+            + (
+                "and torch's implementations differ in exactly the same elements by exactly the same amounts."
+                if run["torch_same"]
+                else "while torch's implementations differ otherwise."
+            )
+        )
+    return (
+        " ".join(said)
+        + " So the gap is not our reduction: it is data parallelism itself. A weight gradient is a sum over the "
+        "batch's token rows (dW = G^T X over 160 rows; the RMSNorm gains and the embedding rows likewise). One "
+        "process lets the kernel add all 160 rows in its own order; two ranks each add their 80 and the collective "
+        "adds the two partial sums, and floating-point addition is not associative. The scaling is exact (the mean "
+        "over 10 rows averaged over 2 ranks differs from the mean over 20 by powers of two), and one process that "
+        "accumulates the two halves in rank order reproduces FSDP bit for bit. A large ulp count with a tiny "
+        "absolute difference is an element near zero, where an ulp is tiny. The tests therefore hold our FSDP to "
+        "torch's bits and to that microbatch reference exactly, and to single-process training within 1e-7."
+    )
+
+
 def run(device: str = "cpu", results_dir: str | None = None, *, start_method: str = "spawn") -> None:
     """Train every implementation in 2 processes and append the comparison rows."""
     check_writable(results_dir)

@@ -22,8 +22,12 @@ import pandas as pd
 from cs336_systems.measure import cli
 from cs336_systems.report.style import impl_color
 
-PHASE_COLS = (("forward_ms", "forward", "#c6dbef"), ("backward_ms", "backward", "#fdae6b"),
-              ("comm_ms", "gradient sync (exposed)", "#d62728"), ("optimizer_ms", "optimizer", "#9e9ac8"))  # fmt: skip
+PHASE_COLS = (
+    ("forward_ms", "forward", "#c6dbef"),
+    ("backward_ms", "backward", "#fdae6b"),
+    ("comm_ms", "gradient sync (exposed)", "#d62728"),
+    ("optimizer_ms", "optimizer", "#9e9ac8"),
+)
 
 
 def plot_all_reduce(df: pd.DataFrame):
@@ -39,8 +43,13 @@ def plot_all_reduce(df: pd.DataFrame):
     markers = {2: "o", 4: "s", 6: "^", 8: "D"}
     for (impl, world), g in t.groupby(["impl", "world_size"]):
         backend = impl.split("/")[0]
-        style = dict(color=impl_color(backend), marker=markers.get(world, "x"), ms=4,
-                     ls="-" if backend == "nccl" else "--", label=f"{impl} x{world}")  # fmt: skip
+        style = dict(
+            color=impl_color(backend),
+            marker=markers.get(world, "x"),
+            ms=4,
+            ls="-" if backend == "nccl" else "--",
+            label=f"{impl} x{world}",
+        )
         tt = g[g.metric == "all_reduce_time"].sort_values("x_value")
         if len(tt):
             ax_t.plot(tt.x_value, tt.p50, **style)
@@ -103,11 +112,22 @@ def plot_bucket_sweep(summary: pd.DataFrame):
     for kind, name in (("bucketed", "ddp_bucketed"), ("torch", "ddp_torch")):
         g = finite[finite.kind == kind].sort_values("bucket_mb")
         if len(g):
-            ax.errorbar(g.bucket_mb, g.step_ms, yerr=g.step_std_ms, color=impl_color(name), marker="o", ms=4,
-                        capsize=2, label="DDPBucketed" if kind == "bucketed" else "PyTorch DDP")  # fmt: skip
-    for kind, color, label in (("single", "black", "1 GPU, no comm"), ("naive", impl_color("ddp_naive"), "naive"),
-                               ("flat", impl_color("ddp_flat"), "flat"),
-                               ("overlap", impl_color("ddp_overlap_individual"), "overlap")):  # fmt: skip
+            ax.errorbar(
+                g.bucket_mb,
+                g.step_ms,
+                yerr=g.step_std_ms,
+                color=impl_color(name),
+                marker="o",
+                ms=4,
+                capsize=2,
+                label="DDPBucketed" if kind == "bucketed" else "PyTorch DDP",
+            )
+    for kind, color, label in (
+        ("single", "black", "1 GPU, no comm"),
+        ("naive", impl_color("ddp_naive"), "naive"),
+        ("flat", impl_color("ddp_flat"), "flat"),
+        ("overlap", impl_color("ddp_overlap_individual"), "overlap"),
+    ):
         g = ok[ok.kind == kind]
         if len(g):
             ax.axhline(g.step_ms.iloc[0], color=color, ls=":", lw=1.2, label=label)
@@ -135,18 +155,31 @@ def plot_bucket_model(model: dict):
     t = model["table"]
     if len(t):
         tt = t[np.isfinite(t.bucket_mb.astype(float))]
-        ax.scatter(tt.bucket_mb, tt.measured_comm_ms, color=impl_color("ddp_bucketed"), zorder=3,
-                   label="measured exposed comm (DDPBucketed)")  # fmt: skip
+        ax.scatter(
+            tt.bucket_mb,
+            tt.measured_comm_ms,
+            color=impl_color("ddp_bucketed"),
+            zorder=3,
+            label="measured exposed comm (DDPBucketed)",
+        )
     if not math.isnan(model["bucket_mb_opt"]):
         ax.axvline(model["bucket_mb_opt"], color="#7f7f7f", ls=":", lw=1)
-        ax.text(model["bucket_mb_opt"], ax.get_ylim()[1] * 0.9, f" model optimum {model['bucket_mb_opt']:.0f} MB",
-                fontsize=7, color="#555555")  # fmt: skip
+        ax.text(
+            model["bucket_mb_opt"],
+            ax.get_ylim()[1] * 0.9,
+            f" model optimum {model['bucket_mb_opt']:.0f} MB",
+            fontsize=7,
+            color="#555555",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("bucket size (MB = 2^20 B)")
     ax.set_ylabel("time after backward (ms)")
-    ax.set_title(f"fit: o = {model['o_s'] * 1e6:.0f} us per call, w = {model['w_Bps'] / 1e9:.1f} GB/s, "
-                 f"s = {model['s_bytes'] / 2**20:,.0f} MB", fontsize=9)  # fmt: skip
+    ax.set_title(
+        f"fit: o = {model['o_s'] * 1e6:.0f} us per call, w = {model['w_Bps'] / 1e9:.1f} GB/s, "
+        f"s = {model['s_bytes'] / 2**20:,.0f} MB",
+        fontsize=9,
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
@@ -179,8 +212,8 @@ def render_figures(results_dir: str | os.PathLike | None, figures_dir: str | os.
     from cs336_systems.report.figures import save_figure
     from cs336_systems.report.style import apply_style
     from cs336_systems.studies.distributed.comm_bench import PROBLEM as COMM
+    from cs336_systems.studies.distributed.ddp_analysis import bucket_model, summary
     from cs336_systems.studies.distributed.train_bench import PROBLEM as DDP
-    from cs336_systems.studies.distributed.train_bench import bucket_model, summary
 
     apply_style()
     comm, ddp = load_results(COMM, results_dir), load_results(DDP, results_dir)
@@ -188,13 +221,16 @@ def render_figures(results_dir: str | os.PathLike | None, figures_dir: str | os.
     jobs = {
         "distributed_communication_single_node__all_reduce": lambda: plot_all_reduce(comm),
         "naive_ddp_benchmarking__step_breakdown": lambda: plot_step_breakdown(summ, ["single", "naive"]),
-        "minimal_ddp_flat_benchmarking__step_breakdown": lambda: plot_step_breakdown(summ, ["single", "naive", "flat"]),
-        "ddp_overlap_individual_parameters_benchmarking__step_breakdown":
-            lambda: plot_step_breakdown(summ, ["single", "naive", "flat", "overlap"]),
+        "minimal_ddp_flat_benchmarking__step_breakdown": lambda: plot_step_breakdown(
+            summ, ["single", "naive", "flat"]
+        ),
+        "ddp_overlap_individual_parameters_benchmarking__step_breakdown": lambda: plot_step_breakdown(
+            summ, ["single", "naive", "flat", "overlap"]
+        ),
         "ddp_overlap_individual_parameters_benchmarking__timeline": lambda: plot_ddp_timelines(results_dir),
         "ddp_bucketed_benchmarking__bucket_sweep": lambda: plot_bucket_sweep(summ),
         "ddp_bucketed_benchmarking__overhead_model": lambda: plot_bucket_model(bucket_model(ddp, comm)),
-    }  # fmt: skip
+    }
     written = []
     for name, make in jobs.items():
         try:

@@ -26,9 +26,10 @@ rank's optimizer actually owns (its partition, which for whole-tensor partitions
 Time per iteration: warmup iterations, then timed ones, each phase (forward+backward, gradient
 all-reduce, optimizer step) bracketed by device synchronisation; an iteration counts at its slowest rank.
 
-Entry points: under torchrun the module is a worker that runs the variants in order; without it, it
-is the driver, which launches the workers with `run_torchrun`, records a failure row for a variant
-that crashes (e.g. out of memory) and relaunches the rest, then renders the figures:
+Entry points (through `runner`): under torchrun the module is a worker that runs the variants in
+order; without it, it is the driver, which launches the workers, records a failure row for a variant
+that crashes (e.g. out of memory) and relaunches the rest, then renders the figures
+(`sharding_analysis` holds the tables, figures and the notebook's facts):
 
     python -m cs336_systems.studies.distributed.sharding_bench --figures-dir figures            # 2 GPUs
     python -m cs336_systems.studies.distributed.sharding_bench --quick                          # CPU, gloo, debug
@@ -36,13 +37,11 @@ that crashes (e.g. out of memory) and relaunches the rest, then renders the figu
 
 from __future__ import annotations
 
-import argparse
-import gc
 import json
 import math
 import os
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,32 +49,22 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from cs336_systems import accounting
-from cs336_systems.distributed.launch import run_variants
-from cs336_systems.distributed.process_group import cleanup_process_group, setup_process_group
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
 from cs336_systems.measure import cli
-from cs336_systems.measure.annotations import annotate
-from cs336_systems.measure.results import (
-    append_rows,
-    capture_failure,
-    child_env,
-    failure_row,
-    load_results,
-    make_row,
+from cs336_systems.measure.results import make_row
+from cs336_systems.measure.timing import synchronize
+from cs336_systems.model import AdamW, cross_entropy
+from cs336_systems.studies.distributed import runner, sharding_analysis
+from cs336_systems.studies.distributed.rank_memory import (
+    GiB,
+    all_reduce_gradients,
+    memory_snapshot,
+    release_memory,
 )
-from cs336_systems.measure.timing import PhaseTimer, synchronize
-from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config, random_batch
+from cs336_systems.studies.distributed.sharding_analysis import IMPL, PROBLEM, VARIANTS
 
-PROBLEM = "optimizer_state_sharding_accounting"
 MODULE = "cs336_systems.studies.distributed.sharding_bench"
-VARIANTS = ("unsharded", "sharded", "torch_zero")
-IMPL = {"unsharded": "unsharded", "sharded": "sharded_optimizer", "torch_zero": "zero_redundancy_optimizer"}
-POINTS = ("after_init", "first:before_step", "first:after_step", "steady:before_step", "steady:after_step")
-COMPONENTS = ("params", "grads", "optimizer_state", "other")
-GiB = 2**30
 ADAMW_KWARGS = dict(lr=1e-4, weight_decay=0.01)
 ADAM_STATE_BYTES_PER_PARAM = 8  # m and v in fp32
 
@@ -96,101 +85,7 @@ class BenchConfig:
     run_id: str = ""
 
     def __post_init__(self) -> None:
-        get_config(self.size)
-        unknown = set(self.variants) - set(VARIANTS)
-        if unknown:
-            raise ValueError(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
-        if self.warmup < 0 or self.steps < 1 or self.batch_per_rank < 1:
-            raise ValueError("need warmup >= 0, steps >= 1, batch_per_rank >= 1")
-
-
-# --------------------------------------------------------------------------------------------------
-# Measurement helpers (also used by fsdp_bench)
-# --------------------------------------------------------------------------------------------------
-
-
-def storage_bytes(tensors: Iterable[Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and tied tensors count once)."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """Every tensor in the optimizer's (local) state; ZeroRedundancyOptimizer keeps it in `.optim`."""
-    opt = getattr(optimizer, "optim", optimizer)
-    return [v for st in opt.state.values() for v in st.values() if isinstance(v, Tensor) and v.numel() > 1]
-
-
-def allocated(device: torch.device) -> float:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else math.nan
-
-
-def peak_allocated(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else math.nan
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def release_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-@torch.no_grad()
-def all_reduce_gradients(params: Sequence[Tensor], bucket_bytes: int) -> None:
-    """Average gradients over the ranks: flat SUM all-reduces of <= bucket_bytes, then / world size.
-
-    Reverse parameter order, as gradients become ready in backward. Only the bucket is extra memory.
-    """
-    world_size = dist.get_world_size()
-    bucket: list[Tensor] = []
-    size = 0
-
-    def flush() -> None:
-        with torch.profiler.record_function("bench::grad_all_reduce"):
-            flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat.div_(world_size)
-            for g, new in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                g.copy_(new)
-
-    for p in reversed(params):
-        if p.grad is None:
-            continue
-        nbytes = p.grad.numel() * p.grad.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            flush()
-            bucket, size = [], 0
-        bucket.append(p.grad)
-        size += nbytes
-    if bucket:
-        flush()
-
-
-def gather_to_rank0(obj: Any) -> list[Any] | None:
-    objs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(objs, obj)
-    return objs if dist.get_rank() == 0 else None
-
-
-# --------------------------------------------------------------------------------------------------
-# Worker
-# --------------------------------------------------------------------------------------------------
+        runner.check_training_config(self, VARIANTS)
 
 
 def _make_optimizer(variant: str, params: list[Tensor], bucket_mb: float) -> torch.optim.Optimizer:
@@ -214,8 +109,16 @@ def _local_param_count(variant: str, optimizer: torch.optim.Optimizer, total: in
 def _point_rows(
     cfg: BenchConfig, variant: str, point: str, rank: int, snap: dict[str, float], expected: dict[str, float]
 ) -> list[dict[str, Any]]:
-    common = dict(problem=PROBLEM, name=cfg.size, impl=IMPL[variant], mode=point, dtype="fp32",
-                  x_name="rank", x_value=rank, config=asdict(cfg))  # fmt: skip
+    common = dict(
+        problem=PROBLEM,
+        name=cfg.size,
+        impl=IMPL[variant],
+        mode=point,
+        dtype="fp32",
+        x_name="rank",
+        x_value=rank,
+        config=asdict(cfg),
+    )
     rows = [
         make_row(metric=k, unit="GiB", value=v / GiB, **common) for k, v in snap.items() if not math.isnan(v)
     ]
@@ -225,34 +128,19 @@ def _point_rows(
     return rows
 
 
-def _snapshot(device, params, optimizer, *, peak_since: float | None = None) -> dict[str, float]:
-    snap = {
-        "params": float(storage_bytes(params)),
-        "grads": float(storage_bytes(p.grad for p in params)),
-        "optimizer_state": float(storage_bytes(optimizer_state_tensors(optimizer))),
-        "allocated": allocated(device),
-        "peak": peak_allocated(device),
-    }
-    snap["other"] = snap["allocated"] - snap["params"] - snap["grads"] - snap["optimizer_state"]
-    if peak_since is not None:
-        snap["activations_peak"] = snap["peak"] - peak_since
-    return snap
-
-
-def run_variant(cfg: BenchConfig, variant: str, device: torch.device) -> list[dict[str, Any]]:
+def run_variant(
+    cfg: BenchConfig, variant: str, device: torch.device, results_dir: str | None = None
+) -> tuple[list[dict[str, Any]], None]:
     """Measure one variant on every rank; returns all ranks' rows on rank 0 (empty elsewhere)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    mcfg = get_config(cfg.size, context_length=cfg.context_length)
     release_memory(device)
-    torch.manual_seed(0)
-    model = BasicsTransformerLM.from_config(mcfg, attention_impl=cfg.attention, device=device)
+    mcfg, model = runner.build_model(cfg, device)
     params = list(model.parameters())
     optimizer = _make_optimizer(variant, params, cfg.bucket_mb)
     synchronize(device)
     num_params = sum(p.numel() for p in params)
     local = _local_param_count(variant, optimizer, num_params)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    inputs, targets = random_batch(cfg.batch_per_rank, cfg.context_length, mcfg.vocab_size, device, gen)
+    inputs, targets = runner.rank_batch(cfg.batch_per_rank, cfg.context_length, mcfg.vocab_size, device, 1000)
 
     def expected(point: str) -> dict[str, float]:
         has_grads = point != "after_init"
@@ -263,79 +151,53 @@ def run_variant(cfg: BenchConfig, variant: str, device: torch.device) -> list[di
             "optimizer_state": float(ADAM_STATE_BYTES_PER_PARAM * local * has_state),
         }
 
-    rows = _point_rows(
-        cfg, variant, "after_init", rank, _snapshot(device, params, optimizer), expected("after_init")
-    )
-    timer = PhaseTimer(device=device)
+    snap = memory_snapshot(device, params, optimizer, with_peak=True)
+    rows = _point_rows(cfg, variant, "after_init", rank, snap, expected("after_init"))
     iterations = cfg.warmup + cfg.steps
-    for it in range(iterations):
-        tag = "first" if it == 0 else "steady" if it == iterations - 1 else None
-        timer.enabled = it >= cfg.warmup
-        reset_peak(device)
-        start_alloc = allocated(device)
-        with timer.phase("forward_backward"), annotate("forward_backward"):
-            loss = cross_entropy(model(inputs), targets)
-            loss.backward()
-            del loss
-        with timer.phase("grad_sync"), annotate("grad_sync"):
-            all_reduce_gradients(params, int(cfg.bucket_mb * 2**20))
-        synchronize(device)
-        if tag:
-            snap = _snapshot(device, params, optimizer, peak_since=start_alloc)
-            rows += _point_rows(
-                cfg, variant, f"{tag}:before_step", rank, snap, expected(f"{tag}:before_step")
-            )
-        reset_peak(device)
-        with timer.phase("optimizer"), annotate("optimizer_step"):
-            optimizer.step()
-        synchronize(device)
-        if tag:
-            snap = _snapshot(device, params, optimizer)
-            rows += _point_rows(cfg, variant, f"{tag}:after_step", rank, snap, expected(f"{tag}:after_step"))
-        optimizer.zero_grad(set_to_none=True)
 
+    def forward_backward() -> None:
+        loss = cross_entropy(model(inputs), targets)
+        loss.backward()
+
+    def on_point(it: int, when: str, start_alloc: float) -> None:
+        tag = "first" if it == 0 else "steady" if it == iterations - 1 else None
+        if tag is None:
+            return
+        point = f"{tag}:{when}"
+        since = start_alloc if when == "before_step" else None
+        snap = memory_snapshot(device, params, optimizer, with_peak=True, peak_since=since)
+        rows.extend(_point_rows(cfg, variant, point, rank, snap, expected(point)))
+
+    timer = runner.train_phased(
+        forward_backward=forward_backward,
+        grad_sync=lambda: all_reduce_gradients(params, int(cfg.bucket_mb * 2**20)),
+        optimizer=optimizer,
+        device=device,
+        warmup=cfg.warmup,
+        steps=cfg.steps,
+        on_point=on_point,
+        reset_peak_before_step=True,
+    )
     partition = dict(local_params=local, num_params=num_params, rank=rank)
-    gathered = gather_to_rank0((rows, {k: v for k, v in timer.samples.items()}, partition))
-    del model, optimizer, params, inputs, targets
+    gathered = runner.gather_to_rank0((rows, dict(timer.samples), partition))
+    model = optimizer = params = inputs = targets = None  # the closures above hold them too
     release_memory(device)
     if gathered is None:
-        return []
+        return [], None
     out = [row for rows_r, _, _ in gathered for row in rows_r]
-    common = dict(problem=PROBLEM, name=cfg.size, impl=IMPL[variant], mode="train", dtype="fp32",
-                  x_name="world_size", x_value=world_size)  # fmt: skip
     config = asdict(cfg) | {"partition": [p for _, _, p in gathered]}
-    phases = {
-        k: [max(s[k][i] for _, s, _ in gathered) * 1e3 for i in range(cfg.steps)] for k in gathered[0][1]
-    }
-    for phase, samples in phases.items():
-        out.append(make_row(metric=f"{phase}_time", unit="ms", samples=samples, config=config, **common))
-    step = [sum(parts) for parts in zip(*phases.values(), strict=True)]
-    out.append(make_row(metric="step_time", unit="ms", samples=step, config=config, **common))
-    return out
+    keys = dict(problem=PROBLEM, name=cfg.size, impl=IMPL[variant], mode="train", dtype="fp32")
+    out += runner.phase_time_rows(
+        [s for _, s, _ in gathered], cfg.steps, x_name="world_size", x_value=world_size, config=config, **keys
+    )
+    return out, None
 
 
-def worker(cfg: BenchConfig) -> None:
-    device = setup_process_group(cfg.backend)
-    try:
-        for variant in cfg.variants:
-            outcome: dict[str, str] = {}
-            rows: list[dict[str, Any]] = []
-            with capture_failure(outcome):
-                rows = run_variant(cfg, variant, device)
-            if outcome:
-                rows = [failure_row(problem=PROBLEM, name=cfg.size, impl=IMPL[variant], mode="train", dtype="fp32",
-                                    x_name="world_size", x_value=dist.get_world_size(), metric="step_time",
-                                    unit="ms", note=outcome["note"], config=asdict(cfg))]  # fmt: skip
-            if dist.get_rank() == 0:
-                append_rows(PROBLEM, rows)
-                print(f"[sharding_bench] {variant}: {len(rows)} rows {outcome.get('note', '')}", flush=True)
-    finally:
-        cleanup_process_group()
+def failure_rows(cfg: BenchConfig, variant: str, note: str, world_size: int) -> list[dict[str, Any]]:
+    return runner.step_failure_rows(PROBLEM, cfg, IMPL[variant], "fp32", note, world_size)
 
 
-# --------------------------------------------------------------------------------------------------
-# Driver
-# --------------------------------------------------------------------------------------------------
+STUDY = runner.Study(problem=PROBLEM, module=MODULE, measure=run_variant, failure_rows=failure_rows)
 
 
 def run(
@@ -348,37 +210,10 @@ def run(
 ) -> pd.DataFrame:
     """Launch the workers (relaunching after a crashed variant), then render figures; returns the rows."""
     cfg = BenchConfig(**{**asdict(cfg), "run_id": cfg.run_id or uuid.uuid4().hex[:8]})
-
-    def record_failure(variant: str, note: str) -> None:
-        append_rows(PROBLEM, [failure_row(problem=PROBLEM, name=cfg.size, impl=IMPL[variant], mode="train",
-                                          dtype="fp32", x_name="world_size", x_value=nproc, metric="step_time",
-                                          unit="ms", note=note, config=asdict(cfg))], results_dir)  # fmt: skip
-
-    run_variants(
-        MODULE, cfg.variants,
-        lambda rest: ["--worker", json.dumps(asdict(BenchConfig(**{**asdict(cfg), "variants": tuple(rest)})))],
-        finished=lambda: _done_variants(cfg.run_id, results_dir), on_failure=record_failure,
-        nproc=nproc, timeout_s=timeout_s, env=child_env(results_dir),
-    )  # fmt: skip
-    df = load_results(PROBLEM, results_dir)
-    df = df[df.config_json.str.contains(cfg.run_id)] if not df.empty else df
+    df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
     if figures_dir is not None and not df.empty:
-        from cs336_systems.report.figures import save_figure
-        from cs336_systems.report.style import apply_style
-
-        apply_style()
-        save_figure(plot_memory_breakdown(df), f"{PROBLEM}__memory", directory=figures_dir)
-        save_figure(plot_step_time(df), f"{PROBLEM}__step_time", directory=figures_dir)
+        sharding_analysis.render_figures(df, figures_dir)
     return df
-
-
-def _done_variants(run_id: str, results_dir) -> set[str]:
-    df = load_results(PROBLEM, results_dir)
-    if df.empty:
-        return set()
-    df = df[df.config_json.str.contains(run_id) & (df.metric == "step_time")]
-    back = {v: k for k, v in IMPL.items()}
-    return {back[i] for i in df.impl.unique() if i in back}
 
 
 QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=2, backend="gloo")
@@ -386,37 +221,14 @@ QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     p = cli.make_parser(__doc__, "python -m cs336_systems.studies.distributed.sharding_bench --quick")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON config, set by the driver
-    cli.add_size(p, "xl")
-    p.add_argument("--context-length", type=int, default=512)
-    p.add_argument("--batch-per-rank", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5)
-    cli.add_attention(p, "naive")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument(
-        "--backend", default="nccl" if torch.cuda.is_available() else "gloo", choices=["nccl", "gloo"]
-    )
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, debug model, 2 steps")
-    cli.add_results_dir(p)
-    p.add_argument("--figures-dir", default=None, help="render the figures here after measuring")
-    p.add_argument("--timeout", type=float, default=240.0, help="seconds per torchrun launch")
+    defaults = BenchConfig()
+    runner.add_training_arguments(p, defaults, VARIANTS, timeout_s=240.0)
     args = p.parse_args(argv)
     if args.worker is not None:
-        worker(
-            BenchConfig(**{**json.loads(args.worker), "variants": tuple(json.loads(args.worker)["variants"])})
-        )
+        runner.run_config_worker(STUDY, BenchConfig, args)
         return None
-    fields = dict(size=args.size, context_length=args.context_length, batch_per_rank=args.batch_per_rank,
-                  warmup=args.warmup, steps=args.steps, attention=args.attention, variants=tuple(args.variants),
-                  backend=args.backend)  # fmt: skip
-    if args.quick:
-        fields.update(QUICK)
-    with cli.usage_errors(p):
-        cfg = BenchConfig(**fields)
-        cli.check_launch(cfg.backend, args.nproc, args.timeout)
-    results_dir = str(cli.results_dir_for(args.results_dir, quick=args.quick))
+    fields = runner.training_fields(args, QUICK)
+    cfg, results_dir = runner.checked_config(p, args, BenchConfig, fields)
     print("resolved config:", json.dumps(asdict(cfg)), flush=True)
     df = run(
         cfg,
@@ -426,136 +238,9 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
         timeout_s=args.timeout,
     )
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_rows", 200):
-        print(memory_table(df).to_string())
-        print(time_table(df).to_string())
+        print(sharding_analysis.memory_table(df).to_string())
+        print(sharding_analysis.time_table(df).to_string())
     return df
-
-
-# --------------------------------------------------------------------------------------------------
-# Tables, figures and the analytic ZeRO-1 comparison (notebook helpers)
-# --------------------------------------------------------------------------------------------------
-
-
-def latest(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows of the most recent run (by run_id in the config)."""
-    if df.empty:
-        return df
-    ok = df.copy()
-    ok["run_id"] = ok.config_json.map(lambda s: json.loads(s).get("run_id", ""))
-    last = ok.sort_values("timestamp").run_id.iloc[-1]
-    return ok[ok.run_id == last].drop(columns="run_id")
-
-
-def value(
-    df: pd.DataFrame, impl: str, metric: str, mode: str | None = None, x_value: float | None = None
-) -> float:
-    """The mean of the (latest) matching successful row, NaN when there is none (notebook answers)."""
-    m = df[(df.impl == impl) & (df.metric == metric) & (df.note == "")]
-    if mode is not None:
-        m = m[m["mode"] == mode]
-    if x_value is not None:
-        m = m[m.x_value.astype(float) == float(x_value)]
-    return float(m.sort_values("timestamp")["mean"].iloc[-1]) if len(m) else math.nan
-
-
-def memory_table(df: pd.DataFrame, rank: int | None = 0, digits: int | None = 3) -> pd.DataFrame:
-    """GiB per (variant, point): measured allocated / peak and each component next to its expectation."""
-    m = df[(df.unit == "GiB") & (df.note == "")]
-    if rank is not None:
-        m = m[m.x_value.astype(float) == rank]
-    if m.empty:
-        return pd.DataFrame()
-    t = m.pivot_table(index=["impl", "mode"], columns="metric", values="mean", aggfunc="last")
-    order = [c for c in ("allocated", "peak", "activations_peak", "params", "expected_params", "grads",
-                         "expected_grads", "optimizer_state", "expected_optimizer_state", "other") if c in t]  # fmt: skip
-    t = t[order]
-    t = t.reindex(sorted(t.index, key=lambda ix: (list(IMPL.values()).index(ix[0]), POINTS.index(ix[1]))))
-    return t.round(digits) if digits is not None else t
-
-
-def time_table(df: pd.DataFrame) -> pd.DataFrame:
-    t = df[(df.unit == "ms")]
-    if t.empty:
-        return pd.DataFrame()
-    t = t.assign(value=t.apply(lambda r: r.note or f"{r['mean']:.1f} +- {r['std']:.1f}", axis=1))
-    return t.pivot_table(index="impl", columns="metric", values="value", aggfunc="last")
-
-
-def plot_memory_breakdown(df: pd.DataFrame, rank: int = 0):
-    """Stacked bars of params / grads / optimizer state / other per variant and point, with the peak."""
-    import matplotlib.pyplot as plt
-
-    from cs336_systems.report.style import impl_color
-
-    t = memory_table(df, rank, digits=None)
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    if t.empty:
-        ax.text(0.5, 0.5, "no memory rows (CPU run?)", ha="center", va="center", transform=ax.transAxes)
-        return fig
-    colors = {"params": "#4c72b0", "grads": "#dd8452", "optimizer_state": "#55a868", "other": "#c7c7c7"}
-    labels = [f"{impl}\n{mode.replace(':', ' ')}" for impl, mode in t.index]
-    x = range(len(t))
-    bottom = pd.Series(0.0, index=t.index)
-    for comp in COMPONENTS:
-        if comp in t:
-            vals = t[comp].fillna(0).clip(lower=0)
-            ax.bar(x, vals, bottom=bottom, color=colors[comp], label=comp.replace("_", " "), width=0.75)
-            bottom += vals
-    if "peak" in t:
-        ax.scatter(
-            x, t["peak"], marker="_", s=300, color="black", label="peak since previous point", zorder=3
-        )
-    for i, (impl, _) in enumerate(t.index):
-        ax.axvspan(i - 0.45, i + 0.45, ymin=0, ymax=0.015, color=impl_color(impl))
-    ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
-    ax.set_ylabel(f"GiB allocated (rank {rank})")
-    fig.suptitle("Memory with and without optimizer-state sharding", fontsize=11)
-    # legend between the title and the axes
-    ax.legend(fontsize=8, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-    fig.tight_layout()
-    return fig
-
-
-def plot_step_time(df: pd.DataFrame):
-    """Stacked mean phase times per variant (slowest rank per iteration)."""
-    import matplotlib.pyplot as plt
-
-    t = df[(df.unit == "ms") & (df.note == "") & (df.metric != "step_time")]
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    if t.empty:
-        ax.text(0.5, 0.5, "no timing rows", ha="center", va="center", transform=ax.transAxes)
-        return fig
-    p = t.pivot_table(index="impl", columns="metric", values="mean", aggfunc="last")
-    p = p.reindex([i for i in IMPL.values() if i in p.index])
-    p.plot.barh(stacked=True, ax=ax, color=["#4c72b0", "#dd8452", "#55a868"][: p.shape[1]])
-    ax.set_xlabel("ms per iteration")
-    ax.set_ylabel("")
-    ax.set_title("Time per training iteration")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def zero1_comparison(size: str = "xl", world_size: int = 2) -> pd.DataFrame:
-    """Per-device model-state memory and communication per step: plain DP, ours, ZeRO-1 (fp32 AdamW).
-
-    ZeRO-1 (P_os) reduce-scatters gradients and all-gathers updated parameters (one all-reduce's
-    volume); ours all-reduces gradients and then broadcasts parameters (an extra all-gather's worth).
-    Memory: both shard only the optimizer state; ZeRO-1 balances elements exactly, ours whole tensors.
-    """
-    p = get_config(size).num_params()
-    rows = []
-    for name, stage, comm in (
-        ("DP (unsharded AdamW)", 0, accounting.dp_comm_volume(p, world_size)),
-        ("ours (ShardedOptimizer)", 1, accounting.broadcast_sharded_optimizer_comm_volume(p, world_size)),
-        ("ZeRO stage 1 (P_os)", 1, accounting.zero1_comm_volume(p, world_size)),
-    ):
-        mem = accounting.zero_memory_per_device(p, world_size, stage=stage)
-        rows.append({"scheme": name, "weights GiB": mem.weights / GiB, "grads GiB": mem.gradients / GiB,
-                     "optimizer GiB": mem.optimizer_state / GiB, "state GiB": mem.state / GiB,
-                     "sent per device GB": comm.total / 1e9,
-                     "collectives": " + ".join(comm.parts)})  # fmt: skip
-    return pd.DataFrame(rows).set_index("scheme")
 
 
 if __name__ == "__main__":

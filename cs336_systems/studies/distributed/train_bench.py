@@ -53,99 +53,44 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
 import os
-import re
 import tempfile
-import timeit
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
 
-from cs336_systems.distributed.ddp import DDP_VARIANTS, DDPBucketed, plan_buckets
-from cs336_systems.distributed.launch import TorchrunError, run_torchrun
-from cs336_systems.distributed.process_group import cleanup_process_group, rank0_print, setup_process_group
+from cs336_systems.distributed.ddp import DDPBucketed
 from cs336_systems.measure import cli
 from cs336_systems.measure.annotations import annotate
-from cs336_systems.measure.results import append_rows, child_env, env_metadata, failure_row, make_row
+from cs336_systems.measure.results import env_metadata, failure_row, make_row
 from cs336_systems.measure.results import results_dir as default_results_dir
-from cs336_systems.measure.timing import synchronize
-from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config, random_batch
+from cs336_systems.model import AdamW, cross_entropy, get_config
+from cs336_systems.studies.distributed import runner
+from cs336_systems.studies.distributed.ddp_variants import (  # noqa: F401 (KIND_IMPL, TORCH_...: the labels' API)
+    COMM_MEANING,
+    DEFAULT_VARIANTS,
+    KIND_IMPL,
+    TORCH_DEFAULT_BUCKET_MB,
+    StepClock,
+    Variant,
+    wrap,
+)
 
 PROBLEM = "ddp_training"
 MODULE = "cs336_systems.studies.distributed.train_bench"
-KIND_IMPL = {
-    "single": "single_gpu",
-    "naive": "ddp_naive",
-    "flat": "ddp_flat",
-    "overlap": "ddp_overlap_individual",
-    "bucketed": "ddp_bucketed",
-    "torch": "ddp_torch",
-}
-TORCH_DEFAULT_BUCKET_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb default
-BUCKET_SIZES_MB = (1, 10, 100, 1000)
-DEFAULT_VARIANTS = (
-    "single", "naive", "flat", "overlap",
-    *(f"bucketed:{b}" for b in BUCKET_SIZES_MB), "torch", *(f"torch:{b}" for b in BUCKET_SIZES_MB),
-)  # fmt: skip
 DEFAULT_TRACES = ("naive", "overlap", "bucketed:100")
 PHASES = ("forward", "backward", "comm", "optimizer")
-COMM_MEANING = {
-    "naive": "sync call (all communication, after backward)",
-    "flat": "sync call (all communication incl. flatten/unflatten copies, after backward)",
-    "overlap": "exposed: end of backward -> end of sync",
-    "bucketed": "exposed: end of backward -> end of sync",
-}
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One benchmarked configuration, parsed from a label such as "bucketed:10" or "torch"."""
-
-    kind: str
-    bucket_size_mb: float | None = None
-
-    @classmethod
-    def parse(cls, label: str) -> Variant:
-        kind, _, size = label.partition(":")
-        if kind not in KIND_IMPL:
-            raise ValueError(
-                f"unknown variant {label!r}; kinds: {', '.join(KIND_IMPL)} (bucketed:<MB>, torch:<MB>)"
-            )
-        if size and kind not in ("bucketed", "torch"):
-            raise ValueError(f"variant {label!r}: only bucketed and torch take a bucket size")
-        mb = float(size) if size else None
-        if mb is not None and not mb > 0:
-            raise ValueError(f"variant {label!r}: bucket size must be > 0 MB")
-        return cls(kind, mb)
-
-    @property
-    def label(self) -> str:
-        return self.kind if self.bucket_size_mb is None else f"{self.kind}:{self.bucket_size_mb:g}"
-
-    @property
-    def impl(self) -> str:
-        return KIND_IMPL[self.kind]
-
-    @property
-    def x_value(self) -> float:
-        """Bucket size in MB for the bucketed variants (inf = one bucket), NaN for the others."""
-        if self.kind == "bucketed":
-            return math.inf if self.bucket_size_mb is None else self.bucket_size_mb
-        if self.kind == "torch":
-            return TORCH_DEFAULT_BUCKET_MB if self.bucket_size_mb is None else self.bucket_size_mb
-        return math.nan
-
-
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainBenchConfig:
     size: str = "xl"
     context_length: int = 512
@@ -168,71 +113,33 @@ class TrainBenchConfig:
             Variant.parse(label)
 
     def to_args(self) -> list[str]:
-        return ["--size", self.size, "--context-length", str(self.context_length),
-                "--global-batch", str(self.global_batch), "--warmup", str(self.warmup), "--steps", str(self.steps),
-                "--attention", self.attention, "--backend", self.backend, "--seed", str(self.seed),
-                "--trace", *self.trace, "--pg-timeout-s", str(self.pg_timeout_s)]  # fmt: skip
-
-
-class _StepClock:
-    """Phase durations (ms) of one step from marks on the compute stream (CUDA events) or the host."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def _now(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return timeit.default_timer()
-
-    def start(self) -> None:
-        synchronize(self.device)
-        self._wall0 = timeit.default_timer()
-        self._marks = [("start", self._now())]
-
-    def mark(self, name: str) -> None:
-        self._marks.append((name, self._now()))
-
-    def stop(self) -> dict[str, float]:
-        synchronize(self.device)
-        out = {"step": (timeit.default_timer() - self._wall0) * 1e3}
-        for (_, a), (name, b) in zip(self._marks, self._marks[1:]):
-            out[name] = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-        return out
-
-
-def _wrap(variant: Variant, model: torch.nn.Module, device: torch.device):
-    """(module to call, gradient-sync function, wrapper or None)."""
-    if variant.kind == "single":
-        return model, lambda: None, None
-    if variant.kind == "torch":
-        from torch.nn.parallel import DistributedDataParallel
-
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=variant.bucket_size_mb,
-        )
-        return ddp, lambda: None, ddp
-    if variant.kind == "bucketed":
-        ddp = DDPBucketed(model, variant.bucket_size_mb)
-    else:
-        ddp = DDP_VARIANTS[variant.kind](model)
-    return ddp, ddp.finish_gradient_synchronization, ddp
+        return [
+            "--size",
+            self.size,
+            "--context-length",
+            str(self.context_length),
+            "--global-batch",
+            str(self.global_batch),
+            "--warmup",
+            str(self.warmup),
+            "--steps",
+            str(self.steps),
+            "--attention",
+            self.attention,
+            "--backend",
+            self.backend,
+            "--seed",
+            str(self.seed),
+            "--trace",
+            *self.trace,
+            "--pg-timeout-s",
+            str(self.pg_timeout_s),
+        ]
 
 
 def trace_path(results_dir: str | os.PathLike | None, label: str) -> Path:
     safe = label.replace(":", "_").replace(".", "p")
     return default_results_dir(results_dir) / f"{PROBLEM}__trace_{safe}.json.gz"
-
-
-def _gather(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def run_variant(
@@ -244,7 +151,7 @@ def run_variant(
     inject_failure: str | None = None,
 ) -> list[dict[str, Any]]:
     """Warm up, time `cfg.steps` steps, optionally trace one more; rank 0 returns the rows."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     if cfg.global_batch % world:
         raise ValueError(f"global batch {cfg.global_batch} is not divisible by world size {world}")
     mcfg = get_config(cfg.size, context_length=cfg.context_length)
@@ -252,18 +159,23 @@ def run_variant(
     gc.collect()  # the model, optimizer state and buffers of this variant go before the next one
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    all_samples, all_peaks = _gather(samples), _gather(peak_gib)
-    if rank != 0:
+    gathered = runner.gather_to_rank0((samples, peak_gib))
+    if gathered is None:
         return []
+    all_samples, all_peaks = [s for s, _ in gathered], [p for _, p in gathered]
     record = {
-        **dataclasses.asdict(cfg), "variant": variant.label, "world_size": world,
-        "per_rank_batch": cfg.global_batch // world, "model": mcfg.as_kwargs(), "num_params": mcfg.num_params(),
-        "num_buckets": num_buckets, "device": device.type,
+        **dataclasses.asdict(cfg),
+        "variant": variant.label,
+        "world_size": world,
+        "per_rank_batch": cfg.global_batch // world,
+        "model": mcfg.as_kwargs(),
+        "num_params": mcfg.num_params(),
+        "num_buckets": num_buckets,
+        "device": device.type,
         "comm_time": COMM_MEANING.get(variant.kind, "none (no separate phase)"),
         "statistic": "per step, the slowest rank (wall time and its phases)",
-    }  # fmt: skip
-    keys = dict(problem=PROBLEM, name=cfg.size, impl=variant.impl, mode="train", dtype="fp32",
-                x_name="bucket_size_mb", x_value=variant.x_value, config=record)  # fmt: skip
+    }
+    keys = _row_keys(cfg, variant, record)
     # Step i is represented by its slowest rank (all phases from that rank, so they add up to its step).
     slowest = [max(all_samples, key=lambda per_rank: per_rank[i]["step"])[i] for i in range(cfg.steps)]
     rows = [make_row(metric="step_time", unit="ms", samples=[x["step"] for x in slowest], **keys)]
@@ -281,15 +193,12 @@ def _measure(cfg, variant, device, mcfg, results_dir, inject_failure) -> tuple[l
     rank, world = dist.get_rank(), dist.get_world_size()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(cfg.seed)
-    model = BasicsTransformerLM.from_config(mcfg, attention_impl=cfg.attention, device=device)
-    module, sync, wrapper = _wrap(variant, model, device)
+    _, model = runner.build_model(cfg, device, seed=cfg.seed)
+    module, sync, wrapper = wrap(variant, model, device)
     optimizer = AdamW(model.parameters())
-    generator = torch.Generator().manual_seed(cfg.seed + 1 + rank)  # each rank its own shard of the batch
-    inputs, targets = random_batch(
-        cfg.global_batch // world, cfg.context_length, mcfg.vocab_size, device=device, generator=generator
-    )
-    clock = _StepClock(device)
+    per_rank = cfg.global_batch // world  # each rank its own shard of the batch
+    inputs, targets = runner.rank_batch(per_rank, cfg.context_length, mcfg.vocab_size, device, cfg.seed + 1)
+    clock = StepClock(device)
 
     def step(ranges: bool = False) -> dict[str, float]:
         clock.start()
@@ -342,10 +251,56 @@ def _trace_one_step(
         prof.export_chrome_trace(str(raw))
         trace = json.loads(raw.read_text())
     compact = compact_trace(trace)
-    compact["metadata"] = {"variant": variant.label, "impl": variant.impl, "size": cfg.size,
-                           "context_length": cfg.context_length, "global_batch": cfg.global_batch,
-                           "world_size": dist.get_world_size(), "rank": rank, **env_metadata()}  # fmt: skip
+    compact["metadata"] = {
+        "variant": variant.label,
+        "impl": variant.impl,
+        "size": cfg.size,
+        "context_length": cfg.context_length,
+        "global_batch": cfg.global_batch,
+        "world_size": dist.get_world_size(),
+        "rank": rank,
+        **env_metadata(),
+    }
     save_trace(compact, path)
+
+
+def _measure_label(
+    cfg: TrainBenchConfig,
+    label: str,
+    device: torch.device,
+    results_dir: str | None,
+    *,
+    inject_failure: str | None = None,
+) -> tuple[list[dict[str, Any]], None]:
+    return run_variant(
+        cfg, Variant.parse(label), device, results_dir=results_dir, inject_failure=inject_failure
+    ), None
+
+
+def failure_rows(cfg: TrainBenchConfig, label: str, note: str, world: int) -> list[dict[str, Any]]:
+    variant = Variant.parse(label)
+    record = {**dataclasses.asdict(cfg), "variant": variant.label, "world_size": world}
+    return [failure_row(metric="step_time", unit="ms", note=note, **_row_keys(cfg, variant, record))]
+
+
+def _row_keys(cfg: TrainBenchConfig, variant: Variant, record: dict[str, Any]) -> dict[str, Any]:
+    return dict(
+        problem=PROBLEM,
+        name=cfg.size,
+        impl=variant.impl,
+        mode="train",
+        dtype="fp32",
+        x_name="bucket_size_mb",
+        x_value=variant.x_value,
+        config=record,
+    )
+
+
+def study(inject_failure: str | None = None) -> runner.Study:
+    """This study for the runner; `inject_failure` (tests): "<variant>" or "oom:<variant>" makes the
+    last rank fail in that variant after its warm-up."""
+    measure_one = functools.partial(_measure_label, inject_failure=inject_failure)
+    return runner.Study(problem=PROBLEM, module=MODULE, measure=measure_one, failure_rows=failure_rows)
 
 
 def run_worker(
@@ -356,65 +311,17 @@ def run_worker(
     results_dir: str | None = None,
     inject_failure: str | None = None,
 ) -> None:
-    """Body of one torchrun process: the variants in order; rank 0 appends rows after each one.
-
-    The progress file gets "DONE <variant>" after each variant and, from a rank that fails,
-    "FAIL <variant> <rank> <reason>" before it exits; the driver reads both.
-    """
-    parsed = [Variant.parse(v) for v in variants]
-    device = setup_process_group(cfg.backend, timeout_s=cfg.pg_timeout_s)
-    current = None
-    try:
-        rank0_print(f"[train_bench] {cfg.size}, ctx {cfg.context_length}, global batch {cfg.global_batch} "
-                    f"on {dist.get_world_size()} x {device.type} ({cfg.backend}); variants {list(variants)}")  # fmt: skip
-        for variant in parsed:
-            current = variant.label
-            rows = run_variant(cfg, variant, device, results_dir=results_dir, inject_failure=inject_failure)
-            if dist.get_rank() == 0:
-                append_rows(PROBLEM, rows, results_dir)
-                step_row = rows[0]
-                rank0_print(f"  {variant.label:>14}: step {step_row['mean']:.1f} +- {step_row['std']:.1f} ms")
-                _log_progress(progress_file, f"DONE {variant.label}")
-    except BaseException as exc:
-        # No barrier or group teardown here: the peers may be blocked inside a collective of this
-        # variant, and a barrier would pair with it and hang until the timeout. Exiting closes the
-        # connections; torchrun then stops the other ranks.
-        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-        _log_progress(progress_file, f"FAIL {current} {dist.get_rank()} {reason}")
-        raise
-    cleanup_process_group()
-
-
-def _log_progress(path: str | None, line: str) -> None:
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-
-
-# ------------------------------------------------------------------------------------------------------
-# Driver
-# ------------------------------------------------------------------------------------------------------
-
-
-_PEER_FAILURE = re.compile(r"connection closed|connection reset|broken pipe|timed? ?out|sigterm|nccl", re.I)
-
-
-def _failure_note(fail_lines: Sequence[str], output: str) -> str:
-    """OOM, else the root cause (a rank's own error rather than a peer noticing the crash)."""
-    text = " ".join(fail_lines) + " " + output
-    if "out of memory" in text.lower():
-        return "OOM"
-    own = [ln for ln in fail_lines if not _PEER_FAILURE.search(ln)]
-    if own or fail_lines:
-        return f"error: {(own or fail_lines)[0]}"[:200]
-    lines = [ln.strip() for ln in output.splitlines() if "Error" in ln and ":" in ln]
-    return f"error: {lines[-1][:200]}" if lines else "error: the launch failed (see the log)"
-
-
-def failure_rows_for(cfg: TrainBenchConfig, variant: Variant, note: str, world: int) -> list[dict[str, Any]]:
-    record = {**dataclasses.asdict(cfg), "variant": variant.label, "world_size": world}
-    return [failure_row(problem=PROBLEM, metric="step_time", unit="ms", note=note, name=cfg.size, impl=variant.impl,
-                        mode="train", dtype="fp32", x_name="bucket_size_mb", x_value=variant.x_value, config=record)]  # fmt: skip
+    """Body of one torchrun process: the variants in order; rank 0 appends rows after each one."""
+    labels = [Variant.parse(v).label for v in variants]
+    runner.run_worker(
+        study(inject_failure),
+        cfg,
+        labels,
+        backend=cfg.backend,
+        pg_timeout_s=cfg.pg_timeout_s,
+        progress_file=progress_file,
+        results_dir=results_dir,
+    )
 
 
 def run_sweep(
@@ -427,41 +334,22 @@ def run_sweep(
     inject_failure: str | None = None,
 ) -> list[str]:
     """Run every variant (relaunching after a crash); returns the labels that failed."""
-    parsed = [Variant.parse(v) for v in variants]  # bad labels fail here, before any launch
-    labels = [v.label for v in parsed]
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.backend == "nccl" and n_gpus < nproc:
-        note = f"not run: needs {nproc} GPUs, {n_gpus} visible"
-        append_rows(PROBLEM, [r for v in parsed for r in failure_rows_for(cfg, v, note, nproc)], results_dir)
-        print(f"[train_bench] {note}")
-        return labels
-    failed: list[str] = []
-    remaining = list(labels)
-    while remaining:
-        with tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
-            args = [*cfg.to_args(), "--variants", *remaining, "--progress-file", progress.name]
-            if inject_failure:
-                args += ["--inject-failure", inject_failure]
-            limit = timeout_s if timeout_s is not None else 120.0 + 90.0 * len(remaining)
-            try:
-                run_torchrun(MODULE, args, nproc, timeout_s=limit, env=child_env(results_dir))
-                remaining = []
-            except TorchrunError as exc:
-                log = Path(progress.name).read_text().splitlines()
-                done = {ln.split()[1] for ln in log if ln.startswith("DONE ")}
-                remaining = [v for v in remaining if v not in done]
-                if not remaining:
-                    print(f"[train_bench] failure after the last variant (ignored):\n{exc}")
-                    break
-                bad = remaining.pop(0)
-                fails = [
-                    ln.split(" ", 3)[3] for ln in log if ln.startswith(f"FAIL {bad} ") and ln.count(" ") >= 3
-                ]
-                note = _failure_note(fails, str(exc))
-                failed.append(bad)
-                append_rows(PROBLEM, failure_rows_for(cfg, Variant.parse(bad), note, nproc), results_dir)
-                print(f"[train_bench] variant {bad} failed ({note}); continuing with {remaining}\n{exc}")
-    return failed
+    labels = [Variant.parse(v).label for v in variants]  # bad labels fail here, before any launch
+    extra = ["--inject-failure", inject_failure] if inject_failure else []
+
+    def launch_args(remaining: list[str], progress: str) -> list[str]:
+        return [*cfg.to_args(), "--variants", *remaining, "--progress-file", progress, *extra]
+
+    return runner.run_study(
+        study(inject_failure),
+        cfg,
+        labels,
+        launch_args,
+        backend=cfg.backend,
+        nproc=nproc,
+        results_dir=results_dir,
+        timeout_s=timeout_s,
+    )
 
 
 QUICK = dict(size="debug", context_length=32, global_batch=4, warmup=1, steps=2, backend="gloo")
@@ -502,205 +390,8 @@ def measure(
         missing_traces = [t for t in cfg.trace if not trace_path(results_dir, t).exists()]
         labels = [v for v in labels if v not in done or v in missing_traces]
     if labels:
-        run_sweep(cfg, labels, nproc=nproc, results_dir=None if results_dir is None else str(results_dir))  # fmt: skip
+        run_sweep(cfg, labels, nproc=nproc, results_dir=None if results_dir is None else str(results_dir))
     return labels
-
-
-# ------------------------------------------------------------------------------------------------------
-# Analysis helpers used by the notebooks
-# ------------------------------------------------------------------------------------------------------
-
-
-def variant_label(row: pd.Series) -> str:
-    """A readable label from a row: "naive", "bucketed 10 MB", "torch DDP 25 MB (default)", "1 GPU"."""
-    cfg = json.loads(row["config_json"])
-    v = Variant.parse(cfg["variant"])
-    if v.kind == "single":
-        return "1 GPU, no comm"
-    if v.kind == "bucketed":
-        return "bucketed, 1 bucket" if v.bucket_size_mb is None else f"bucketed {v.bucket_size_mb:g} MB"
-    if v.kind == "torch":
-        return (
-            "torch DDP 25 MB (default)" if v.bucket_size_mb is None else f"torch DDP {v.bucket_size_mb:g} MB"
-        )
-    return {"naive": "naive", "flat": "flat", "overlap": "overlap (per param)"}[v.kind]
-
-
-def summary(df: pd.DataFrame, size: str | None = None) -> pd.DataFrame:
-    """One row per variant of one model size (default: that of the newest row): mean step/phase times (ms), overhead over the no-comm reference, comm share.
-
-    Columns: variant, kind, bucket_mb, step_ms, step_std_ms, forward_ms, backward_ms, comm_ms,
-    optimizer_ms, peak_gib, overhead_ms (step - single step), comm_share (comm_ms / step_ms), note.
-    """
-    if df.empty:
-        return pd.DataFrame()
-    df = df.sort_values("timestamp").copy()
-    size = size or df.name.iloc[-1]
-    df = df[df.name == size]
-    df["variant"] = [json.loads(c)["variant"] for c in df.config_json]
-    df = df.drop_duplicates(subset=["name", "variant", "metric"], keep="last")
-    out = []
-    for variant, g in df.groupby("variant", sort=False):
-        by = {m: r for m, r in zip(g.metric, g.itertuples())}
-        step = by.get("step_time")
-        rec = {"variant": variant, "label": variant_label(g.iloc[0]), "kind": Variant.parse(variant).kind,
-               "bucket_mb": Variant.parse(variant).x_value, "note": step.note if step is not None else ""}  # fmt: skip
-        for metric, col in (("step_time", "step_ms"), ("forward_time", "forward_ms"), ("backward_time", "backward_ms"),
-                            ("comm_time", "comm_ms"), ("optimizer_time", "optimizer_ms"), ("peak_memory", "peak_gib")):  # fmt: skip
-            rec[col] = by[metric].mean if metric in by else math.nan
-        rec["step_std_ms"] = step.std if step is not None else math.nan
-        out.append(rec)
-    s = pd.DataFrame(out)
-    base = s.loc[s.kind == "single", "step_ms"]
-    s["overhead_ms"] = s.step_ms - (base.iloc[0] if len(base) else math.nan)
-    s["comm_share"] = s.comm_ms / s.step_ms
-    order = {k: i for i, k in enumerate(KIND_IMPL)}
-    s["_o"] = [order[k] for k in s.kind]
-    return s.sort_values(["_o", "bucket_mb"]).drop(columns="_o").reset_index(drop=True)
-
-
-def _count(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def describe_setup(df: pd.DataFrame) -> str:
-    """One sentence naming the measured configuration (from the newest step_time row's config)."""
-    rows = df[(df.metric == "step_time") & (df.note == "")].sort_values("timestamp")
-    if rows.empty:
-        return "no successful measurement"
-    row = rows.iloc[-1]
-    c = json.loads(row.config_json)
-    m = c["model"]
-    device = row.gpu_name if c.get("device") == "cuda" else "CPU processes"
-    return (
-        f"model `{c['size']}` (d_model {m['d_model']}, {m['num_layers']} layers, d_ff {m['d_ff']}, "
-        f"{_count(c['num_params'])} parameters), fp32 weights and compute, the project's AdamW, "
-        f"{c['attention']} attention, random tokens; context length {c['context_length']}, global batch "
-        f"{c['global_batch']} = {c['per_rank_batch']} sequences per rank on {c['world_size']} x {device} "
-        f"({c['backend']}); {c['warmup']} warm-up and {c['steps']} timed steps per variant"
-    )
-
-
-def summary_table(summ: pd.DataFrame, variants: Sequence[str] | None = None) -> pd.DataFrame:
-    """Display version of `summary`: ms per phase, overhead over 1 GPU, communication share, memory."""
-    s = summ if variants is None else summ[summ.variant.isin(variants)]
-    fmt = lambda x, spec=".1f": (
-        "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-    )
-    out = pd.DataFrame({
-        "variant": s.label,
-        "step (ms)": [f"{fmt(m)} +- {fmt(sd)}" if not math.isnan(m) else n for m, sd, n in zip(s.step_ms, s.step_std_ms, s.note)],
-        "forward": [fmt(x) for x in s.forward_ms],
-        "backward": [fmt(x) for x in s.backward_ms],
-        "grad sync": [fmt(x) for x in s.comm_ms],
-        "optimizer": [fmt(x) for x in s.optimizer_ms],
-        "vs 1 GPU": [fmt(x, "+.1f") for x in s.overhead_ms],
-        "sync share": [fmt(100 * x, ".1f") + (" %" if not math.isnan(x) else "") for x in s.comm_share],
-        "peak GiB": [fmt(x) for x in s.peak_gib],
-    })  # fmt: skip
-    return out.reset_index(drop=True)
-
-
-def row_of(summ: pd.DataFrame, variant: str) -> pd.Series | None:
-    """The summary row of one variant label (None when it was not measured)."""
-    sel = summ[summ.variant == Variant.parse(variant).label] if len(summ) else summ
-    return None if len(sel) == 0 else sel.iloc[0]
-
-
-def bucket_table(summ: pd.DataFrame) -> pd.DataFrame:
-    """Bucket size (rows) -> DDPBucketed vs PyTorch DDP step time, their ratio, buckets, exposed sync."""
-    b = summ[summ.kind == "bucketed"].set_index("bucket_mb")
-    t = summ[summ.kind == "torch"].set_index("bucket_mb")
-    sizes = sorted(set(b.index) | set(t.index))
-    rows = []
-    for mb in sizes:
-        rb = b.loc[mb] if mb in b.index else None
-        rt = t.loc[mb] if mb in t.index else None
-        step_b = rb.step_ms if rb is not None else math.nan
-        step_t = rt.step_ms if rt is not None else math.nan
-        rows.append({
-            "bucket (MB)": "one bucket" if math.isinf(mb) else (f"{mb:g} (torch default)" if mb == TORCH_DEFAULT_BUCKET_MB else f"{mb:g}"),
-            "DDPBucketed step (ms)": step_b,
-            "exposed sync (ms)": rb.comm_ms if rb is not None else math.nan,
-            "PyTorch DDP step (ms)": step_t,
-            "ours / PyTorch": step_b / step_t,
-            "_mb": mb,
-        })  # fmt: skip
-    return pd.DataFrame(rows).sort_values("_mb").drop(columns="_mb").reset_index(drop=True)
-
-
-def bucket_model(
-    ddp_df: pd.DataFrame,
-    comm_df: pd.DataFrame,
-    *,
-    impl: str | None = None,
-    grid_mb: Sequence[float] | None = None,
-) -> dict[str, Any]:
-    """ddp_bucketed_benchmarking (b): fit o, w from the all-reduce rows and predict the bucket sweep.
-
-    Returns a dict with o_s, w_Bps, s_bytes, the handout-model optimum (bucket_mb_opt, n_b_opt), and
-    `table` (per measured bucket size: real bucket count, handout-model overhead n_b o + s/(n_b w),
-    the pipeline simulation with the measured backward time, and the measured exposed comm time), and
-    `curve` (the same two predictions on a fine grid of bucket sizes).
-
-    [Note: pipeline simulation] The handout's model assumes computing a bucket's gradients takes as
-    long as communicating it. The simulation drops that assumption: backward (measured, from the
-    no-comm reference) produces gradient bytes uniformly in time in reverse parameter order, each
-    real bucket (same greedy plan as DDPBucketed) is ready when its last byte is, and the all-reduces
-    run one after another taking o + bytes / w each; overhead = end of the last one - end of backward.
-    """
-    from cs336_systems import accounting
-    from cs336_systems.studies.distributed.comm_bench import latency_bandwidth_from_rows
-
-    summ = summary(ddp_df)
-    if summ.empty:
-        raise ValueError("no ddp_training rows")
-    first = ddp_df.iloc[0]
-    cfg = json.loads(first.config_json)
-    world = int(cfg.get("world_size", 2))
-    impl = impl or (
-        "nccl/cuda" if cfg.get("device") == "cuda" or cfg.get("backend") == "nccl" else "gloo/cpu"
-    )
-    o, w = latency_bandwidth_from_rows(comm_df, impl, world)
-    mcfg = get_config(cfg["size"], context_length=cfg["context_length"])
-    params = list(BasicsTransformerLM.from_config(mcfg, device="meta").parameters())
-    sizes = [p.numel() * p.element_size() for p in params]
-    s_bytes = float(sum(sizes))
-    single = summ[summ.kind == "single"]
-    t_bwd = float(single.backward_ms.iloc[0]) / 1e3 if len(single) else math.nan
-
-    def predict(bucket_mb: float | None) -> tuple[int, float, float]:
-        plan = plan_buckets(params, bucket_mb)
-        n_b = len(plan)
-        handout = accounting.ddp_bucket_overhead(s_bytes, w, o, n_b)
-        end, produced = 0.0, 0.0
-        for bucket in plan:
-            nbytes = sum(sizes[i] for i in bucket)
-            produced += nbytes
-            ready = t_bwd * produced / s_bytes
-            end = max(end, ready) + o + nbytes / w
-        return n_b, handout, end - t_bwd
-
-    rows = []
-    for r in summ[summ.kind == "bucketed"].itertuples():
-        mb = None if math.isinf(r.bucket_mb) else r.bucket_mb
-        n_b, handout, sim = predict(mb)
-        rows.append({"bucket_mb": r.bucket_mb, "num_buckets": n_b, "handout_model_ms": handout * 1e3,
-                     "simulated_ms": sim * 1e3, "measured_comm_ms": r.comm_ms, "measured_step_ms": r.step_ms})  # fmt: skip
-    grid = list(grid_mb) if grid_mb is not None else list(np.geomspace(0.25, 4096, 40))
-    curve = [
-        {"bucket_mb": g, **dict(zip(("num_buckets", "handout_model_ms", "simulated_ms"), predict(g)))}
-        for g in grid
-    ]
-    curve = pd.DataFrame(curve)
-    curve[["handout_model_ms", "simulated_ms"]] *= 1e3
-    return {
-        "o_s": o, "w_Bps": w, "s_bytes": s_bytes, "world_size": world, "impl": impl, "backward_s": t_bwd,
-        "n_b_opt": accounting.ddp_optimal_num_buckets(s_bytes, w, o) if o > 0 else math.nan,
-        "bucket_mb_opt": accounting.ddp_optimal_bucket_bytes(s_bytes, w, o) / 2**20 if o > 0 else math.nan,
-        "min_overhead_ms": accounting.ddp_min_overhead(s_bytes, w, o) * 1e3,
-        "table": pd.DataFrame(rows), "curve": curve,
-    }  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -735,15 +426,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Tests only: make the last rank fail in "<variant>" (or raise an OOM for "oom:<variant>").
     p.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    names = [f.name for f in dataclasses.fields(TrainBenchConfig)]  # each flag's dest is its field
     with cli.usage_errors(p):
-        cfg = TrainBenchConfig(size=args.size, context_length=args.context_length, global_batch=args.global_batch,
-                               warmup=args.warmup, steps=args.steps, attention=args.attention, backend=args.backend,
-                               seed=args.seed, trace=tuple(args.trace), pg_timeout_s=args.pg_timeout_s)  # fmt: skip
+        cfg = TrainBenchConfig(**{name: getattr(args, name) for name in names} | {"trace": tuple(args.trace)})
         for label in args.variants:
             Variant.parse(label)
     if "WORLD_SIZE" in os.environ:
-        run_worker(cfg, args.variants, progress_file=args.progress_file, results_dir=args.results_dir,
-                   inject_failure=args.inject_failure)  # fmt: skip
+        run_worker(
+            cfg,
+            args.variants,
+            progress_file=args.progress_file,
+            results_dir=args.results_dir,
+            inject_failure=args.inject_failure,
+        )
         return
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nproc = args.nproc or (max(n_gpus, 1) if cfg.backend == "nccl" else 2)
@@ -755,8 +450,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         "resolved config:", json.dumps({**dataclasses.asdict(cfg), "variants": args.variants, "nproc": nproc})
     )
-    failed = run_sweep(cfg, args.variants, nproc=nproc, results_dir=args.results_dir,
-                       timeout_s=args.timeout_s, inject_failure=args.inject_failure)  # fmt: skip
+    failed = run_sweep(
+        cfg,
+        args.variants,
+        nproc=nproc,
+        results_dir=args.results_dir,
+        timeout_s=args.timeout_s,
+        inject_failure=args.inject_failure,
+    )
     print(f"[train_bench] done; failed variants: {failed or 'none'}")
 
 

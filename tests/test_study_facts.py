@@ -1,0 +1,168 @@
+"""Each notebook's `facts()` on the committed results under figures/data/: the numbers the answers state.
+
+The expectations are recomputed here from the raw rows (or checked against physical facts), so a
+change in how a study summarises its rows cannot silently change what the write-up says.
+"""
+
+import pandas as pd
+import pytest
+
+from cs336_systems.measure.results import REPO_ROOT, load_results
+
+DATA = REPO_ROOT / "figures" / "data"
+
+
+def committed(problem: str) -> pd.DataFrame:
+    if not (DATA / f"{problem}.csv").exists():
+        pytest.skip(f"no committed {problem}.csv")
+    return load_results(problem, DATA)
+
+
+def test_autocast_facts_on_the_committed_run():
+    from cs336_systems.studies import autocast_study
+
+    df = committed("benchmarking_mixed_precision")
+    facts = autocast_study.facts(df, context_length=512)
+    # (a) CUDA autocast: matmul outputs in the low precision, LayerNorm, loss and gradients in fp32
+    dtype_of = facts["dtype_of"]
+    low = facts["autocast_dtype"]
+    assert dtype_of["fc1 output"] == dtype_of["logits (fc2 output)"] == low != "float32"
+    assert dtype_of["LayerNorm output"] == dtype_of["loss"] == dtype_of["parameter gradients"] == "float32"
+    # (b) fp16 overflows past sqrt(65504) ~ 256; bf16 does not overflow but is less precise than fp16
+    assert facts["fp16_largest_finite"] == 65504
+    assert facts["fp16_overflow_deviation"] == pytest.approx(255.94, abs=0.01)
+    assert facts["bf16_over_fp16_error_narrow"] > 1 and facts["fp32_output_error_narrow"] < 1e-5
+    # (c) the speed-ups are fp32 / bf16 mean step times of the rows at context 512
+    step = df[(df.metric == "step_time") & (df["mode"] == "train") & (df.x_value.astype(str) == "512")]
+    mean = step.groupby(["name", "dtype"])["mean"].last()
+    speedup = facts["speedup"]
+    assert speedup["sizes"] == ["small", "medium", "large", "xl", "2.7B"]
+    assert speedup["step_first"] == pytest.approx(mean["small", "fp32"] / mean["small", "bf16-autocast"])
+    assert speedup["step_last"] == pytest.approx(mean["2.7B", "fp32"] / mean["2.7B", "bf16-autocast"])
+    assert speedup["grows_with_size"] and speedup["step_last"] > 3
+    assert speedup["forward_min"] <= speedup["forward_max"]
+
+
+def test_benchmarking_script_facts_on_the_committed_run():
+    import json
+
+    from cs336_systems.studies import timing_analysis
+
+    df = committed("benchmarking_script")
+    facts = timing_analysis.facts(df, context_length=512, warmup=5)
+    timing = facts["timing"]
+    rows = df[
+        (df.x_name == "context_length")
+        & (df.x_value.astype(str) == "512")
+        & (df["mode"] == "forward_backward")
+    ]
+    mean = rows.groupby(["name", "metric"])["mean"].last()
+    assert timing["sizes"] == ["small", "medium", "large", "xl", "2.7B"]
+    assert timing["forward_first_ms"] == pytest.approx(mean["small", "forward_time"])
+    assert timing["backward_last_ms"] == pytest.approx(mean["2.7B", "backward_time"])
+    ratios = [mean[s, "backward_time"] / mean[s, "forward_time"] for s in timing["sizes"]]
+    assert timing["backward_over_forward_min"] == pytest.approx(min(ratios))
+    assert 1.5 < min(ratios) <= max(ratios) < 3  # about two matmuls per forward matmul
+    assert timing["cv_median"] <= timing["cv_max"] and timing["failed"] == []
+    # (c): the cold first step is the first sample of the warm-up-0 row of the first ablation size
+    ablation = facts["ablation"]
+    cold = df[(df.x_name == "warmup") & (df.x_value.astype(str) == "0") & (df.metric == "step_time")]
+    cold = cold[cold.name == ablation["cold_size"]]
+    samples = json.loads(cold["samples"].iloc[-1])
+    assert ablation["cold"]["first_ms"] == pytest.approx(samples[0])
+    assert ablation["first_over_rest"][0] == pytest.approx(samples[0] / pd.Series(samples[1:]).median())
+    assert ablation["first_over_rest"][0] > 2 > ablation["first_over_rest"][1]  # one warm-up step is enough
+
+
+def test_pytorch_attention_facts_on_the_committed_run():
+    from cs336_systems.measure.results import latest_run
+    from cs336_systems.studies import attention_results
+
+    df = latest_run(committed("pytorch_attention"), keys=("name", "impl", "x_value", "metric"))
+    facts = attention_results.facts(df[df.impl == "naive"])
+    oom = facts["oom"]
+    # the extra point d = 16, T = 32768 is the only one past the H200's 141 GB
+    assert (oom["d"], oom["T"], oom["phase"]) == (16, 32768, "forward")
+    assert oom["probabilities_GiB"] == 8 * 32768**2 * 4 / 2**30  # one (8, T, T) fp32 tensor
+    assert oom["inputs_MiB"] == 3 * 8 * 32768 * 16 * 4 / 2**20
+    assert oom["saved_for_backward_GiB"] == pytest.approx(
+        3 * oom["probabilities_GiB"] + 32768**2 / 2**30, abs=0.01
+    )
+    assert oom["backward_peak_GiB"] > facts["device_bytes"] / 2**30
+    scaling = facts["scaling"]
+    assert 1.95 < scaling["exponent_min"] <= scaling["exponent_max"] < 2.05  # quadratic in T
+    assert scaling["saved_T2_MiB_max"] == 3 * 8 * scaling["T_max"] ** 2 * 4 / 2**20
+    assert scaling["max_relative_error"] < 0.01
+
+
+def test_gradient_checkpointing_facts_on_the_committed_run():
+    from cs336_systems.studies import checkpointing_study
+
+    df = committed("gradient_checkpointing")
+    df = df[df.name == "xl_2026"]
+    facts = checkpointing_study.facts(df, checkpointing_study.cost_table("xl_2026", 4, 2048))
+    model, measured = facts["model"], facts["measured"]
+    assert model["num_blocks"] == 32 and model["recursive_forward_passes"] == 6  # ceil(log2 32) + 1
+    assert model["recursive_GiB"] < model["one_level_GiB"] < model["none_GiB"]
+    peaks = df[(df.metric == "peak_memory") & (df.impl == "block") & (df.note == "")]
+    peaks = peaks.groupby("x_value")["mean"].last()
+    assert measured["best_k"] == peaks.idxmin() and measured["best_GiB"] == pytest.approx(peaks.min())
+    assert measured["next_k"] == sorted(k for k in peaks.index if k > peaks.idxmin())[0]
+    assert measured["none_note"] == "OOM"
+    assert (
+        measured["sub_block_at_floor"]
+        and measured["sub_block_minus_best_MiB"] < 0.05 * measured["best_GiB"] * 1024
+    )
+    assert measured["step_recursive_ms"] > measured["step_best_ms"]  # more recomputation
+
+
+def test_torch_compile_facts_on_the_committed_runs():
+    from cs336_systems.measure.results import latest_run
+    from cs336_systems.studies import compile_study
+
+    compiled, eager = committed("torch_compile"), committed("pytorch_attention")
+    facts = compile_study.facts(compiled, eager[eager.impl == "naive"])
+    attention = facts["attention"]
+    keys = ("name", "impl", "x_value", "metric")
+
+    def forward_ms(df, d, t):
+        rows = latest_run(df, keys=keys)
+        rows = rows[
+            (rows.name == f"d{d}") & (rows.x_value.astype(float) == t) & (rows.metric == "forward_time")
+        ]
+        return rows["mean"].iloc[-1]
+
+    longest = attention["longest_T"]
+    for d, speedup in attention["forward_at_longest_by_d"]:
+        expected = forward_ms(eager[eager.impl == "naive"], d, longest) / forward_ms(
+            compiled[compiled.x_name == "seq_len"], d, longest
+        )
+        assert speedup == pytest.approx(expected, abs=0.006)  # the table rounds to 2 decimals
+    assert attention["forward_min"] <= attention["forward_at_longest"] <= attention["forward_max"]
+    # the eager attention ran out of memory at the extra point, the compiled one did not
+    assert [(d, t, eager_note) for d, t, eager_note, *_ in attention["only_compiled_ran"]] == [
+        (16, 32768, "OOM")
+    ]
+    model = facts["model"]
+    assert model["context_length"] == 512 and model["attention_T_near_context"] == [256, 1024]
+    assert {mode for mode, *_ in model["speedup_by_mode"]} == {"forward", "train"}
+    assert all(1 < lo <= hi < 2 for _, lo, hi in model["speedup_by_mode"])
+
+
+def test_training_step_facts_on_the_committed_run():
+    from cs336_systems.measure.results import latest_run
+    from cs336_systems.studies import train_step, train_step_results
+
+    df = latest_run(committed(train_step.PROBLEM), keys=("name", "impl", "x_value", "metric"))
+    facts = train_step_results.facts(df)
+    compare = df[(df.name == "compare") & (df.metric == "step_ms")]
+    for ctx in (512, 2048):
+        p50 = compare[compare.x_value.astype(float) == ctx].set_index("impl")["p50"]
+        assert facts[ctx]["ratio"] == pytest.approx(p50["ours"] / p50["stock"])
+        assert facts[ctx]["ratio"] < 1  # ours is faster than the stock compiled step at both contexts
+    bandwidth = df[df.name == "bandwidth"].set_index("impl")["p50"]
+    assert facts["adamw_fraction_of_copy"] == pytest.approx(bandwidth["fused_adamw"] / bandwidth["copy"])
+    assert 0.5 < facts["adamw_fraction_of_copy"] <= 1
+    waterfall = facts["waterfall"]
+    assert waterfall["handout fp32"] > waterfall["+ bf16 autocast"] > waterfall["+ bf16 compute weights"]
+    assert facts["check_steps"] == 20 and facts["check_max_loss_diff"] < 0.01
