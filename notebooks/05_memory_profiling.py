@@ -30,9 +30,8 @@ block_context_lengths = [512, 2048]
 import pandas as pd
 import torch
 
-from cs336_systems.model import get_config
-from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
-from cs336_systems.studies import memory, memory_attention_gpu_run
+from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.studies import memory, memory_analysis, memory_attention_gpu_run
 
 results_dir = nb.setup(quick)
 snapshot_dir = results_dir / "memory_profiling"
@@ -49,6 +48,11 @@ snapshots = {
     m: snapshot_dir / f"memory_profiling__{size}_{m}_fp32_ctx{ctx}.pickle.gz" for m in ("forward", "train")
 }
 timelines = {m: memory.parse_timeline(memory.load_snapshot(p)) for m, p in snapshots.items() if p.exists()}
+fsize, fctx = ("debug", [32]) if quick else (block_size, block_context_lengths)
+results_f = {t: memory.block_saved_memory(fsize, batch, t, device="meta") for t in fctx}
+facts = memory_analysis.facts(
+    df, timelines, size=size, ctx=ctx, batch=batch, block_size=fsize, block_results=results_f
+)
 
 # %% [markdown]
 # **Method.** `python -m cs336_systems.studies.memory_attention_gpu_run --parts memory block_saved` (or
@@ -70,24 +74,20 @@ if not timelines:
     nb.have_results(pd.DataFrame(), "the memory snapshots")
 
 # %% tags=["remove-input"]
-if "train" in timelines:
-    peaks = memory.phase_peaks(timelines["train"]).set_index("phase")
-    fwd_peaks = (
-        memory.phase_peaks(timelines["forward"]).set_index("phase") if "forward" in timelines else None
-    )
-    top = peaks["peak_GiB"].idxmax()
+if "train_peak_GiB" in facts:
     nb.md(
-        f"**(a)** Yes. In the training step memory starts at {peaks.loc['forward', 'start_GiB']:.1f} GiB "
+        f"**(a)** Yes. In the training step memory starts at {facts['train_start_GiB']:.1f} GiB "
         f"(parameters and AdamW state), climbs steadily through the forward pass as every block's activations "
-        f"are kept for backward, peaks at {peaks['peak_GiB'].max():.1f} GiB of active memory in the **{top}** phase, then falls "
+        f"are kept for backward, peaks at {facts['train_peak_GiB']:.1f} GiB of active memory in the "
+        f"**{facts['train_peak_phase']}** phase, then falls "
         f"in a staircase through the backward pass as each block's saved activations are released (gradient "
         f"buffers appear as the activations go), and the optimizer step shows only small, short-lived "
-        f"temporaries on a flat base ({peaks.loc['optimizer', 'peak_GiB']:.1f} GiB at most)."
+        f"temporaries on a flat base ({facts['optimizer_peak_GiB']:.1f} GiB at most)."
         + (
-            f" The inference forward pass stays low ({fwd_peaks['peak_GiB'].max():.1f} GiB): without autograd "
+            f" The inference forward pass stays low ({facts['forward_peak_GiB']:.1f} GiB): without autograd "
             "each block's intermediates are freed as soon as the next op has consumed them, so the timeline is "
             "a row of identical spikes, one per block (the attention scores), on top of the parameters."
-            if fwd_peaks is not None
+            if "forward_peak_GiB" in facts
             else ""
         )
     )
@@ -106,41 +106,31 @@ if nb.have_results(peak, "memory_profiling"):
     )
 
 # %% tags=["remove-input"]
-num = memory.peak_values(df)
-if len(num) and ("fp32", "train step") in num.columns and ("bf16-autocast", "train step") in num.columns:
-    ratio_t = num[("bf16-autocast", "train step")] / num[("fp32", "train step")]
-    ratio_f = num[("bf16-autocast", "forward")] / num[("fp32", "forward")]
-    state_gib = 16 * get_config(size).num_params() / 2**30
+if "state_GiB" in facts:
     nb.md(
-        f"**(b)** Training needs {num[('fp32', 'train step')].min():.1f} to {num[('fp32', 'train step')].max():.1f} GiB: "
-        f"{state_gib:.1f} GiB of fp32 parameters, gradients and AdamW moments (16 bytes per parameter) plus the "
+        f"**(b)** Training needs {facts['train_min_GiB']:.1f} to {facts['train_max_GiB']:.1f} GiB: "
+        f"{facts['state_GiB']:.1f} GiB of fp32 parameters, gradients and AdamW moments (16 bytes per parameter) plus the "
         "activations saved for backward, which grow with the context length (the attention scores "
-        f"quadratically). Inference needs {num[('fp32', 'forward')].min():.1f} to {num[('fp32', 'forward')].max():.1f} "
-        f"GiB, little beyond the {state_gib / 4:.1f} GiB of parameters. "
-        f"**(c)** With bf16 autocast the training peak changes by a factor {ratio_t.min():.2f} to {ratio_t.max():.2f} "
-        f"and the forward peak by {ratio_f.min():.2f} to {ratio_f.max():.2f}: not much, because autocast keeps the "
+        f"quadratically). Inference needs {facts['forward_min_GiB']:.1f} to {facts['forward_max_GiB']:.1f} "
+        f"GiB, little beyond the {facts['params_GiB']:.1f} GiB of parameters. "
+        f"**(c)** With bf16 autocast the training peak changes by a factor {facts['bf16_train_ratio_min']:.2f} to "
+        f"{facts['bf16_train_ratio_max']:.2f} and the forward peak by {facts['bf16_forward_ratio_min']:.2f} to "
+        f"{facts['bf16_forward_ratio_max']:.2f}: not much, because autocast keeps the "
         "fp32 master weights, gradients and optimizer state and adds bf16 copies of the weights for the "
         "matmuls; only the saved activations shrink (matmul outputs are bf16, while softmax, normalisation and "
         "the loss still run in fp32), and at these context lengths they are the smaller part of the peak."
     )
 
 # %% tags=["remove-input"]
-rs = {t: memory.residual_stream_bytes(memory.MODEL_SIZE, batch, t) for t in memory.CONTEXT_LENGTHS}
-d_model = get_config(memory.MODEL_SIZE).d_model
-seen = (
-    memory.count_allocations(timelines["forward"], memory.residual_stream_bytes(size, batch, ctx))
-    if "forward" in timelines
-    else None
-)
 nb.md(
     f"**(d)** One residual-stream activation of the 2.7B model is a (batch, T, d_model) fp32 tensor: "
-    f"4 x T x {d_model} x 4 bytes, i.e. "
-    + ", ".join(f"{b / 2**20:.0f} MiB at T = {t}" for t, b in rs.items())
-    + f" (bytes / 1024^2; {rs[512] / 2**20:.0f} MiB at the reference context 512)."
+    f"4 x T x {facts['d_model']} x 4 bytes, i.e. "
+    + ", ".join(f"{mib:.0f} MiB at T = {t}" for t, mib in facts["residual_MiB"].items())
+    + f" (bytes / 1024^2; {facts['residual_MiB'][512]:.0f} MiB at the reference context 512)."
     + (
-        f" The forward snapshot at context {ctx} contains {seen} allocations of exactly that size "
-        f"({memory.residual_stream_bytes(size, batch, ctx) / 2**20:.2f} MiB)."
-        if seen
+        f" The forward snapshot at context {ctx} contains {facts['residual_seen']} allocations of exactly that size "
+        f"({facts['snapshot_residual_MiB']:.2f} MiB)."
+        if facts.get("residual_seen")
         else ""
     )
 )
@@ -167,17 +157,17 @@ if "forward" in timelines:
         provenance_from=df[df.metric == "peak_memory"],
         formats={"size_MiB": "{:.2f}"},
     )
-    first, rest = big.iloc[0], big.iloc[1:3]
     nb.md(
-        f"**(e)** The largest allocations of the forward pass are {first['size_MiB']:.0f} MiB "
-        f"({first['count']} of them), allocated at `{first['source']}` (stack: `{first['stack']}`)"
+        f"**(e)** The largest allocations of the forward pass are {facts['largest_MiB']:.0f} MiB "
+        f"({facts['largest_count']} of them), allocated at `{facts['largest_source']}` "
+        f"(stack: `{facts['largest_stack']}`)"
         + (
             f": in the naive attention these are the {batch} x heads x T x T score and probability tensors. "
-            if any(k in first["source"] for k in ("attention", "softmax"))
+            if facts["largest_in_attention"]
             else ". "
         )
         + "Next in the list are "
-        + "; ".join(f"{r.size_MiB:.0f} MiB ({r.count}x) at `{r.source}`" for r in rest.itertuples())
+        + "; ".join(f"{mib:.0f} MiB ({count}x) at `{source}`" for mib, count, source in facts["next_largest"])
         + "."
     )
 
@@ -190,8 +180,6 @@ if "forward" in timelines:
 # driver also checks it against the allocator and measures the block's gradient memory.
 
 # %% tags=["remove-input"]
-fsize, fctx = ("debug", [32]) if quick else (block_size, block_context_lengths)
-results_f = {t: memory.block_saved_memory(fsize, batch, t, device="meta") for t in fctx}
 for t, res in results_f.items():
     show_table(
         memory.by_op_frame(res),
@@ -202,7 +190,7 @@ for t, res in results_f.items():
     )
 
 # %% tags=["remove-input"]
-gpu_f = latest_run(df[df.metric.str.startswith("block_")])
+gpu_f = memory_analysis.gpu_block_rows(df)
 BLOCK_COLUMNS = {
     "block_saved_activation_allocator": "saved (allocator)",
     "block_saved_activation_hooks": "saved (hooks)",
@@ -221,29 +209,23 @@ if "block_param_grad_measured" in set(gpu_f.metric):
     )
 
 # %% tags=["remove-input"]
-t_last = max(results_f)
-res = results_f[t_last]
-fcfg = get_config(fsize)
-square = 3 * batch * fcfg.num_heads * t_last * t_last * 4
-top5 = memory.by_op_frame(res)
-meas = gpu_f[gpu_f.x_value == t_last].set_index("metric")["mean"] if len(gpu_f) else None
 nb.md(
-    f"At T = {t_last} one block saves {res['saved']['activation'] / 2**20:,.0f} MiB of activations "
-    f"({res['saved']['activation'] / memory.residual_stream_bytes(fsize, batch, t_last):.0f} times its input), "
+    f"At T = {facts['block_T']} one block saves {facts['block_saved_MiB']:,.0f} MiB of activations "
+    f"({facts['block_saved_over_input']:.0f} times its input), "
     f"plus references to its parameters and input. The five largest contributors are "
-    + ", ".join(f"{r.op} ({r.percent:.0f}%)" for r in top5.itertuples())
+    + ", ".join(f"{op} ({percent:.0f}%)" for op, percent in facts["block_top_ops"])
     + f". The three (batch, heads, T, T) fp32 tensors of the naive softmax (the masked scores kept by `amax`, "
-    f"`exp`'s output, and the probabilities kept by the P V matmul) alone are {square / res['saved']['activation']:.0%} "
+    f"`exp`'s output, and the probabilities kept by the P V matmul) alone are {facts['softmax_share']:.0%} "
     "of it; the d_ff-wide SwiGLU intermediates and the inputs of the projections make up most of the rest. "
     f"The block's parameter gradients should take as much memory as its parameters, "
-    f"{res['expected_grad_bytes'] / 2**20:.1f} MiB (fp32)"
+    f"{facts['expected_grad_MiB']:.1f} MiB (fp32)"
     + (
-        f"; on the GPU the allocated memory changes by {meas['block_backward_memory_delta']:+,.1f} MiB over the "
+        f"; on the GPU the allocated memory changes by {facts['gpu_backward_delta_MiB']:+,.1f} MiB over the "
         f"block's backward (saved activations released, gradients allocated), which gives "
-        f"{meas['block_param_grad_measured']:.1f} MiB of gradients, and the allocator sees "
-        f"{meas['block_saved_activation_allocator']:,.1f} MiB retained by the forward pass against "
-        f"{meas['block_saved_activation_hooks']:,.1f} MiB counted by the hooks."
-        if meas is not None and "block_param_grad_measured" in meas
+        f"{facts['gpu_grad_measured_MiB']:.1f} MiB of gradients, and the allocator sees "
+        f"{facts['gpu_saved_allocator_MiB']:,.1f} MiB retained by the forward pass against "
+        f"{facts['gpu_saved_hooks_MiB']:,.1f} MiB counted by the hooks."
+        if "gpu_grad_measured_MiB" in facts
         else "; the GPU check of that number is not measured yet."
     )
 )

@@ -54,7 +54,7 @@ if nb.should_measure(measure, gpus=2, quick=quick):
             gloo_procs=gloo_procs, sizes_mb=sizes_mb, gloo_max_mb=gloo_max_mb, results_dir=results_dir
         )
 df = load_results(comm_bench.PROBLEM, results_dir)
-t = comm_bench.tidy(df)
+facts = comm_bench.facts(df)
 
 # %% tags=["remove-input"]
 if nb.have_results(df, comm_bench.PROBLEM):
@@ -72,62 +72,46 @@ if nb.have_results(df, comm_bench.PROBLEM):
 
 # %% tags=["remove-input"]
 if nb.have_results(df, comm_bench.PROBLEM):
-    ok = t[(t.note == "") & (t.metric == "busbw")]
-    time_ok = t[(t.note == "") & (t.metric == "all_reduce_time")]
-
-    def p50(impl, world, size, frame=ok):
-        sel = frame[(frame.impl == impl) & (frame.world_size == world) & (frame.x_value == size)]
-        return float(sel.sort_values("timestamp").p50.iloc[-1]) if len(sel) else float("nan")
-
-    big, small = max(ok.x_value, default=float("nan")), min(ok.x_value, default=float("nan"))
-    gloo_worlds = sorted(ok[ok.impl == "gloo/cpu"].world_size.unique())
-    nccl_worlds = sorted(ok[ok.impl == "nccl/cuda"].world_size.unique())
-    missing = t[(t.note != "") & (t.metric == "all_reduce_time")]
+    big, nccl_worlds = facts["big_mb"], facts["nccl_worlds"]
     parts = [
         f"**Answer.** At {big:g} MB, Gloo on CPU reaches a bus bandwidth of "
-        + ", ".join(f"{p50('gloo/cpu', w, big):.2f} GB/s with {w} processes" for w in gloo_worlds)
+        + ", ".join(f"{bw:.2f} GB/s with {w} processes" for w, bw in facts["gloo_busbw_big"].items())
         + "."
     ]
     if nccl_worlds:
-        w = nccl_worlds[0]
         parts.append(
-            f"NCCL on {w} GPUs reaches {p50('nccl/cuda', w, big):.0f} GB/s at {big:g} MB, "
-            f"{p50('nccl/cuda', w, big) / p50('gloo/cpu', w, big):.0f}x Gloo with the same number of processes, and "
-            f"a {small:g} MB all-reduce takes {p50('nccl/cuda', w, small, time_ok):.3f} ms vs "
-            f"{p50('gloo/cpu', w, small, time_ok):.3f} ms with Gloo."
+            f"NCCL on {facts['nccl_world']} GPUs reaches {facts['nccl_busbw_big']:.0f} GB/s at {big:g} MB, "
+            f"{facts['nccl_over_gloo_big']:.0f}x Gloo with the same number of processes, and "
+            f"a {facts['small_mb']:g} MB all-reduce takes {facts['nccl_small_ms']:.3f} ms vs "
+            f"{facts['gloo_small_ms']:.3f} ms with Gloo."
         )
-    sizes = sorted(time_ok.x_value.unique())
-    ref = "nccl/cuda" if nccl_worlds else "gloo/cpu"
-    w0 = (nccl_worlds or gloo_worlds)[0]
-    if len(sizes) >= 2:
-        a, b = sizes[0], sizes[1]
-        ta, tb = p50(ref, w0, a, time_ok), p50(ref, w0, b, time_ok)
+    if "latency" in facts:
+        lat = facts["latency"]
+        a, b, ta, tb = lat["small_mb"], lat["next_mb"], lat["small_ms"], lat["next_ms"]
         parts.append(
-            f"Small tensors are latency-bound: with {ref} x{w0}, going from {a:g} MB to {b:g} MB ({b / a:.0f}x the "
-            f"data) changes the time from {ta:.3f} to {tb:.3f} ms ({tb / ta:.1f}x), so the achieved bandwidth is far "
-            f"below the link's and grows with size until the transfer dominates."
+            f"Small tensors are latency-bound: with {lat['impl']} x{lat['world']}, going from {a:g} MB to {b:g} MB "
+            f"({b / a:.0f}x the data) changes the time from {ta:.3f} to {tb:.3f} ms ({tb / ta:.1f}x), so the "
+            f"achieved bandwidth is far below the link's and grows with size until the transfer dominates."
         )
-    if len(gloo_worlds) >= 2:
-        lo, hi = gloo_worlds[0], gloo_worlds[-1]
+    if "gloo_lo" in facts:
+        lo, hi = facts["gloo_lo"], facts["gloo_hi"]
         parts.append(
-            f"More processes cost more: at {big:g} MB a Gloo all-reduce takes {p50('gloo/cpu', lo, big, time_ok):.1f} ms "
-            f"with {lo} processes and {p50('gloo/cpu', hi, big, time_ok):.1f} ms with {hi}, although the bytes each rank "
-            f"moves only grow from {2 * (lo - 1) / lo:.2f}x to {2 * (hi - 1) / hi:.2f}x the tensor: a ring all-reduce "
-            f"has 2(n-1) latency-bound steps, and the CPU ranks share the host's memory bandwidth."
+            f"More processes cost more: at {big:g} MB a Gloo all-reduce takes {lo['big_ms']:.1f} ms "
+            f"with {lo['world']} processes and {hi['big_ms']:.1f} ms with {hi['world']}, although the bytes each "
+            f"rank moves only grow from {lo['ring_factor']:.2f}x to {hi['ring_factor']:.2f}x the tensor: a ring "
+            f"all-reduce has 2(n-1) latency-bound steps, and the CPU ranks share the host's memory bandwidth."
         )
     parts.append(
         "NCCL moves data over NVLink between GPU memories with dedicated kernels, while Gloo copies through host "
         "memory and the TCP loopback, so the backend matters most for large tensors."
     )
-    not_run = [n for n in (4, 6) if n not in nccl_worlds]
     if not nccl_worlds:
         parts.append("There are no NCCL rows here (no GPU run).")
-    elif not_run:
+    elif facts["nccl_not_run"]:
         parts.append(
-            f"NCCL with {' and '.join(map(str, not_run))} GPUs was not measured: the lent machines had "
-            f"{max(nccl_worlds, default=0)} GPUs."
+            f"NCCL with {' and '.join(map(str, facts['nccl_not_run']))} GPUs was not measured: the lent machines "
+            f"had {max(nccl_worlds, default=0)} GPUs."
         )
-    if len(missing):
-        cases = sorted({f"{r.impl} x{r.world_size}: {r.note}" for r in missing.itertuples()})
-        parts.append("Not measured: " + "; ".join(cases) + ".")
+    if facts["missing"]:
+        parts.append("Not measured: " + "; ".join(facts["missing"]) + ".")
     nb.md(" ".join(parts))

@@ -40,50 +40,42 @@ variants = ["naive", "flat", "overlap", "bucketed:0.003"]  # naive first; the ot
 # %% tags=["remove-input"]
 import inspect
 
-import pandas as pd
-
 from cs336_systems.distributed import NaiveDDP
 from cs336_systems.report import nb, show_table
-from cs336_systems.studies.distributed.ddp_check import check_against_single_process
+from cs336_systems.studies.distributed import ddp_check
 
 results_dir = nb.setup(quick)
-checks = check_against_single_process(variants, world_size=world_size, steps=steps)
+checks = ddp_check.check_against_single_process(variants, world_size=world_size, steps=steps)
 
 # %% tags=["remove-input"]
 src = inspect.getsource(NaiveDDP.finish_gradient_synchronization)
 nb.md(f"The gradient synchronization of `NaiveDDP`:\n\n```python\n{src}```")
 
 # %% tags=["remove-input"]
-df, meta = checks["naive"]
-per_step = df.groupby("step").agg(
-    max_abs_diff_vs_single=("max_abs_diff_vs_single", "max"),
-    max_abs_diff_across_ranks=("max_abs_diff_across_ranks", "max"),
-)
+facts = ddp_check.facts(checks)
 show_table(
-    per_step.reset_index(),
-    caption=f"naive DDP on {meta['world_size']} Gloo ranks vs single-process training: largest parameter "
+    ddp_check.per_step(checks["naive"][0]).reset_index(),
+    caption=f"naive DDP on {facts['world_size']} Gloo ranks vs single-process training: largest parameter "
     "difference after each SGD step",
     provenance_from="computed live on CPU (Gloo) when this notebook ran",
 )
-summary = pd.DataFrame(
-    [{"variant": v, "max |DDP - single|": d.max_abs_diff_vs_single.max(),
-      "max |rank r - rank 0|": d.max_abs_diff_across_ranks.max()} for v, (d, _) in checks.items()]
-)  # fmt: skip
-show_table(summary, caption=f"All variants, {steps} steps", provenance_from="computed live on CPU (Gloo)")
+show_table(
+    ddp_check.variants_table(checks),
+    caption=f"All variants, {steps} steps",
+    provenance_from="computed live on CPU (Gloo)",
+)
 
 # %% tags=["remove-input"]
-overwritten = meta["overwritten_by_broadcast"]
-others = {r: names for r, names in overwritten.items() if int(r) != 0}
-worst = summary["max |DDP - single|"].max()
 nb.md(
     f"**Answer.** Before wrapping, every rank had its own random initialisation; the constructor's broadcast "
-    f"left rank 0 untouched ({len(overwritten['0'])} parameters changed) and replaced "
-    f"{', '.join(sorted({n for names in others.values() for n in names}))} on the other rank(s) -- every parameter except the fixed "
+    f"left rank 0 untouched ({facts['rank0_changed']} parameters changed) and replaced "
+    f"{facts['replaced']} on the other rank(s) -- every parameter except the fixed "
     f"one, which was already equal. After each of the {steps} steps, the naive DDP parameters are identical on all "
-    f"ranks (largest difference {per_step.max_abs_diff_across_ranks.max():.1g}) and differ from single-process "
-    f"training by at most {per_step.max_abs_diff_vs_single.max():.2g}, i.e. float32 rounding from summing the "
+    f"ranks (largest difference {facts['max_across_ranks']:.1g}) and differ from single-process "
+    f"training by at most {facts['max_vs_single']:.2g}, i.e. float32 rounding from summing the "
     f"gradient in a different order (two half-batch means averaged instead of one full-batch mean). The same "
-    f"check passes for the flat, overlapping and bucketed variants (largest difference {worst:.2g}), and "
+    f"check passes for the flat, overlapping and bucketed variants (largest difference "
+    f"{facts['worst_vs_single']:.2g}), and "
     f"`tests/test_ddp.py` repeats it with the official toy models, the official test flow, gradient accumulation "
     f"(`no_sync`), parameters without gradients and 3 ranks."
 )

@@ -35,44 +35,37 @@ variants = ["single", "naive"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.report import nb
 from cs336_systems.studies.distributed import ddp_analysis, train_bench
 from cs336_systems.studies.distributed.plots import plot_step_breakdown
 
-results_dir = nb.setup(quick)
-if nb.should_measure(measure, gpus=2, quick=quick):
-    train_bench.measure(variants, quick=quick, results_dir=results_dir, only_missing=only_missing)
-df = load_results(train_bench.PROBLEM, results_dir)
-summ = ddp_analysis.summary(df)
+results_dir, df = ddp_analysis.measure_or_load(measure, variants, quick=quick, only_missing=only_missing)
+facts = ddp_analysis.facts(df)
 
 # %% tags=["remove-input"]
-naive, single = ddp_analysis.row_of(summ, "naive"), ddp_analysis.row_of(summ, "single")
-if nb.have_results(df, train_bench.PROBLEM) and naive is not None:
-    nb.md(f"Measured: {ddp_analysis.describe_setup(df)}.")
-    save_figure(plot_step_breakdown(summ, variants), "naive_ddp_benchmarking__step_breakdown")
-    show_table(
-        ddp_analysis.summary_table(summ, variants),
-        caption="time per training step (ms, mean over timed steps)",
-        provenance_from=df,
+if nb.have_results(df, train_bench.PROBLEM) and facts["naive_measured"]:
+    ddp_analysis.show_measurements(
+        df, variants, plot_step_breakdown, "naive_ddp_benchmarking__step_breakdown"
     )
 
 # %% tags=["remove-input"]
-if naive is not None and naive.note == "":
+if facts["naive_ok"]:
     parts = [
-        f"**Answer.** A naive DDP training step takes {naive.step_ms:.0f} ms (+- {naive.step_std_ms:.0f} ms). "
-        f"Of this, {naive.comm_ms:.0f} ms ({100 * naive.comm_share:.1f} %) is gradient communication: one blocking "
+        f"**Answer.** A naive DDP training step takes {facts['naive_step_ms']:.0f} ms "
+        f"(+- {facts['naive_step_std_ms']:.0f} ms). Of this, {facts['naive_comm_ms']:.0f} ms "
+        f"({100 * facts['naive_comm_share']:.1f} %) is gradient communication: one blocking "
         f"all-reduce per parameter tensor, issued after backward has finished, so none of it overlaps compute."
     ]
-    if single is not None and single.note == "":
+    if facts["single_ok"]:
         parts.append(
-            f"The same per-GPU work without communication takes {single.step_ms:.0f} ms, so data parallelism costs "
-            f"{naive.overhead_ms:.0f} ms per step here, while the two GPUs together process twice the "
-            f"sequences of one."
+            f"The same per-GPU work without communication takes {facts['single_step_ms']:.0f} ms, so data "
+            f"parallelism costs {facts['naive_overhead_ms']:.0f} ms per step here, while the two GPUs together "
+            f"process twice the sequences of one."
         )
     parts.append(
-        f"Forward takes {naive.forward_ms:.0f} ms, backward {naive.backward_ms:.0f} ms and the optimizer step "
-        f"{naive.optimizer_ms:.0f} ms."
+        f"Forward takes {facts['naive_forward_ms']:.0f} ms, backward {facts['naive_backward_ms']:.0f} ms and the "
+        f"optimizer step {facts['naive_optimizer_ms']:.0f} ms."
     )
     nb.md(" ".join(parts))
-elif naive is not None:
-    nb.md(f"The naive variant could not be measured: {naive.note}.")
+elif facts["naive_measured"]:
+    nb.md(f"The naive variant could not be measured: {facts['naive_note']}.")

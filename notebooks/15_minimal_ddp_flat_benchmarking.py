@@ -29,36 +29,29 @@ variants = ["single", "naive", "flat"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.report import nb
 from cs336_systems.studies.distributed import ddp_analysis, train_bench
 from cs336_systems.studies.distributed.plots import plot_step_breakdown
 
-results_dir = nb.setup(quick)
-if nb.should_measure(measure, gpus=2, quick=quick):
-    train_bench.measure(variants, quick=quick, results_dir=results_dir, only_missing=only_missing)
-df = load_results(train_bench.PROBLEM, results_dir)
-summ = ddp_analysis.summary(df)
-naive, flat = ddp_analysis.row_of(summ, "naive"), ddp_analysis.row_of(summ, "flat")
+results_dir, df = ddp_analysis.measure_or_load(measure, variants, quick=quick, only_missing=only_missing)
+facts = ddp_analysis.facts(df)
 
 # %% tags=["remove-input"]
-if nb.have_results(df, train_bench.PROBLEM) and flat is not None:
-    nb.md(f"Measured: {ddp_analysis.describe_setup(df)}.")
-    save_figure(plot_step_breakdown(summ, variants), "minimal_ddp_flat_benchmarking__step_breakdown")
-    show_table(
-        ddp_analysis.summary_table(summ, variants),
-        caption="time per training step (ms, mean over timed steps)",
-        provenance_from=df,
+if nb.have_results(df, train_bench.PROBLEM) and facts["flat_measured"]:
+    ddp_analysis.show_measurements(
+        df, variants, plot_step_breakdown, "minimal_ddp_flat_benchmarking__step_breakdown"
     )
 
 # %% tags=["remove-input"]
-if naive is not None and flat is not None and naive.note == "" and flat.note == "":
-    faster = flat.comm_ms < naive.comm_ms
+if facts["naive_ok"] and facts["flat_ok"]:
+    faster = facts["flat_faster"]
     nb.md(
-        f"**Answer.** With one flattened all-reduce a step takes {flat.step_ms:.0f} ms, of which {flat.comm_ms:.0f} ms "
-        f"({100 * flat.comm_share:.1f} %) is gradient communication, against {naive.step_ms:.0f} ms and "
-        f"{naive.comm_ms:.0f} ms ({100 * naive.comm_share:.1f} %) with one all-reduce per parameter tensor: "
-        f"{'flattening saves' if faster else 'flattening costs'} {abs(naive.comm_ms - flat.comm_ms):.0f} ms of "
-        f"communication per step ({abs(naive.step_ms - flat.step_ms):.0f} ms of step time). "
+        f"**Answer.** With one flattened all-reduce a step takes {facts['flat_step_ms']:.0f} ms, of which "
+        f"{facts['flat_comm_ms']:.0f} ms ({100 * facts['flat_comm_share']:.1f} %) is gradient communication, "
+        f"against {facts['naive_step_ms']:.0f} ms and {facts['naive_comm_ms']:.0f} ms "
+        f"({100 * facts['naive_comm_share']:.1f} %) with one all-reduce per parameter tensor: "
+        f"{'flattening saves' if faster else 'flattening costs'} {facts['flat_comm_saving_ms']:.0f} ms of "
+        f"communication per step ({facts['flat_step_saving_ms']:.0f} ms of step time). "
         + (
             "A single large call pays the fixed per-call cost (launch, synchronisation, ring set-up) once instead of "
             "once per tensor and runs at full bandwidth, which outweighs the extra copies into and out of the flat "
@@ -68,5 +61,5 @@ if naive is not None and flat is not None and naive.note == "" and flat.note == 
             "per-call costs; either way the communication only starts after backward, so nothing is overlapped."
         )
     )
-elif flat is not None and flat.note:
-    nb.md(f"The flat variant could not be measured: {flat.note}.")
+elif facts["flat_measured"] and facts["flat_note"]:
+    nb.md(f"The flat variant could not be measured: {facts['flat_note']}.")

@@ -38,44 +38,31 @@ traces = ["naive", "overlap"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.report import nb, save_figure
 from cs336_systems.studies.distributed import ddp_analysis, train_bench
 from cs336_systems.studies.distributed.plots import plot_ddp_timelines, plot_step_breakdown
-from cs336_systems.studies.distributed.trace_plot import load_trace, overlap_stats, trace_frame
 
 problem = "ddp_overlap_individual_parameters_benchmarking"
-results_dir = nb.setup(quick)
-if nb.should_measure(measure, gpus=2, quick=quick):
-    train_bench.measure(
-        variants, quick=quick, results_dir=results_dir, trace=traces, only_missing=only_missing
-    )
-df = load_results(train_bench.PROBLEM, results_dir)
-summ = ddp_analysis.summary(df)
-row = {v: ddp_analysis.row_of(summ, v) for v in variants}
-ok = {v: r is not None and r.note == "" for v, r in row.items()}
+results_dir, df = ddp_analysis.measure_or_load(
+    measure, variants, quick=quick, only_missing=only_missing, trace=traces
+)
+facts = ddp_analysis.facts(df)
 
 # %% tags=["remove-input"]
-if nb.have_results(df, train_bench.PROBLEM) and ok["overlap"]:
-    nb.md(f"Measured: {ddp_analysis.describe_setup(df)}.")
-    save_figure(plot_step_breakdown(summ, variants), f"{problem}__step_breakdown")
-    show_table(
-        ddp_analysis.summary_table(summ, variants),
-        caption="time per training step (ms, mean over timed steps)",
-        provenance_from=df,
-    )
+if nb.have_results(df, train_bench.PROBLEM) and facts["overlap_ok"]:
+    ddp_analysis.show_measurements(df, variants, plot_step_breakdown, f"{problem}__step_breakdown")
 
 # %% tags=["remove-input"]
-if ok["overlap"] and ok["naive"] and ok["flat"]:
-    o, n, f = row["overlap"], row["naive"], row["flat"]
-    best = min((n, f), key=lambda r: r.step_ms)
+if facts["overlap_ok"] and facts["naive_ok"] and facts["flat_ok"]:
     text = (
-        f"**(a)** Overlapping takes {o.step_ms:.0f} ms per step, against {n.step_ms:.0f} ms for the per-parameter "
-        f"all-reduce after backward and {f.step_ms:.0f} ms for the flat all-reduce "
-        f"({100 * (o.step_ms / best.step_ms - 1):+.1f} % vs the faster of the two); {o.comm_ms:.0f} ms of "
-        f"communication remain exposed after backward (naive: {n.comm_ms:.0f} ms, flat: {f.comm_ms:.0f} ms), and "
-        f"backward itself takes {o.backward_ms:.0f} ms (naive: {n.backward_ms:.0f} ms). "
+        f"**(a)** Overlapping takes {facts['overlap_step_ms']:.0f} ms per step, against "
+        f"{facts['naive_step_ms']:.0f} ms for the per-parameter all-reduce after backward and "
+        f"{facts['flat_step_ms']:.0f} ms for the flat all-reduce ({facts['overlap_vs_best_pct']:+.1f} % vs the "
+        f"faster of the two); {facts['overlap_comm_ms']:.0f} ms of communication remain exposed after backward "
+        f"(naive: {facts['naive_comm_ms']:.0f} ms, flat: {facts['flat_comm_ms']:.0f} ms), and backward itself "
+        f"takes {facts['overlap_backward_ms']:.0f} ms (naive: {facts['naive_backward_ms']:.0f} ms). "
     )
-    if o.step_ms < best.step_ms:
+    if facts["overlap_faster"]:
         text += (
             "Most all-reduces run while backward is still computing the gradients of earlier layers; what stays "
             "exposed is the communication of the gradients produced last (the first blocks and the embedding), "
@@ -89,12 +76,9 @@ if ok["overlap"] and ok["naive"] and ok["flat"]:
     nb.md(text)
 
 # %% tags=["remove-input"]
-available = [t for t in traces if train_bench.trace_path(results_dir, t).exists()]
-if available:
-    save_figure(plot_ddp_timelines(results_dir, available), f"{problem}__timeline")
-    stats = {
-        t: overlap_stats(trace_frame(load_trace(train_bench.trace_path(results_dir, t)))) for t in available
-    }
+stats = ddp_analysis.trace_facts(results_dir, traces)
+if stats:
+    save_figure(plot_ddp_timelines(results_dir, list(stats)), f"{problem}__timeline")
     backend = "NCCL" if not quick and "nccl" in ddp_analysis.describe_setup(df) else "all-reduce"
     lines = [
         f"{t}: {backend} kernels {s['comm_ms']:.1f} ms in total, {100 * s['hidden_fraction']:.0f} % of that time "

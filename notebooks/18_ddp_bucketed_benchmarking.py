@@ -37,12 +37,9 @@ traces = ["overlap", "bucketed:100"]
 only_missing = True  # the DDP notebooks share ddp_training.csv: measure only variants without rows
 
 # %% tags=["remove-input"]
-import math
-
 from cs336_systems.report import load_results, nb, save_figure, show_table
 from cs336_systems.studies.distributed import comm_bench, ddp_analysis, train_bench
 from cs336_systems.studies.distributed.plots import plot_bucket_model, plot_bucket_sweep, plot_ddp_timelines
-from cs336_systems.studies.distributed.trace_plot import load_trace, overlap_stats, trace_frame
 
 problem = "ddp_bucketed_benchmarking"
 results_dir = nb.setup(quick)
@@ -72,6 +69,7 @@ if nb.should_measure(measure, gpus=2, quick=quick):
 df = load_results(train_bench.PROBLEM, results_dir)
 comm = load_results(comm_bench.PROBLEM, results_dir)
 summ = ddp_analysis.summary(df)
+facts = ddp_analysis.facts(df)
 
 # %% tags=["remove-input"]
 if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
@@ -88,56 +86,45 @@ if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
     )
 
 # %% tags=["remove-input"]
-ok = summ[summ.note == ""] if len(summ) else summ
-bk = ok[ok.kind == "bucketed"] if len(ok) else ok
-if len(bk):
-    best = bk.loc[bk.step_ms.idxmin()]
-    worst = bk.loc[bk.step_ms.idxmax()]
-    ref = {k: ddp_analysis.row_of(summ, k) for k in ("single", "naive", "flat", "overlap")}
-    tbl = ddp_analysis.bucket_table(summ)
-    ratios = tbl.dropna(subset=["ours / PyTorch"])
+if facts["bucketed_count"]:
     parts = [
-        f"**(a)** The best bucket size is {best.label.removeprefix('bucketed ')}: {best.step_ms:.0f} ms per step with "
-        f"{best.comm_ms:.0f} ms of communication exposed after backward; the worst, {worst.label.removeprefix('bucketed ')}, "
-        f"takes {worst.step_ms:.0f} ms."
+        f"**(a)** The best bucket size is {facts['bucket_best']}: {facts['bucket_best_step_ms']:.0f} ms per step "
+        f"with {facts['bucket_best_comm_ms']:.0f} ms of communication exposed after backward; the worst, "
+        f"{facts['bucket_worst']}, takes {facts['bucket_worst_step_ms']:.0f} ms."
     ]
-    base = [f"{k} {r.step_ms:.0f} ms" for k, r in ref.items() if r is not None and r.note == ""]
+    base = [f"{k} {facts[f'{k}_step_ms']:.0f} ms" for k in ddp_analysis.UNBUCKETED if facts[f"{k}_ok"]]
     if base:
         parts.append("Without buckets: " + ", ".join(base) + " (single = one GPU, no communication).")
-    if len(ratios):
-        within = (ratios["ours / PyTorch"] <= 1.02).sum()
+    if facts["ratio_count"]:
         parts.append(
-            f"Against PyTorch DDP at the same bucket size our step time is {ratios['ours / PyTorch'].min():.3f}x to "
-            f"{ratios['ours / PyTorch'].max():.3f}x; the goal (<= 1.02x) is met at {within} of {len(ratios)} sizes."
+            f"Against PyTorch DDP at the same bucket size our step time is {facts['ratio_min']:.3f}x to "
+            f"{facts['ratio_max']:.3f}x; the goal (<= 1.02x) is met at {facts['ratio_within_goal']} of "
+            f"{facts['ratio_count']} sizes."
         )
-    single = ref["single"]
-    if single is not None and single.note == "":
+    if facts["single_ok"]:
         parts.append(
             f"The expectation from the overhead model of (b) is a U shape: tiny buckets pay the per-call overhead "
             f"many times, one huge bucket cannot start until backward is over. The measured spread is "
-            f"{worst.step_ms - best.step_ms:.0f} ms on a {single.step_ms:.0f} ms compute-only step: "
+            f"{facts['bucket_spread_ms']:.0f} ms on a {facts['single_step_ms']:.0f} ms compute-only step: "
         )
-        fastest_bwd = bk.loc[bk.backward_ms.idxmin()] if bk.backward_ms.notna().any() else best
         parts[-1] += (
             "small, because with fp32 compute the backward pass is long compared with the all-reduce of the "
             "gradients, so every bucket size hides almost all of the communication "
-            f"({bk.comm_ms.min():.1f} to {bk.comm_ms.max():.1f} ms exposed after backward). The step times differ "
-            "mostly through the backward pass itself: with all-reduces running beside it, it takes "
-            f"{bk.backward_ms.min():.0f} to {bk.backward_ms.max():.0f} ms against {single.backward_ms:.0f} ms "
-            "without communication (NCCL kernels share the SMs and memory bandwidth with the compute kernels), "
-            f"and the least with {fastest_bwd.label.removeprefix('bucketed ')} buckets, the fewest all-reduce calls."
-            if (worst.step_ms - best.step_ms) < 0.1 * single.step_ms
+            f"({facts['bucket_comm_min_ms']:.1f} to {facts['bucket_comm_max_ms']:.1f} ms exposed after backward). "
+            "The step times differ mostly through the backward pass itself: with all-reduces running beside it, "
+            f"it takes {facts['bucket_backward_min_ms']:.0f} to {facts['bucket_backward_max_ms']:.0f} ms against "
+            f"{facts['single_backward_ms']:.0f} ms without communication (NCCL kernels share the SMs and memory "
+            f"bandwidth with the compute kernels), and the least with {facts['bucket_fastest_backward']} buckets, "
+            "the fewest all-reduce calls."
+            if facts["bucket_spread_small"]
             else "large enough that the bucket size matters; the profile below shows where the exposed time goes."
         )
     nb.md(" ".join(parts))
 
 # %% tags=["remove-input"]
-available = [t for t in trace_labels if train_bench.trace_path(results_dir, t).exists()]
-if available:
-    save_figure(plot_ddp_timelines(results_dir, available), f"{problem}__timeline")
-    stats = {
-        t: overlap_stats(trace_frame(load_trace(train_bench.trace_path(results_dir, t)))) for t in available
-    }
+stats = ddp_analysis.trace_facts(results_dir, trace_labels)
+if stats:
+    save_figure(plot_ddp_timelines(results_dir, list(stats)), f"{problem}__timeline")
     nb.md(
         "Profiler traces (one step each, rank 0): "
         + "; ".join(
@@ -172,7 +159,7 @@ if available:
 
 # %% tags=["remove-input"]
 try:
-    model = ddp_analysis.bucket_model(df, comm) if len(bk) else None
+    model = ddp_analysis.bucket_model(df, comm) if facts["bucketed_count"] else None
 except ValueError as exc:  # no all-reduce rows to fit o and w from
     model = None
     nb.md(f"*The overhead model needs the all-reduce benchmark of the same backend: {exc}.*")
@@ -183,44 +170,34 @@ if model is not None:
         caption="predicted vs measured time after backward (ms) per maximum bucket size",
         provenance_from=df,
     )
-    meas = model["table"].dropna(subset=["measured_comm_ms"])
-    best_meas = meas.loc[meas.measured_comm_ms.idxmin()] if len(meas) else None
-    curve = model["curve"]
-    sim_best = curve.loc[curve.simulated_ms.idxmin()]
-    sim_tol_ms = 0.5  # "flat" = within this of the simulated minimum
-    above = curve.sort_values("bucket_mb").simulated_ms > sim_best.simulated_ms + sim_tol_ms
-    flat = curve.sort_values("bucket_mb").bucket_mb[~above.cummax()]
-    sim_flat_mb = flat.max() if len(flat) else sim_best.bucket_mb
+    mf = ddp_analysis.model_facts(model)
     text = (
-        f"Fitting $t = o + \\text{{bytes}}/w$ to the {model['impl']} all-reduce times with {model['world_size']} ranks "
-        f"gives o = {model['o_s'] * 1e6:.0f} us and w = {model['w_Bps'] / 1e9:.1f} GB/s; with s = "
-        f"{model['s_bytes'] / 2**20:,.1f} MB of fp32 gradients the model's optimum is n_b* = {model['n_b_opt']:.1f} "
-        f"buckets of {model['bucket_mb_opt']:.3g} MB, with {model['min_overhead_ms']:.2g} ms of overhead. "
+        f"Fitting $t = o + \\text{{bytes}}/w$ to the {mf['impl']} all-reduce times with {mf['world_size']} ranks "
+        f"gives o = {mf['o_us']:.0f} us and w = {mf['w_GBps']:.1f} GB/s; with s = {mf['s_MB']:,.1f} MB of fp32 "
+        f"gradients the model's optimum is n_b* = {mf['n_b_opt']:.1f} buckets of {mf['bucket_mb_opt']:.3g} MB, "
+        f"with {mf['min_overhead_ms']:.2g} ms of overhead. "
     )
-    if best_meas is not None:
+    if mf["measured_count"]:
         text += (
-            f"The measured sweep is fastest after backward at {best_meas.bucket_mb:g} MB "
-            f"({best_meas.measured_comm_ms:.1f} ms exposed). "
+            f"The measured sweep is fastest after backward at {mf['best_measured_mb']:g} MB "
+            f"({mf['best_measured_comm_ms']:.1f} ms exposed). "
         )
-    ratio = model["backward_s"] * model["w_Bps"] / model["s_bytes"]  # backward time / one all-reduce's time
-    finite = meas[meas.bucket_mb.apply(math.isfinite)].sort_values("bucket_mb")
-    grows = len(finite) >= 2 and finite.measured_comm_ms.is_monotonic_increasing
     text += (
-        f"Backward takes {model['backward_s'] * 1e3:.0f} ms for gradients that one all-reduce moves in "
-        f"{model['s_bytes'] / model['w_Bps'] * 1e3:.2g} ms, so compute is {ratio:.0f}x slower than communication"
+        f"Backward takes {mf['backward_ms']:.0f} ms for gradients that one all-reduce moves in "
+        f"{mf['one_allreduce_ms']:.2g} ms, so compute is {mf['compute_to_comm']:.0f}x slower than communication"
         + (
             ", not equally fast as the model assumes: every bucket but the last can hide under backward. "
-            if ratio > 2
+            if mf["compute_to_comm"] > 2
             else ", close to the model's assumption. "
         )
         + "The pipeline simulation (measured backward time, real bucket boundaries, fitted o and w) stays within "
-        f"{sim_tol_ms:g} ms of its minimum ({sim_best.simulated_ms:.2f} ms: only the last, small bucket's "
-        f"all-reduce is left) for every bucket size up to {sim_flat_mb:.3g} MB, and grows beyond, where the last "
-        "buckets are large. "
+        f"{mf['sim_tol_ms']:g} ms of its minimum ({mf['sim_best_ms']:.2f} ms: only the last, small bucket's "
+        f"all-reduce is left) for every bucket size up to {mf['sim_flat_mb']:.3g} MB, and grows beyond, where the "
+        "last buckets are large. "
         + (
             "The measured exposed time grows with the bucket size, as a long backward predicts: "
             "the last bucket's all-reduce is what is left."
-            if grows
+            if mf["measured_grows"]
             else "The measured exposed times do not grow monotonically with the bucket size, so effects the model "
             "leaves out (launch order, kernel contention between NCCL and backward, host overhead) matter too."
         )

@@ -1,30 +1,63 @@
-"""The facts behind notebooks 21 and 31, computed from the committed results (figures/data/)."""
+"""The facts behind notebooks 12-18, 21 and 31, computed from the committed results (figures/data/).
+
+Each facts() is checked against a direct computation from the raw rows.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 
+import pandas as pd
 import pytest
 
 from cs336_systems.measure.results import load_results
-from cs336_systems.studies.distributed import fsdp_analysis, fsdp_bench, sharding_analysis, sharding_bench
+from cs336_systems.studies.distributed import (
+    comm_bench,
+    ddp_analysis,
+    ddp_check,
+    fsdp_analysis,
+    fsdp_bench,
+    sharding_analysis,
+    sharding_bench,
+    train_bench,
+)
 from cs336_systems.studies.distributed.sharding_analysis import value
+
+
+def committed_rows(problem: str, latest: bool = True) -> pd.DataFrame:
+    df = load_results(problem)
+    df = sharding_analysis.latest(df) if latest else df
+    if df.empty:
+        pytest.skip(f"no committed {problem} rows")
+    return df
 
 
 @pytest.fixture(scope="module")
 def sharding_rows():
-    df = sharding_analysis.latest(load_results(sharding_bench.PROBLEM))
-    if df.empty:
-        pytest.skip("no committed optimizer_state_sharding_accounting rows")
-    return df
+    return committed_rows(sharding_bench.PROBLEM)
 
 
 @pytest.fixture(scope="module")
 def fsdp_rows():
-    df = sharding_analysis.latest(load_results(fsdp_bench.PROBLEM))
-    if df.empty:
-        pytest.skip("no committed fsdp_accounting rows")
-    return df
+    return committed_rows(fsdp_bench.PROBLEM)
+
+
+@pytest.fixture(scope="module")
+def ddp_rows():
+    return committed_rows(train_bench.PROBLEM, latest=False)
+
+
+@pytest.fixture(scope="module")
+def comm_rows():
+    return committed_rows(comm_bench.PROBLEM, latest=False)
+
+
+def raw_mean(df: pd.DataFrame, variant: str, metric: str, column: str = "mean") -> float:
+    """The newest row of one variant's metric, read straight from the CSV rows."""
+    of_variant = [json.loads(c)["variant"] == variant for c in df.config_json]
+    rows = df[(df.metric == metric).to_numpy() & of_variant]
+    return float(rows.sort_values("timestamp")[column].iloc[-1])
 
 
 def test_sharding_facts_match_the_rows(sharding_rows):
@@ -86,3 +119,125 @@ def test_fsdp_facts_without_rows_are_nan():
         sharding_analysis.latest(load_results(fsdp_bench.PROBLEM)).iloc[0:0], "debug", 2
     )
     assert math.isnan(facts["measured_saving"]) and facts["expected_saving"] > 0
+
+
+def test_ddp_facts_match_the_rows(ddp_rows):
+    df = ddp_rows
+    f = ddp_analysis.facts(df)
+    for v in ("single", "naive", "flat", "overlap"):
+        assert f[f"{v}_ok"], f"{v} was measured in the committed rows"
+        assert f[f"{v}_step_ms"] == pytest.approx(raw_mean(df, v, "step_time"))
+        assert f[f"{v}_step_std_ms"] == pytest.approx(raw_mean(df, v, "step_time", "std"))
+        assert f[f"{v}_backward_ms"] == pytest.approx(raw_mean(df, v, "backward_time"))
+    single = raw_mean(df, "single", "step_time")
+    naive_step, naive_comm = raw_mean(df, "naive", "step_time"), raw_mean(df, "naive", "comm_time")
+    flat_step, flat_comm = raw_mean(df, "flat", "step_time"), raw_mean(df, "flat", "comm_time")
+    overlap_step = raw_mean(df, "overlap", "step_time")
+    assert f["naive_comm_share"] == pytest.approx(naive_comm / naive_step)
+    assert f["naive_overhead_ms"] == pytest.approx(naive_step - single)
+    assert f["flat_faster"] == (flat_comm < naive_comm)
+    assert f["flat_comm_saving_ms"] == pytest.approx(abs(naive_comm - flat_comm))
+    assert f["flat_step_saving_ms"] == pytest.approx(abs(naive_step - flat_step))
+    best = min(naive_step, flat_step)
+    assert f["overlap_vs_best_pct"] == pytest.approx(100 * (overlap_step / best - 1))
+    assert f["overlap_faster"] == (overlap_step < best)
+
+
+def test_ddp_bucket_facts_match_the_rows(ddp_rows):
+    df = ddp_rows
+    f = ddp_analysis.facts(df)
+    variants = {json.loads(c)["variant"] for c in df.config_json}
+    bucketed = sorted(v for v in variants if v.startswith("bucketed:"))
+    steps = {v: raw_mean(df, v, "step_time") for v in bucketed}
+    assert f["bucketed_count"] == len(bucketed) > 0
+    best, worst = min(steps, key=steps.get), max(steps, key=steps.get)
+    assert f["bucket_best"] == f"{float(best.split(':')[1]):g} MB"
+    assert f["bucket_best_step_ms"] == pytest.approx(steps[best])
+    assert f["bucket_best_comm_ms"] == pytest.approx(raw_mean(df, best, "comm_time"))
+    assert f["bucket_worst_step_ms"] == pytest.approx(steps[worst])
+    assert f["bucket_spread_ms"] == pytest.approx(steps[worst] - steps[best])
+    comm = [raw_mean(df, v, "comm_time") for v in bucketed]
+    assert (f["bucket_comm_min_ms"], f["bucket_comm_max_ms"]) == pytest.approx((min(comm), max(comm)))
+    ratios = [steps[v] / raw_mean(df, "torch:" + v.split(":")[1], "step_time") for v in bucketed]
+    assert f["ratio_count"] == len(ratios)
+    assert (f["ratio_min"], f["ratio_max"]) == pytest.approx((min(ratios), max(ratios)))
+    assert f["ratio_within_goal"] == sum(r <= 1.02 for r in ratios)
+
+
+def test_ddp_facts_without_rows_are_nan(ddp_rows):
+    f = ddp_analysis.facts(ddp_rows.iloc[0:0])
+    assert not f["naive_measured"] and not f["naive_ok"] and math.isnan(f["naive_step_ms"])
+    assert f["bucketed_count"] == 0
+
+
+def test_bucket_model_facts(ddp_rows, comm_rows):
+    model = ddp_analysis.bucket_model(ddp_rows, comm_rows, grid_mb=[0.5, 1, 10, 100, 1000, 4000])
+    f = ddp_analysis.model_facts(model)
+    assert f["o_us"] == pytest.approx(model["o_s"] * 1e6)
+    assert f["one_allreduce_ms"] == pytest.approx(model["s_bytes"] / model["w_Bps"] * 1e3)
+    assert f["compute_to_comm"] == pytest.approx(f["backward_ms"] / f["one_allreduce_ms"])
+    table = model["table"]
+    assert f["measured_count"] == len(table)
+    assert f["best_measured_comm_ms"] == pytest.approx(table.measured_comm_ms.min())
+    assert f["sim_best_ms"] == pytest.approx(model["curve"].simulated_ms.min())
+    assert f["sim_flat_mb"] >= model["curve"].bucket_mb[model["curve"].simulated_ms.idxmin()]
+
+
+def test_ddp_trace_facts_read_the_committed_traces(tmp_path):
+    present = ddp_analysis.trace_facts(None, ["naive", "overlap"])
+    assert set(present) == {"naive", "overlap"}
+    assert 0 <= present["overlap"]["hidden_fraction"] <= 1
+    assert ddp_analysis.trace_facts(tmp_path, ["naive"]) == {}
+
+
+def test_comm_facts_match_the_rows(comm_rows):
+    df = comm_rows
+    f = comm_bench.facts(df)
+    cfg = [json.loads(c)["world_size"] for c in df.config_json]
+    ok = df[df.note.fillna("") == ""].assign(world=[w for w, n in zip(cfg, df.note.fillna("")) if n == ""])
+
+    def p50(impl, world, size, metric):
+        sel = ok[(ok.impl == impl) & (ok.world == world) & (ok.x_value == size) & (ok.metric == metric)]
+        return float(sel.sort_values("timestamp").p50.iloc[-1])
+
+    busbw = ok[ok.metric == "busbw"]
+    assert f["big_mb"] == busbw.x_value.max() and f["small_mb"] == busbw.x_value.min()
+    assert f["gloo_worlds"] == sorted(set(busbw[busbw.impl == "gloo/cpu"].world))
+    for w, bw in f["gloo_busbw_big"].items():
+        assert bw == pytest.approx(p50("gloo/cpu", w, f["big_mb"], "busbw"))
+    if f["nccl_worlds"]:
+        w = f["nccl_world"]
+        nccl = p50("nccl/cuda", w, f["big_mb"], "busbw")
+        assert f["nccl_over_gloo_big"] == pytest.approx(nccl / p50("gloo/cpu", w, f["big_mb"], "busbw"))
+        assert f["nccl_small_ms"] == pytest.approx(p50("nccl/cuda", w, f["small_mb"], "all_reduce_time"))
+    lo = f["gloo_lo"]
+    assert lo["big_ms"] == pytest.approx(p50("gloo/cpu", lo["world"], f["big_mb"], "all_reduce_time"))
+    assert lo["ring_factor"] == pytest.approx(2 * (lo["world"] - 1) / lo["world"])
+    lat = f["latency"]
+    assert lat["next_ms"] == pytest.approx(p50(lat["impl"], lat["world"], lat["next_mb"], "all_reduce_time"))
+    assert f["nccl_not_run"] == [n for n in (4, 6) if n not in f["nccl_worlds"]]
+
+
+def test_comm_facts_without_nccl_rows(comm_rows):
+    f = comm_bench.facts(comm_rows[comm_rows.impl == "gloo/cpu"])
+    assert f["nccl_worlds"] == [] and "nccl_world" not in f
+    assert f["latency"]["impl"] == "gloo/cpu" and f["nccl_not_run"] == [4, 6]
+
+
+def test_ddp_check_facts_from_a_small_frame():
+    records = pd.DataFrame(
+        {
+            "step": [0, 0, 1, 1],
+            "max_abs_diff_vs_single": [1e-8, 3e-8, 2e-8, 0.0],
+            "max_abs_diff_across_ranks": [0.0, 0.0, 0.0, 0.0],
+        }
+    )
+    other = records.assign(max_abs_diff_vs_single=[5e-8, 0.0, 0.0, 0.0])
+    meta = {"world_size": 2, "overwritten_by_broadcast": {"0": [], "1": ["fc2.weight", "fc1.weight"]}}
+    f = ddp_check.facts({"naive": (records, meta), "flat": (other, meta)})
+    assert f["rank0_changed"] == 0 and f["replaced"] == "fc1.weight, fc2.weight"
+    assert f["max_vs_single"] == pytest.approx(3e-8) and f["max_across_ranks"] == 0.0
+    assert f["worst_vs_single"] == pytest.approx(5e-8)
+    assert list(ddp_check.per_step(records).max_abs_diff_vs_single) == pytest.approx([3e-8, 2e-8])
+    with pytest.raises(ValueError, match="no check of 'naive'"):
+        ddp_check.facts({"flat": (other, meta)})

@@ -266,26 +266,51 @@ def _synthetic_gpu_trace() -> dict:
         return {"name": name, "cat": "user_annotation", "ph": "X", "ts": ts, "dur": dur, "pid": 1, "tid": 1}
 
     def launch(ts, corr):
-        return {"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ph": "X", "ts": ts, "dur": 1, "pid": 1,
-                "tid": 1, "args": {"correlation": corr}}  # fmt: skip
+        return {
+            "name": "cudaLaunchKernel",
+            "cat": "cuda_runtime",
+            "ph": "X",
+            "ts": ts,
+            "dur": 1,
+            "pid": 1,
+            "tid": 1,
+            "args": {"correlation": corr},
+        }
 
     def kernel(name, ts, dur, stream, corr):
-        return {"name": name, "cat": "kernel", "ph": "X", "ts": ts, "dur": dur, "pid": 0, "tid": stream,
-                "args": {"stream": stream, "correlation": corr}}  # fmt: skip
+        return {
+            "name": name,
+            "cat": "kernel",
+            "ph": "X",
+            "ts": ts,
+            "dur": dur,
+            "pid": 0,
+            "tid": stream,
+            "args": {"stream": stream, "correlation": corr},
+        }
 
     return {
         "traceEvents": [
             rng("fsdp_bench::forward", 0, 1000),
-            launch(5, 10), kernel("ampere_sgemm_128x64_nn", 0, 125, 3, 10),
-            rng("fsdp::all_gather::w0", 10, 10), launch(15, 1), kernel("ncclDevKernel_AllGather_RING_LL(x)", 20, 100, 7, 1),
-            rng("fsdp::all_gather::w1", 30, 10), launch(35, 2), kernel("ncclDevKernel_AllGather_RING_LL(x)", 120, 300, 7, 2),
-            rng("fsdp::wait_all_gather::w0", 50, 2), rng("fsdp::forward::l0", 55, 20), launch(60, 3),
+            launch(5, 10),
+            kernel("ampere_sgemm_128x64_nn", 0, 125, 3, 10),
+            rng("fsdp::all_gather::w0", 10, 10),
+            launch(15, 1),
+            kernel("ncclDevKernel_AllGather_RING_LL(x)", 20, 100, 7, 1),
+            rng("fsdp::all_gather::w1", 30, 10),
+            launch(35, 2),
+            kernel("ncclDevKernel_AllGather_RING_LL(x)", 120, 300, 7, 2),
+            rng("fsdp::wait_all_gather::w0", 50, 2),
+            rng("fsdp::forward::l0", 55, 20),
+            launch(60, 3),
             kernel("ampere_sgemm_128x64_nn", 130, 100, 3, 3),
-            rng("fsdp::wait_all_gather::w1", 80, 2), rng("fsdp::forward::l1", 85, 20), launch(90, 4),
+            rng("fsdp::wait_all_gather::w1", 80, 2),
+            rng("fsdp::forward::l1", 85, 20),
+            launch(90, 4),
             kernel("ampere_sgemm_128x64_nn", 420, 50, 3, 4),
             {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "host"}},
         ]
-    }  # fmt: skip
+    }
 
 
 def test_allgather_timing_on_a_synthetic_gpu_trace():
@@ -293,14 +318,34 @@ def test_allgather_timing_on_a_synthetic_gpu_trace():
 
     compact = compact_trace(_synthetic_gpu_trace())
     kernels = [e for e in compact["traceEvents"] if e.get("cat") == "kernel"]
-    assert {k["args"]["range"] for k in kernels} == {"", "fsdp::all_gather::w0", "fsdp::all_gather::w1",
-                                                     "fsdp::forward::l0", "fsdp::forward::l1"}  # fmt: skip
+    assert {k["args"]["range"] for k in kernels} == {
+        "",
+        "fsdp::all_gather::w0",
+        "fsdp::all_gather::w1",
+        "fsdp::forward::l0",
+        "fsdp::forward::l1",
+    }
     t = allgather_timing(compact).set_index("weight")
     assert list(t.phase) == ["forward", "forward"]
     assert t.loc["w0", "slack_us"] == 5 and t.loc["w0", "lead_us"] == 10 and t.loc["w0", "gather_us"] == 100
     assert t.loc["w1", "slack_us"] == -190 and t.loc["w1", "lead_us"] == 0
     plot_timeline(compact)  # renders without error
     plot_timeline(compact, zoom_waits=1)  # the zoom ends at the second wait's consumer
+
+
+def test_fsdp_timeline_bars_rows_and_colours():
+    from cs336_systems.studies.distributed.fsdp_trace import compact_trace, timeline_bars
+
+    bars = timeline_bars(compact_trace(_synthetic_gpu_trace()))
+    assert sorted(bars.row.unique()) == ["NCCL stream 7", "compute stream 3"]
+    assert set(bars[bars.row == "NCCL stream 7"].category) == {"all_gather"}
+    assert set(bars[bars.row == "compute stream 3"].category) == {"other"}
+    cpu = {
+        "traceEvents": [e for e in _synthetic_gpu_trace()["traceEvents"] if e.get("cat") == "user_annotation"]
+    }
+    cpu_bars = timeline_bars(cpu)  # the host ranges are the rows; fsdp_bench::forward is none of them
+    assert sorted(cpu_bars.row) == ["compute (unit forward)"] * 2 + ["waiting for all-gather"] * 2
+    assert list(cpu_bars[cpu_bars.row == "waiting for all-gather"].category) == ["all_gather"] * 2
 
 
 def test_allgather_timing_on_a_cpu_trace_is_the_blocked_wait():

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 from matplotlib.figure import Figure
 
@@ -234,4 +235,112 @@ def test_marker_functions_carry_the_prefix_the_timeline_parses():
                 {"frames": [{"filename": "x.py", "line": 1, "name": marker.__name__}]}
             )
             == phase
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The answers' facts (notebook 05) on the committed results and snapshots
+# ----------------------------------------------------------------------------------------------------
+
+
+def _committed_memory_facts():
+    from cs336_systems.measure.results import REPO_ROOT, load_results
+    from cs336_systems.studies import memory_analysis
+
+    df = load_results("memory_profiling", REPO_ROOT / "figures" / "data")
+    timelines = {
+        m: mem.parse_timeline(
+            mem.load_snapshot(
+                mem.COMMITTED_SNAPSHOT_DIR / f"memory_profiling__2.7B_{m}_fp32_ctx512.pickle.gz"
+            )
+        )
+        for m in ("forward", "train")
+    }
+    # A stand-in for block_saved_memory's result at the largest measured context (2048).
+    block = {
+        "saved": {"activation": 8 * 2**30},
+        "expected_grad_bytes": 100 * 2**20,
+        "by_op": [
+            {"op": "softmax", "bytes": 6 * 2**30, "share": 0.75, "num_tensors": 2, "shapes": ""},
+            {"op": "matmul", "bytes": 2**30, "share": 0.125, "num_tensors": 1, "shapes": ""},
+        ],
+    }
+    f = memory_analysis.facts(
+        df,
+        timelines,
+        size="2.7B",
+        ctx=512,
+        batch=4,
+        block_size="xl_2026",
+        block_results={512: block, 2048: block},
+    )
+    return f, df, timelines
+
+
+def test_memory_facts_match_a_direct_computation_on_the_committed_data():
+    f, df, timelines = _committed_memory_facts()
+    gib = 2**30
+    # (a) the phases cover the whole recorded step, so the highest phase peak is the timeline's maximum
+    assert f["train_peak_GiB"] == pytest.approx(timelines["train"].total.max() / gib)
+    assert f["forward_peak_GiB"] == pytest.approx(timelines["forward"].total.max() / gib)
+    assert f["train_start_GiB"] < f["train_peak_GiB"] and f["optimizer_peak_GiB"] < f["train_peak_GiB"]
+    assert f["train_peak_phase"] in {"forward", "backward", "optimizer"}
+    # (b), (c) straight from the latest peak_memory rows
+    peaks = df[df.metric == "peak_memory"].drop_duplicates(["dtype", "mode", "x_value"], keep="last")
+    fp32_train = peaks[(peaks.dtype == "fp32") & (peaks["mode"] == "train")].set_index("x_value")["mean"]
+    bf16_train = peaks[(peaks.dtype == "bf16-autocast") & (peaks["mode"] == "train")].set_index("x_value")[
+        "mean"
+    ]
+    assert f["train_min_GiB"] == pytest.approx(fp32_train.min()) and f["train_max_GiB"] == pytest.approx(
+        fp32_train.max()
+    )
+    assert f["bf16_train_ratio_max"] == pytest.approx((bf16_train / fp32_train).max())
+    assert f["state_GiB"] == pytest.approx(16 * get_config("2.7B").num_params() / gib)
+    assert f["params_GiB"] == pytest.approx(f["state_GiB"] / 4)
+    # (d) 4 x T x 2560 x 4 bytes; the forward snapshot holds allocations of exactly that size
+    assert f["d_model"] == 2560
+    assert f["residual_MiB"] == {t: 4 * t * 2560 * 4 / 2**20 for t in (128, 256, 512)}
+    nbytes = 4 * 512 * 2560 * 4
+    tl = timelines["forward"]
+    assert f["residual_seen"] == int(((tl.size == nbytes) & ~tl.initial).sum()) > 0
+    # (e) the largest allocation of the forward pass
+    assert f["largest_MiB"] == pytest.approx(tl.size[~tl.initial].max() / 2**20)
+    assert len(f["next_largest"]) == 2 and f["next_largest"][0][0] <= f["largest_MiB"]
+    # (f) the largest context, the stand-in result and the committed GPU check at T = 2048
+    assert f["block_T"] == 2048 and f["block_saved_MiB"] == 8 * 1024
+    assert f["block_top_ops"] == [("softmax", 75.0), ("matmul", 12.5)]
+    assert f["softmax_share"] == pytest.approx(3 * 4 * 32 * 2048 * 2048 * 4 / (8 * gib))
+    assert f["block_saved_over_input"] == pytest.approx(8 * gib / (4 * 2048 * 2560 * 4))
+    gpu = df[(df.x_value == 2048) & df.metric.str.startswith("block_")].set_index("metric")["mean"]
+    assert f["gpu_backward_delta_MiB"] == pytest.approx(gpu["block_backward_memory_delta"])
+    assert f["gpu_saved_hooks_MiB"] == pytest.approx(gpu["block_saved_activation_hooks"])
+
+
+def test_memory_facts_leave_out_what_was_not_measured():
+    from cs336_systems.measure.results import COLUMNS
+    from cs336_systems.studies import memory_analysis
+
+    block = {"saved": {"activation": 2**20}, "expected_grad_bytes": 2**20, "by_op": []}
+    f = memory_analysis.facts(
+        pd.DataFrame(columns=COLUMNS),
+        {},
+        size="debug",
+        ctx=32,
+        batch=4,
+        block_size="debug",
+        block_results={32: block},
+    )
+    assert not {"train_peak_GiB", "state_GiB", "residual_seen", "largest_MiB", "gpu_grad_measured_MiB"} & set(
+        f
+    )
+    assert f["block_T"] == 32 and f["block_top_ops"] == []
+    with pytest.raises(ValueError, match="block_results is empty"):
+        memory_analysis.facts(
+            pd.DataFrame(columns=COLUMNS),
+            {},
+            size="debug",
+            ctx=32,
+            batch=4,
+            block_size="debug",
+            block_results={},
         )

@@ -13,6 +13,7 @@ import torch
 
 from cs336_systems.measure.annotations import ATTENTION_RANGES, naive_annotated_attention
 from cs336_systems.measure.results import COLUMNS, append_rows, load_results
+from cs336_systems.measure.traces import load_trace, save_trace, short_kernel_name, slim_trace
 from cs336_systems.model import get_attention, get_config
 from cs336_systems.studies import profile as P
 
@@ -20,10 +21,14 @@ from cs336_systems.studies import profile as P
 # Classification and names
 # --------------------------------------------------------------------------------------------------
 
-EXP = ("void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda(at::TensorIteratorBase&)::"
-       "{lambda()#1}::operator()() const::{lambda(float)#1}, at::detail::Array<char*, 2> >(int, at::detail::Array<char*, 2>)")  # fmt: skip
-MAX = ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, "
-       "float, 4, 4> >(at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, float, 4, 4>)")  # fmt: skip
+EXP = (
+    "void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda(at::TensorIteratorBase&)::"
+    "{lambda()#1}::operator()() const::{lambda(float)#1}, at::detail::Array<char*, 2> >(int, at::detail::Array<char*, 2>)"
+)
+MAX = (
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, "
+    "float, 4, 4> >(at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, float, 4, 4>)"
+)
 GEMM = (
     "sm90_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off_kernel"
 )
@@ -99,11 +104,11 @@ def test_classify_kernel(name, cat, cls):
     ],
 )
 def test_short_kernel_name(name, short):
-    assert P.short_kernel_name(name) == short
+    assert short_kernel_name(name) == short
 
 
 def test_short_kernel_name_is_bounded():
-    assert len(P.short_kernel_name("k" * 300, max_len=40)) == 40
+    assert len(short_kernel_name("k" * 300, max_len=40)) == 40
 
 
 # --------------------------------------------------------------------------------------------------
@@ -119,19 +124,59 @@ class _Trace:
         self.corr = 100
 
     def range(self, name, ts, dur, tid=1):
-        self.events.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": tid, "ts": ts,
-                            "dur": dur, "args": {}})  # fmt: skip
+        self.events.append(
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": name,
+                "pid": 1,
+                "tid": tid,
+                "ts": ts,
+                "dur": dur,
+                "args": {},
+            }
+        )
 
     def launch(self, kernel, at, runs_at, dur, *, tid=1, stream=7, op="aten::mm", cat="kernel", launch=True):
         self.corr += 1
         ext = self.corr + 10_000
-        self.events.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": 1, "tid": tid, "ts": at - 1.0,
-                            "dur": 3.0, "args": {"External id": ext}})  # fmt: skip
+        self.events.append(
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": op,
+                "pid": 1,
+                "tid": tid,
+                "ts": at - 1.0,
+                "dur": 3.0,
+                "args": {"External id": ext},
+            }
+        )
         if launch:
-            self.events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": tid,
-                                "ts": at, "dur": 1.0, "args": {"correlation": self.corr, "External id": ext}})  # fmt: skip
-        self.events.append({"ph": "X", "cat": cat, "name": kernel, "pid": 0, "tid": stream, "ts": runs_at, "dur": dur,
-                            "args": {"correlation": self.corr, "External id": ext, "stream": stream, "device": 0}})  # fmt: skip
+            self.events.append(
+                {
+                    "ph": "X",
+                    "cat": "cuda_runtime",
+                    "name": "cudaLaunchKernel",
+                    "pid": 1,
+                    "tid": tid,
+                    "ts": at,
+                    "dur": 1.0,
+                    "args": {"correlation": self.corr, "External id": ext},
+                }
+            )
+        self.events.append(
+            {
+                "ph": "X",
+                "cat": cat,
+                "name": kernel,
+                "pid": 0,
+                "tid": stream,
+                "ts": runs_at,
+                "dur": dur,
+                "args": {"correlation": self.corr, "External id": ext, "stream": stream, "device": 0},
+            }
+        )
 
     def trace(self):
         return {"schemaVersion": 1, "traceEvents": list(self.events)}
@@ -217,8 +262,8 @@ def test_timeline_of_a_gpu_trace(gpu_trace, tmp_path):
 
 
 def test_slim_trace_roundtrip(gpu_trace, tmp_path):
-    path = P.save_trace(P.slim_trace(gpu_trace), tmp_path / "t.json.gz")
-    back = P.load_trace(path)
+    path = save_trace(slim_trace(gpu_trace), tmp_path / "t.json.gz")
+    back = load_trace(path)
     assert not any(e.get("cat") == "cpu_op" for e in back["traceEvents"])
     kt = P.kernel_table(back)
     assert len(kt) == 11
@@ -328,8 +373,12 @@ def test_profiler_none_gives_timer_rows_only():
     )
     rows = P.profile_rows(P.profile_config(cfg))
     assert {r["metric"] for r in rows} == {"python_timer"}
-    assert pd.DataFrame(rows)["mode"].tolist() == ["inference/forward", "train/forward", "train/backward",
-                                                   "train/optimizer_step"]  # fmt: skip
+    assert pd.DataFrame(rows)["mode"].tolist() == [
+        "inference/forward",
+        "train/forward",
+        "train/backward",
+        "train/optimizer_step",
+    ]
 
 
 def test_facts_on_the_committed_results():

@@ -17,13 +17,37 @@ def _gpu_trace():
         ev.append(
             {"ph": "X", "cat": "user_annotation", "name": name, "ts": s, "dur": e - s, "pid": 1, "tid": 1}
         )
-    kernels = [("ampere_sgemm_128x64_nn", 10, 90, 7, 1, 5), ("void at::native::elementwise_kernel<...>(int)", 110, 190, 7, 2, 95),
-               ("sm90_xmma_gemm_f32f32", 200, 300, 7, 3, 150), ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", 150, 350, 20, 4, 160)]  # fmt: skip
+    kernels = [
+        ("ampere_sgemm_128x64_nn", 10, 90, 7, 1, 5),
+        ("void at::native::elementwise_kernel<...>(int)", 110, 190, 7, 2, 95),
+        ("sm90_xmma_gemm_f32f32", 200, 300, 7, 3, 150),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", 150, 350, 20, 4, 160),
+    ]
     for name, s, e, stream, corr, launch in kernels:
-        ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": s, "dur": e - s, "pid": 0, "tid": stream,
-                   "args": {"stream": stream, "device": 0, "correlation": corr}})  # fmt: skip
-        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch, "dur": 2, "pid": 1,
-                   "tid": 1, "args": {"correlation": corr}})  # fmt: skip
+        ev.append(
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": name,
+                "ts": s,
+                "dur": e - s,
+                "pid": 0,
+                "tid": stream,
+                "args": {"stream": stream, "device": 0, "correlation": corr},
+            }
+        )
+        ev.append(
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaLaunchKernel",
+                "ts": launch,
+                "dur": 2,
+                "pid": 1,
+                "tid": 1,
+                "args": {"correlation": corr},
+            }
+        )
     ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 3, "pid": 1, "tid": 1})
     return {"traceEvents": ev}
 

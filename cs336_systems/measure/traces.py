@@ -37,9 +37,9 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pandas as pd
@@ -71,7 +71,9 @@ __all__ = [
     "events_frame",
     "intersection_length",
     "kineto_logs_filtered",
+    "load_dict",
     "load_trace",
+    "open_maybe_gzip",
     "overlap_stats",
     "range_at",
     "save_trace",
@@ -85,25 +87,33 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------
 
 
+def open_maybe_gzip(path: str | os.PathLike, mode: str) -> IO:
+    """`open(path, mode)`, through gzip when the name ends in .gz; writing creates the parent folder."""
+    path = Path(path)
+    if any(m in mode for m in "wax"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return (gzip.open if path.suffix == ".gz" else open)(path, mode)
+
+
+def load_dict(path: str | os.PathLike, load: Callable[[IO[bytes]], Any], *, key: str, what: str) -> dict:
+    """`load(file)` of a gzip'd or plain file, which must give a dict holding `key` (else ValueError)."""
+    with open_maybe_gzip(path, "rb") as f:
+        obj = load(f)
+    if not isinstance(obj, dict) or key not in obj:
+        raise ValueError(f"{path} is not {what} (no '{key}')")
+    return obj
+
+
 def load_trace(path: str | os.PathLike) -> dict[str, Any]:
     """A Chrome trace (torch.profiler export) from `.json` or `.json.gz`."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
-    if not isinstance(trace, dict) or "traceEvents" not in trace:
-        raise ValueError(f"{path} is not a Chrome trace (no 'traceEvents')")
-    return trace
+    return load_dict(path, json.load, key="traceEvents", what="a Chrome trace")
 
 
 def save_trace(trace: Mapping[str, Any], path: str | os.PathLike) -> Path:
     """Write a (gzip'd when the name ends in .gz) Chrome trace loadable in Perfetto / chrome://tracing."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "wt") as f:
+    with open_maybe_gzip(path, "wt") as f:
         json.dump(trace, f, separators=(",", ":"))
-    return path
+    return Path(path)
 
 
 def slim_trace(trace: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ def plot_timeline(
     title: str | None = None,
     title_size: float | None = None,
     min_width_ms: float = 1e-3,
+    bar_height: float = 0.8,
     figsize: tuple[float, float] = (6.4, 2.6),
     ax=None,
 ):
@@ -51,6 +52,7 @@ def plot_timeline(
 
     rows: the bar rows bottom to top (default: sorted labels). labelled: band names whose spans get
     their name written on them when wide enough. legend: (label, colour) entries, in order.
+    bar_height: a bar's height in row units (rows are 1 apart).
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -71,7 +73,7 @@ def plot_timeline(
     for category, color in colors.items():
         for r, g in bars[bars.category == category].groupby("row"):
             spans = list(zip(g.start_ms, np.maximum(g.dur_ms, min_width_ms)))
-            ax.broken_barh(spans, (y_of[r] - 0.4, 0.8), facecolors=color, linewidth=0)
+            ax.broken_barh(spans, (y_of[r] - bar_height / 2, bar_height), facecolors=color, linewidth=0)
     total_ms = float((bars.start_ms + bars.dur_ms).max() - bars.start_ms.min())
     band_names = list(dict.fromkeys(bands.band))
     band_y = {b: len(rows) + BAND_OFFSET + BAND_STEP * k for k, b in enumerate(band_names)}

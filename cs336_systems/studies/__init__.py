@@ -3,8 +3,9 @@ through `cs336_systems.measure.results`) and analyses its rows for the notebooks
 
 * `end_to_end`, `autocast_study`, `mixed_precision`, `profile`, `timing_analysis`: benchmarking_script,
   mixed precision and nsys_profile; `timing_gpu_run` is their budgeted one-GPU run.
-* `memory`, `pytorch_attention` (+ `attention_results`, its rows' tables and facts), `compile_study`,
-  `checkpointing_study`: memory_profiling, pytorch_attention, torch_compile, gradient_checkpointing;
+* `memory` (+ `memory_analysis`, the facts of its answers), `pytorch_attention` (+ `attention_results`,
+  its rows' tables and facts), `compile_study`, `checkpointing_study`: memory_profiling,
+  pytorch_attention, torch_compile, gradient_checkpointing;
   `memory_attention_gpu_run` is their budgeted one-GPU run.
 * `communication_accounting`, `parallelism_calcs`: the written accounting problems (2025 section 2.4,
   2026 section 8), computed from `cs336_systems.accounting`.

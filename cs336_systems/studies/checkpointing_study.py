@@ -42,7 +42,7 @@ from cs336_systems.model.checkpointing import (
     saved_tensors,
 )
 from cs336_systems.studies.end_to_end import PHASES, EndToEndConfig, build_workload, row_fields
-from cs336_systems.studies.memory import _make_block, block_saved_memory, residual_stream_bytes
+from cs336_systems.studies.memory_block import block_saved_memory, make_block, residual_stream_bytes
 
 PROBLEM = "gradient_checkpointing"
 SIZE = "xl_2026"
@@ -73,7 +73,7 @@ def sizes_for_model(
     """c, r, r_attn, r_mlp (bytes) of one block of `size`, counted on the meta device."""
     c = residual_stream_bytes(size, batch_size, context_length)
     r = block_saved_memory(size, batch_size, context_length, device="meta")["saved"]["activation"]
-    block = _make_block(size, context_length, "meta")
+    block = make_block(size, context_length, "meta")
     x = torch.randn(batch_size, context_length, block.ln1.weight.shape[0], device="meta", requires_grad=True)
     _, attn = saved_tensors(_attention_half, block, x, module=block)
     _, mlp = saved_tensors(_mlp_half, block, x, module=block)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import gzip
 import os
 import pickle
 from collections.abc import Iterator, Sequence
@@ -39,14 +38,13 @@ import torch
 
 from cs336_systems.measure.results import REPO_ROOT, capture_failure, failure_row, latest_run, make_row
 from cs336_systems.measure.timing import PhaseTimer, synchronize
-from cs336_systems.measure.traces import kineto_logs_filtered
-from cs336_systems.studies.end_to_end import EndToEndConfig, _config_record, build_workload
+from cs336_systems.measure.traces import kineto_logs_filtered, load_dict, open_maybe_gzip
+from cs336_systems.studies.end_to_end import EndToEndConfig, build_workload, row_fields
 from cs336_systems.studies.memory_block import (
     PROBLEM,
     block_saved_memory,
     block_saved_rows,
     by_op_frame,
-    make_block,
     residual_stream_bytes,
 )
 from cs336_systems.studies.memory_timeline import (
@@ -63,7 +61,6 @@ from cs336_systems.studies.memory_timeline import (
     plot_active_memory_timeline,
 )
 
-_make_block = make_block  # checkpointing_study imports this name; switch it to memory_block.make_block
 __all__ = [
     "AUTOCASTS",
     "COMMITTED_SNAPSHOT_DIR",
@@ -266,17 +263,8 @@ def capture_rows(
 ) -> list[dict]:
     """Tidy rows: peak memory of the recorded step and memory resident when it started (GiB)."""
     cfg = capture.cfg
-    config = {**_config_record(cfg), "capture": capture.source, "snapshot_file": snapshot_file}
-    common = dict(
-        problem=problem,
-        name=cfg.size,
-        impl=cfg.impl_label,
-        mode=cfg.mode,
-        dtype=cfg.dtype_label,
-        x_name="context_length",
-        x_value=cfg.context_length,
-        config=config,
-    )
+    common = row_fields(cfg, problem, x_name="context_length", x_value=cfg.context_length)
+    common["config"] = {**common["config"], "capture": capture.source, "snapshot_file": snapshot_file}
     if capture.note:
         return [
             failure_row(metric=m, unit="GiB", note=capture.note, **common)
@@ -328,22 +316,13 @@ def compact_snapshot(
 
 def save_snapshot(snapshot: dict[str, Any], path: str | os.PathLike) -> Path:
     """Pickle (protocol 4, what memory_viz reads); gzip when the name ends in .gz."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "wb") as f:
+    with open_maybe_gzip(path, "wb") as f:
         pickle.dump(snapshot, f, protocol=4)
-    return path
+    return Path(path)
 
 
 def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        snap = pickle.load(f)
-    if not isinstance(snap, dict) or "device_traces" not in snap:
-        raise ValueError(f"{path} is not a memory snapshot (no 'device_traces')")
-    return snap
+    return load_dict(path, pickle.load, key="device_traces", what="a memory snapshot")
 
 
 def snapshot_name(cfg: EndToEndConfig) -> str:

@@ -51,7 +51,6 @@ from cs336_systems.measure.traces import (
     kineto_logs_filtered,
     load_trace,
     save_trace,
-    short_kernel_name,
     slim_trace,
 )
 from cs336_systems.model import get_config
@@ -82,8 +81,8 @@ from cs336_systems.studies.profile_tables import (
 )
 
 PROBLEM = "nsys_profile"
-# Re-exported: callers (timing_analysis, timing_gpu_run, distributed/fsdp_bench and trace_plot, the
-# notebook) import these names from this module.
+# Re-exported from profile_tables/profile_analysis (and load_trace from measure.traces): notebook 02 and
+# timing_analysis import these names from this module.
 __all__ = [
     "CLASS_COLORS",
     "KERNEL_CLASSES",
@@ -113,9 +112,6 @@ __all__ = [
     "range_summary",
     "range_table",
     "run_profile",
-    "save_trace",
-    "short_kernel_name",
-    "slim_trace",
     "summarize",
     "top_kernels",
 ]
@@ -153,19 +149,19 @@ class ProfileConfig:
         return "fp32" if self.autocast == "none" else f"{self.autocast}-autocast"
 
     def end_to_end(self) -> EndToEndConfig:
-        return EndToEndConfig(
-            size=self.size,
-            context_length=self.context_length,
-            batch_size=self.batch_size,
-            mode="train",
-            warmup=self.warmup,
-            steps=self.steps,
-            autocast=self.autocast,
-            attention=self.attention,
-            nvtx=True,
-            device=self.device,
-            seed=self.seed,
+        """The benchmarking script's configuration of this profile: a training step with NVTX ranges."""
+        shared = (
+            "size",
+            "context_length",
+            "batch_size",
+            "warmup",
+            "steps",
+            "autocast",
+            "attention",
+            "device",
+            "seed",
         )
+        return EndToEndConfig(mode="train", nvtx=True, **{k: getattr(self, k) for k in shared})
 
     def record(self) -> dict[str, Any]:
         mcfg = get_config(self.size, context_length=self.context_length)
@@ -271,66 +267,31 @@ def profile_rows(result: ProfileResult, problem: str = PROBLEM, *, top_k: int = 
     if result.trace is None:
         return rows
     tables = summarize(result.trace, top_k=top_k)
+
+    def add(metric: str, unit: str, value: float, impl: str, mode: str, row_config: dict = config) -> None:
+        rows.append(
+            make_row(metric=metric, unit=unit, impl=impl, mode=mode, value=value, config=row_config, **common)
+        )
+
     for r in tables["ranges"].itertuples(index=False):
-        mode = f"{r.scope}/{r.range}"
         for metric, unit, value in [
             ("range_cpu_time", "ms", r.cpu_ms),
             ("range_gpu_span", "ms", r.gpu_span_ms),
             ("range_kernel_time", "ms", r.kernel_ms),
             ("range_num_kernels", "count", r.num_kernels),
         ]:
-            rows.append(
-                make_row(
-                    metric=metric, unit=unit, impl="all", mode=mode, value=value, config=config, **common
-                )
-            )
+            add(metric, unit, value, "all", f"{r.scope}/{r.range}")
     flops = attention_flops(cfg.size, cfg.context_length, cfg.batch_size)
     for scope in tables["ranges"].scope.unique():
         for rng, f in flops.items():
-            rows.append(
-                make_row(
-                    metric="flops",
-                    unit="GFLOP",
-                    impl="all",
-                    mode=f"{scope}/{rng}",
-                    value=f / 1e9,
-                    config=config,
-                    **common,
-                )
-            )
+            add("flops", "GFLOP", f / 1e9, "all", f"{scope}/{rng}")
     for r in tables["classes"].itertuples(index=False):
-        mode = f"{r.scope}/{r.range}"
         for metric, unit, value in [("class_time", "ms", r.time_ms), ("class_share", "fraction", r.share)]:
-            rows.append(
-                make_row(
-                    metric=metric, unit=unit, impl=r.cls, mode=mode, value=value, config=config, **common
-                )
-            )
+            add(metric, unit, value, r.cls, f"{r.scope}/{r.range}")
     for r in tables["top"].itertuples(index=False):
-        mode = f"{r.scope}/{r.range}"
         cfg_k = {**config, "rank": r.rank, "class": r.cls}
-        rows.append(
-            make_row(
-                metric="top_kernel_time",
-                unit="ms",
-                impl=r.short,
-                mode=mode,
-                value=r.time_ms,
-                config={**cfg_k, "kernel": r.name},
-                **common,
-            )
-        )
-        rows.append(
-            make_row(
-                metric="top_kernel_calls",
-                unit="count",
-                impl=r.short,
-                mode=mode,
-                value=r.calls,
-                config=cfg_k,
-                **common,
-            )
-        )
+        add("top_kernel_time", "ms", r.time_ms, r.short, f"{r.scope}/{r.range}", {**cfg_k, "kernel": r.name})
+        add("top_kernel_calls", "count", r.calls, r.short, f"{r.scope}/{r.range}", cfg_k)
     return rows
 
 

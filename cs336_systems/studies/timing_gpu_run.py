@@ -47,8 +47,9 @@ from cs336_systems.measure import cli
 from cs336_systems.measure.budget import TimeBudget
 from cs336_systems.measure.results import REPO_ROOT, append_rows, failure_row, load_results
 from cs336_systems.measure.results import results_dir as default_results_dir
+from cs336_systems.measure.traces import load_trace
 from cs336_systems.model import SIZES_2025, get_config
-from cs336_systems.studies import autocast_study, profile
+from cs336_systems.studies import autocast_study, profile, profile_tables
 from cs336_systems.studies.end_to_end import MODES, PHASES, EndToEndConfig, grid, row_fields, run_one
 
 BENCH = "benchmarking_script"
@@ -324,7 +325,7 @@ def render_timeline(trace_path, png_path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = profile.plot_timeline(profile.load_trace(trace_path), title=Path(trace_path).name)
+    fig = profile_tables.plot_timeline(load_trace(trace_path), title=Path(trace_path).name)
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=150, bbox_inches="tight")

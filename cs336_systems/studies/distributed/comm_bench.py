@@ -282,6 +282,72 @@ def summary_table(df: pd.DataFrame, metric: str = "all_reduce_time") -> pd.DataF
     return out[cols].rename_axis(index=["backend/device", "ranks"], columns=None)
 
 
+def facts(df: pd.DataFrame) -> dict[str, Any]:
+    """The numbers the answer of notebook 12 states (p50 over calls of the newest row of each case).
+
+    big_mb/small_mb: largest/smallest measured size; gloo_worlds/nccl_worlds: process counts with
+    successful rows; gloo_busbw_big {n: GB/s}; for the first NCCL count (nccl_world): its bus bandwidth
+    at big_mb, the ratio to Gloo with as many processes, and both backends' small_mb times (ms);
+    latency_*: the two smallest sizes' times with the reference backend (NCCL if any, else Gloo);
+    gloo_lo/gloo_hi: the fewest/most Gloo processes with their big_mb times and ring bytes factors;
+    nccl_not_run: the 4- and 6-GPU NCCL counts without rows; missing: "impl xN: note" of failures.
+    """
+    t = tidy(df)
+    busbw = t[(t.note == "") & (t.metric == "busbw")]
+    times = t[(t.note == "") & (t.metric == "all_reduce_time")]
+
+    def p50(impl: str, world: int, size: float, frame: pd.DataFrame) -> float:
+        sel = frame[(frame.impl == impl) & (frame.world_size == world) & (frame.x_value == size)]
+        return float(sel.sort_values("timestamp").p50.iloc[-1]) if len(sel) else float("nan")
+
+    big, small = max(busbw.x_value, default=float("nan")), min(busbw.x_value, default=float("nan"))
+    gloo_worlds = [int(w) for w in sorted(busbw[busbw.impl == "gloo/cpu"].world_size.unique())]
+    nccl_worlds = [int(w) for w in sorted(busbw[busbw.impl == "nccl/cuda"].world_size.unique())]
+    missing = t[(t.note != "") & (t.metric == "all_reduce_time")]
+    f: dict[str, Any] = {
+        "big_mb": big,
+        "small_mb": small,
+        "gloo_worlds": gloo_worlds,
+        "nccl_worlds": nccl_worlds,
+        "gloo_busbw_big": {w: p50("gloo/cpu", w, big, busbw) for w in gloo_worlds},
+        "nccl_not_run": [n for n in (4, 6) if n not in nccl_worlds],
+        "missing": sorted({f"{r.impl} x{r.world_size}: {r.note}" for r in missing.itertuples()}),
+    }
+    if nccl_worlds:
+        w = nccl_worlds[0]
+        f["nccl_world"] = w
+        f["nccl_busbw_big"] = p50("nccl/cuda", w, big, busbw)
+        f["nccl_over_gloo_big"] = f["nccl_busbw_big"] / p50("gloo/cpu", w, big, busbw)
+        f["nccl_small_ms"] = p50("nccl/cuda", w, small, times)
+        f["gloo_small_ms"] = p50("gloo/cpu", w, small, times)
+    sizes = sorted(times.x_value.unique())
+    if len(sizes) >= 2 and (nccl_worlds or gloo_worlds):
+        ref = "nccl/cuda" if nccl_worlds else "gloo/cpu"
+        w0 = (nccl_worlds or gloo_worlds)[0]
+        a, b = float(sizes[0]), float(sizes[1])
+        f["latency"] = {
+            "impl": ref,
+            "world": w0,
+            "small_mb": a,
+            "next_mb": b,
+            "small_ms": p50(ref, w0, a, times),
+            "next_ms": p50(ref, w0, b, times),
+        }
+    if len(gloo_worlds) >= 2:
+        lo, hi = gloo_worlds[0], gloo_worlds[-1]
+        f["gloo_lo"] = {
+            "world": lo,
+            "big_ms": p50("gloo/cpu", lo, big, times),
+            "ring_factor": 2 * (lo - 1) / lo,
+        }
+        f["gloo_hi"] = {
+            "world": hi,
+            "big_ms": p50("gloo/cpu", hi, big, times),
+            "ring_factor": 2 * (hi - 1) / hi,
+        }
+    return f
+
+
 def fit_latency_bandwidth(size_bytes: Sequence[float], time_s: Sequence[float]) -> tuple[float, float]:
     """Fit t = o + s / w (alpha-beta model) to all-reduce timings; returns (o seconds, w bytes/s).
 

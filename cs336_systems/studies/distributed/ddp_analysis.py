@@ -1,14 +1,16 @@
 """Tables, the bucket model and the facts of the DDP benchmark (notebooks 14-18; `train_bench` measures).
 
 `summary(df)` condenses the ddp_training rows to one row per variant; `facts(df)` holds the numbers
-the notebooks' answers state.
+the notebooks' answers state (per-variant values under "<variant>_<column>", the flat/overlap
+comparisons and the bucket sweep), `model_facts(bucket_model(...))` those of the bucket overhead model,
+and `trace_facts` the overlap statistics of the profiler traces.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -243,3 +245,171 @@ def bucket_model(
         "table": pd.DataFrame(rows),
         "curve": curve,
     }
+
+
+UNBUCKETED = ("single", "naive", "flat", "overlap")
+VARIANT_COLUMNS = (
+    "step_ms",
+    "step_std_ms",
+    "forward_ms",
+    "backward_ms",
+    "comm_ms",
+    "optimizer_ms",
+    "overhead_ms",
+    "comm_share",
+)
+
+
+def measure_or_load(
+    measure: bool | str,
+    variants: Sequence[str],
+    *,
+    quick: bool = False,
+    only_missing: bool = True,
+    trace: Sequence[str] = (),
+) -> tuple[Any, pd.DataFrame]:
+    """Notebook block of the DDP benchmarks: set up the results directory, measure `variants` when
+    `measure` asks for it and 2 GPUs are present (or in quick mode), then load the ddp_training rows.
+
+    Returns (results directory, rows).
+    """
+    from cs336_systems.report import load_results, nb
+    from cs336_systems.studies.distributed import train_bench
+
+    results_dir = nb.setup(quick)
+    if nb.should_measure(measure, gpus=2, quick=quick):
+        train_bench.measure(
+            variants, quick=quick, results_dir=results_dir, trace=trace, only_missing=only_missing
+        )
+    return results_dir, load_results(train_bench.PROBLEM, results_dir)
+
+
+def show_measurements(
+    df: pd.DataFrame,
+    variants: Sequence[str],
+    plot: Callable[[pd.DataFrame, Sequence[str]], Any],
+    figure_name: str,
+) -> None:
+    """Notebook block: the setup sentence, the figure `plot(summary, variants)` (saved as `figure_name`)
+    and the summary table of `variants`. The plot comes in as an argument because `plots` imports
+    this module.
+    """
+    from cs336_systems.report import nb, save_figure, show_table
+
+    summ = summary(df)
+    nb.md(f"Measured: {describe_setup(df)}.")
+    save_figure(plot(summ, variants), figure_name)
+    show_table(
+        summary_table(summ, variants),
+        caption="time per training step (ms, mean over timed steps)",
+        provenance_from=df,
+    )
+
+
+def facts(df: pd.DataFrame) -> dict[str, Any]:
+    """The numbers the answers of notebooks 14-18 state, from the ddp_training rows.
+
+    For each unbucketed variant v: v_measured (a row exists), v_ok (measured without a failure note),
+    v_note and v_<column> for the `summary` columns (NaN when not measured). Comparisons: flat vs naive
+    communication and step time, overlap vs the faster of naive and flat. Bucket sweep (successful
+    `bucketed` rows): best/worst bucket size, the ours/PyTorch step-time ratios, exposed-sync and
+    backward ranges.
+    """
+    summ = summary(df)
+    f: dict[str, Any] = {}
+    for v in UNBUCKETED:
+        r = row_of(summ, v)
+        f[f"{v}_measured"] = r is not None
+        f[f"{v}_ok"] = r is not None and r.note == ""
+        f[f"{v}_note"] = "" if r is None else r.note
+        for col in VARIANT_COLUMNS:
+            f[f"{v}_{col}"] = math.nan if r is None else float(r[col])
+    f["flat_faster"] = f["flat_comm_ms"] < f["naive_comm_ms"]
+    f["flat_comm_saving_ms"] = abs(f["naive_comm_ms"] - f["flat_comm_ms"])
+    f["flat_step_saving_ms"] = abs(f["naive_step_ms"] - f["flat_step_ms"])
+    best_unbucketed = min(f["naive_step_ms"], f["flat_step_ms"])
+    f["overlap_vs_best_pct"] = 100 * (f["overlap_step_ms"] / best_unbucketed - 1)
+    f["overlap_faster"] = f["overlap_step_ms"] < best_unbucketed
+    f.update(bucket_facts(summ))
+    return f
+
+
+def bucket_facts(summ: pd.DataFrame) -> dict[str, Any]:
+    """The bucket-sweep part of `facts` (bucketed_count 0 and nothing else when no bucketed row succeeded)."""
+    ok = summ[summ.note == ""] if len(summ) else summ
+    bk = ok[ok.kind == "bucketed"] if len(ok) else ok
+    if not len(bk):
+        return {"bucketed_count": 0}
+    best = bk.loc[bk.step_ms.idxmin()]
+    worst = bk.loc[bk.step_ms.idxmax()]
+    fastest_bwd = bk.loc[bk.backward_ms.idxmin()] if bk.backward_ms.notna().any() else best
+    ratios = bucket_table(summ)["ours / PyTorch"].dropna()
+    single = row_of(summ, "single")
+    single_step = single.step_ms if single is not None and single.note == "" else math.nan
+    spread = float(worst.step_ms - best.step_ms)
+    return {
+        "bucketed_count": len(bk),
+        "bucket_best": best.label.removeprefix("bucketed "),
+        "bucket_best_step_ms": float(best.step_ms),
+        "bucket_best_comm_ms": float(best.comm_ms),
+        "bucket_worst": worst.label.removeprefix("bucketed "),
+        "bucket_worst_step_ms": float(worst.step_ms),
+        "bucket_spread_ms": spread,
+        "bucket_spread_small": spread < 0.1 * single_step,
+        "bucket_fastest_backward": fastest_bwd.label.removeprefix("bucketed "),
+        "bucket_comm_min_ms": float(bk.comm_ms.min()),
+        "bucket_comm_max_ms": float(bk.comm_ms.max()),
+        "bucket_backward_min_ms": float(bk.backward_ms.min()),
+        "bucket_backward_max_ms": float(bk.backward_ms.max()),
+        "ratio_count": len(ratios),
+        "ratio_min": float(ratios.min()) if len(ratios) else math.nan,
+        "ratio_max": float(ratios.max()) if len(ratios) else math.nan,
+        "ratio_within_goal": int((ratios <= 1.02).sum()),
+    }
+
+
+def model_facts(model: dict[str, Any], sim_tol_ms: float = 0.5) -> dict[str, Any]:
+    """The numbers notebook 18 (b) states about a `bucket_model` result.
+
+    measured_count: bucket sizes with a measured exposed sync; best_measured_mb / best_measured_comm_ms: the measured bucket size with the least exposed sync
+    (NaN when none was measured); compute_to_comm: backward time / the time of one all-reduce of all
+    gradients; sim_flat_mb: the largest bucket size up to which the simulated overhead stays within
+    `sim_tol_ms` of its minimum; measured_grows: exposed sync grows monotonically with the (finite)
+    bucket size.
+    """
+    meas = model["table"].dropna(subset=["measured_comm_ms"])
+    best_meas = meas.loc[meas.measured_comm_ms.idxmin()] if len(meas) else None
+    curve = model["curve"].sort_values("bucket_mb")
+    sim_best = curve.loc[curve.simulated_ms.idxmin()]
+    above = curve.simulated_ms > sim_best.simulated_ms + sim_tol_ms
+    flat = curve.bucket_mb[~above.cummax()]
+    finite = meas[meas.bucket_mb.apply(math.isfinite)].sort_values("bucket_mb")
+    return {
+        "impl": model["impl"],
+        "world_size": model["world_size"],
+        "o_us": model["o_s"] * 1e6,
+        "w_GBps": model["w_Bps"] / 1e9,
+        "s_MB": model["s_bytes"] / 2**20,
+        "n_b_opt": model["n_b_opt"],
+        "bucket_mb_opt": model["bucket_mb_opt"],
+        "min_overhead_ms": model["min_overhead_ms"],
+        "measured_count": len(meas),
+        "best_measured_mb": math.nan if best_meas is None else float(best_meas.bucket_mb),
+        "best_measured_comm_ms": math.nan if best_meas is None else float(best_meas.measured_comm_ms),
+        "backward_ms": model["backward_s"] * 1e3,
+        "one_allreduce_ms": model["s_bytes"] / model["w_Bps"] * 1e3,
+        "compute_to_comm": model["backward_s"] * model["w_Bps"] / model["s_bytes"],
+        "sim_tol_ms": sim_tol_ms,
+        "sim_best_ms": float(sim_best.simulated_ms),
+        "sim_flat_mb": float(flat.max() if len(flat) else sim_best.bucket_mb),
+        "measured_grows": bool(len(finite) >= 2 and finite.measured_comm_ms.is_monotonic_increasing),
+    }
+
+
+def trace_facts(results_dir: Any, labels: Sequence[str]) -> dict[str, dict[str, float]]:
+    """{label: overlap statistics} of the recorded profiler traces among `labels` (missing ones left out)."""
+    from cs336_systems.studies.distributed.trace_plot import load_trace, overlap_stats, trace_frame
+    from cs336_systems.studies.distributed.train_bench import trace_path
+
+    paths = {t: trace_path(results_dir, t) for t in labels}
+    return {t: overlap_stats(trace_frame(load_trace(p))) for t, p in paths.items() if p.exists()}

@@ -23,6 +23,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -167,6 +168,51 @@ def check_against_single_process(
         )
         result = json.loads(out.read_text())
     return {v: (pd.DataFrame(r["records"]), r["meta"]) for v, r in result.items()}
+
+
+def per_step(records: pd.DataFrame) -> pd.DataFrame:
+    """Largest parameter difference after each step: vs single-process training and across ranks."""
+    return records.groupby("step").agg(
+        max_abs_diff_vs_single=("max_abs_diff_vs_single", "max"),
+        max_abs_diff_across_ranks=("max_abs_diff_across_ranks", "max"),
+    )
+
+
+def variants_table(checks: dict[str, tuple[pd.DataFrame, dict]]) -> pd.DataFrame:
+    """One row per checked variant: its largest difference vs single-process training and across ranks."""
+    return pd.DataFrame(
+        [
+            {
+                "variant": v,
+                "max |DDP - single|": d.max_abs_diff_vs_single.max(),
+                "max |rank r - rank 0|": d.max_abs_diff_across_ranks.max(),
+            }
+            for v, (d, _) in checks.items()
+        ]
+    )
+
+
+def facts(checks: dict[str, tuple[pd.DataFrame, dict]], variant: str = "naive") -> dict[str, Any]:
+    """The numbers the answer of notebook 13 states, from `check_against_single_process` results.
+
+    rank0_changed: parameters rank 0's broadcast changed on rank 0 (0 when correct); replaced: the
+    names the broadcast overwrote on the other ranks, sorted and comma-joined; max_across_ranks /
+    max_vs_single: `variant`'s largest differences over all steps; worst_vs_single: over all variants.
+    """
+    if variant not in checks:
+        raise ValueError(f"no check of {variant!r}; checked: {', '.join(checks)}")
+    records, meta = checks[variant]
+    overwritten = meta["overwritten_by_broadcast"]
+    others = {r: names for r, names in overwritten.items() if int(r) != 0}
+    steps = per_step(records)
+    return {
+        "world_size": meta["world_size"],
+        "rank0_changed": len(overwritten["0"]),
+        "replaced": ", ".join(sorted({n for names in others.values() for n in names})),
+        "max_across_ranks": float(steps.max_abs_diff_across_ranks.max()),
+        "max_vs_single": float(steps.max_abs_diff_vs_single.max()),
+        "worst_vs_single": float(variants_table(checks)["max |DDP - single|"].max()),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -7,11 +7,11 @@ import math
 import pandas as pd
 
 from cs336_systems.measure.results import results_dir as default_results_dir
+from cs336_systems.measure.traces import load_trace
 from cs336_systems.model import BasicsTransformerLM, get_config
 from cs336_systems.studies.distributed.fsdp_trace import plot_timeline
 from cs336_systems.studies.distributed.rank_memory import GiB
 from cs336_systems.studies.distributed.sharding_analysis import MEASURED_VS_EXPECTED, gib_by_point
-from cs336_systems.studies.profile import load_trace
 
 PROBLEM = "fsdp_accounting"
 VARIANTS = ("replicated", "fsdp", "fsdp_bf16")

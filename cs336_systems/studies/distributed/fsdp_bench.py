@@ -52,6 +52,7 @@ from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import make_row
 from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.measure.timing import synchronize
+from cs336_systems.measure.traces import load_trace, save_trace
 from cs336_systems.model import AdamW, cross_entropy
 from cs336_systems.studies.distributed import fsdp_analysis, runner
 from cs336_systems.studies.distributed.fsdp_analysis import (
@@ -68,7 +69,6 @@ from cs336_systems.studies.distributed.rank_memory import (
     peak_allocated,
     release_memory,
 )
-from cs336_systems.studies.profile import load_trace, save_trace
 
 MODULE = "cs336_systems.studies.distributed.fsdp_bench"
 COMPUTE_DTYPE = {"replicated": None, "fsdp": None, "fsdp_bf16": torch.bfloat16}
