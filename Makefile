@@ -4,19 +4,23 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+## Where pip finds torch. Empty: pip's configured index. On Linux plain PyPI serves the CUDA build of
+## torch (several GB of nvidia-* wheels; the tests still run on the CPU); for the CPU-only build set
+## TORCH_INDEX=https://download.pytorch.org/whl/cpu where that index is reachable.
+TORCH_INDEX ?=
 # JupyterLab defaults of this project (jupyter/lab-overrides.json5 says which and why), installed into
 # the environment, never into the home directory. A rule of its own, so that an existing .venv gets
 # them (or a changed version) without reinstalling the packages.
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/cs336-systems.json5
 
-.PHONY: test test-gpu lint format env clean notebooks pdf texdeps browserdeps lab wheelhouse gpu-notebooks
+.PHONY: test test-distributed test-gpu lint format env clean notebooks pdf texdeps browserdeps lab wheelhouse gpu-notebooks
 
 env: $(STAMP) $(LAB_SETTINGS)
 
 $(STAMP): pyproject.toml .ci/constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c .ci/constraints-cpu.txt torch==2.13.0
+	$(PY) -m pip install -q -c .ci/constraints-cpu.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 	$(PY) -m pip install -q -c .ci/constraints-cpu.txt -e '.[dev]'
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
@@ -33,6 +37,13 @@ APT_INSTALL = SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update
 ## browser (tests/test_lab.py; installs Debian's chromium first when no Chromium is found).
 test: $(STAMP) $(LAB_SETTINGS) browserdeps
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+## The multi-process tests (gloo, torchrun) REPEAT times in a row: a flaky rendezvous or an
+## occasional hang fails here (each test has its own timeout) instead of once in a while in `make test`.
+REPEAT ?= 5
+test-distributed: $(STAMP)
+	@for i in $$(seq $(REPEAT)); do echo "== distributed tests, round $$i of $(REPEAT)"; \
+		$(PY) -m pytest -q -n 2 --dist loadgroup -m distributed -p no:cacheprovider || exit 1; done
 
 ## On a GPU host (system python with torch+triton): the GPU-marked tests.
 test-gpu:
@@ -68,10 +79,15 @@ pdf: $(NB_DEPS) texdeps
 	$(PYTHON_NB) -m cs336_systems.report.run_notebooks --stale-only --timeout $(NB_TIMEOUT)
 	$(PYTHON_NB) -m cs336_systems.report.assemble --pdf writeup.pdf
 
+## The PDF needs xelatex, pandoc and the DejaVu fonts (README, "System packages"). When one is missing
+## this says so and installs the Debian packages with apt-get (sudo unless root), before anything else.
 texdeps:
 	@if command -v xelatex >/dev/null && command -v pandoc >/dev/null \
 		&& command -v fc-list >/dev/null && fc-list | grep -q 'DejaVu Serif'; then exit 0; fi; \
-	echo "installing TeX for the PDF: $(TEX_PACKAGES)"; \
+	echo "make pdf typesets writeup.pdf with nbconvert -> pandoc -> xelatex, and xelatex, pandoc or the"; \
+	echo "DejaVu fonts are missing. Installing these Debian packages with apt-get (about 580 MB installed):"; \
+	echo "  $(TEX_PACKAGES)"; \
+	command -v apt-get >/dev/null || { echo "no apt-get here: install the equivalents of those packages yourself"; exit 1; }; \
 	$(APT_INSTALL) $(TEX_PACKAGES)
 
 ## The browser of tests/test_lab.py: CHROMIUM=<path>, chromium or google-chrome on PATH, else Debian's chromium.

@@ -37,7 +37,7 @@ quick = False  # debug model, gloo on CPU, 2 ranks, 2 steps; results go to a scr
 import math
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies.distributed import fsdp_analysis, fsdp_bench, sharding_analysis
+from cs336_systems.studies.distributed import fsdp_analysis, fsdp_bench, fsdp_parity, sharding_analysis
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
@@ -122,3 +122,21 @@ if nb.have_results(slack, "the all-gather timing (profiled step)"):
     )
     save_figure(fsdp_analysis.plot_slack(df), f"{fsdp_bench.PROBLEM}__slack")
     nb.md(fsdp_analysis.allgather_answer(df))
+
+# %% [markdown]
+# **Is FSDP bit-exact in fp32?** `python -m cs336_systems.studies.distributed.fsdp_parity` trains the official
+# toy model (Embedding, RMSNorm, Linear, ReLU, RMSNorm, Linear, LM head) with SGD for 3 steps on a batch
+# of 20 sequences split 10/10 over 2 ranks (loss on the last position, batch reshuffled between steps),
+# with our FSDP, torch's FSDP2 (`fully_shard`) and `DistributedDataParallel`, and compares every
+# parameter with one process training on the whole batch, counting differences in fp32 ulps.
+
+# %% tags=["remove-input"]
+if quick:
+    fsdp_parity.run("cpu", results_dir)
+elif nb.should_measure(measure, gpus=1):
+    fsdp_parity.run("cuda", results_dir)
+parity = load_results(fsdp_parity.PROBLEM, results_dir)
+if nb.have_results(parity, "the fp32 parity runs"):
+    for table, caption, rows in fsdp_parity.tables(parity):
+        show_table(table, caption=caption, provenance_from=rows, formats={"max |difference|": "{:.1e}"})
+    nb.md(fsdp_parity.answer(parity))

@@ -33,8 +33,11 @@ from cs336_systems.studies import train_step, train_step_results
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, quick=quick):
-    argv = (["--quick", "--parts", "compare", "waterfall"] if quick
-            else ["--size", size, "--context-length", *map(str, context_lengths)])  # fmt: skip
+    argv = (
+        ["--quick", "--parts", "compare", "waterfall"]
+        if quick
+        else ["--size", size, "--context-length", *map(str, context_lengths)]
+    )
     train_step.main([*argv, "--results-dir", str(results_dir)])
 df = latest_run(load_results(train_step.PROBLEM, results_dir), keys=("name", "impl", "x_value", "metric"))
 facts = train_step_results.facts(df) if nb.have_results(df) else {}

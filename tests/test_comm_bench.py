@@ -42,6 +42,8 @@ def test_config_validation():
         comm_bench.CommBenchConfig(sizes_mb=(0,))
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
 def test_gloo_grid_through_torchrun(tmp_path):
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     comm_bench.run_grid(
@@ -71,6 +73,8 @@ def test_gloo_grid_through_torchrun(tmp_path):
     assert len(nccl) == 6 and nccl.note.str.contains("not run").all() and nccl.p50.isna().all()
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
 def test_timed_out_job_leaves_no_workers(tmp_path):
     """A job over its time limit becomes failure rows and its ranks are killed, not orphaned."""
     comm_bench.run_grid(

@@ -32,6 +32,8 @@ from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, Flat
 from cs336_systems.distributed.ddp import plan_buckets
 from cs336_systems.distributed.process_group import free_port
 
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
 VARIANTS = {
     "naive": NaiveDDP,
     "flat": FlatDDP,

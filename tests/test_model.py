@@ -10,6 +10,7 @@ from cs336_systems.model import (
     MODEL_SIZES,
     AdamW,
     BasicsTransformerLM,
+    Embedding,
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -211,6 +212,45 @@ def test_cross_entropy_matches_torch():
     assert torch.isfinite(cross_entropy(big, torch.tensor([2])))
     with pytest.raises(ValueError, match="do not match"):
         cross_entropy(logits, targets[:, :3])
+
+
+@pytest.mark.parametrize("bad", [-1, 11])
+def test_token_ids_outside_the_vocabulary_are_errors_not_wraparound(bad):
+    """Item 9: a negative id would silently read the table's last row; ids >= vocab are errors too."""
+    ids = torch.tensor([[1, 2, bad, 3]])
+    with pytest.raises(
+        ValueError, match=rf"token ids must lie in \[0, 11\): found {bad} at position \(0, 2\)"
+    ):
+        Embedding(11, 4)(ids)
+    with pytest.raises(ValueError, match=rf"targets must lie in \[0, 11\): found {bad}"):
+        cross_entropy(torch.randn(1, 4, 11), ids)
+    model = BasicsTransformerLM(
+        vocab_size=11, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=32
+    )
+    with pytest.raises(ValueError, match="token ids"):
+        model(ids)
+    with pytest.raises(TypeError, match="integer"):
+        Embedding(11, 4)(ids.float())
+
+
+def test_the_device_path_of_the_id_check_is_an_async_assert(monkeypatch):
+    """Under torch.compile (and on a GPU) the check is torch._assert_async, which raises on CPU."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(RuntimeError, match=r"token ids outside \[0, 11\)"):
+        Embedding(11, 4)(torch.tensor([0, -1]))
+    Embedding(11, 4)(torch.tensor([0, 10]))
+
+
+@pytest.mark.gpu
+def test_the_id_check_does_not_synchronise_the_gpu():
+    emb = Embedding(11, 4, device="cuda")
+    ids = torch.randint(0, 11, (4, 16), device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        emb(ids)
+        cross_entropy(torch.randn(4, 16, 11, device="cuda"), ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_cosine_schedule_and_clipping():

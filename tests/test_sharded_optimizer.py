@@ -20,7 +20,7 @@ from cs336_systems.distributed import ShardedOptimizer
 from cs336_systems.distributed.process_group import spawn
 from cs336_systems.model import AdamW as BasicsAdamW
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
 MODELS = {"ToyModel": ToyModel, "ToyModelWithTiedWeights": ToyModelWithTiedWeights}

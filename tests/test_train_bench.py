@@ -16,6 +16,9 @@ from cs336_systems.studies.distributed import comm_bench, ddp_analysis, train_be
 from cs336_systems.studies.distributed.plots import render_figures
 from cs336_systems.studies.distributed.train_bench import TrainBenchConfig, Variant
 
+# The sweep launches torchrun for every variant: one module-wide limit covers the shared fixture.
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
+
 
 def test_variant_labels():
     assert Variant.parse("bucketed:10") == Variant("bucketed", 10.0)

@@ -4,17 +4,22 @@
 nproc)`: a fresh free port per job, `--master_addr 127.0.0.1` (plain torchrun can hang resolving the
 host name), a timeout on the whole job, extra environment for the ranks (a study passes
 `cs336_systems.measure.results.child_env(results_dir)`: where to write results, the commit measured),
-and a failed rank's traceback surfaced in the raised error.
+and a failed rank's traceback surfaced in the raised error. No rank outlives its job: a timeout,
+Ctrl-C, SIGTERM or SIGHUP to the caller stops the agent and every rank before the caller goes on (or
+exits), and on Linux the agent gets SIGTERM from the kernel if the caller dies by SIGKILL.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 from cs336_systems.distributed.process_group import free_port
 
@@ -27,11 +32,17 @@ def torchrun_command(module: str, args: Sequence[str], nproc: int, *, python: st
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     return [
-        python or sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={nproc}", "--nnodes=1",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        "-m", module, *map(str, args),
-    ]  # fmt: skip
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        module,
+        *map(str, args),
+    ]
 
 
 def run_torchrun(
@@ -55,11 +66,71 @@ def run_torchrun(
         OMP_NUM_THREADS=full_env.get("OMP_NUM_THREADS", "1"),
     )
     full_env.update(env or {})
-    # On a timeout (or an interrupt) the ranks must die with the job: torchrun starts each worker in a
-    # session of its own, so killing the agent alone would orphan ranks that keep running (and keep
-    # their GPU memory) after the job was declared dead. See _terminate.
+    try:
+        with _signals_raise(signal.SIGTERM, signal.SIGHUP):
+            output, returncode = _run_job(cmd, full_env, timeout_s, module)
+    except _Signalled as sig:
+        # The job is stopped; now let the handler the caller had (by default: exit) see the signal.
+        os.kill(os.getpid(), sig.signum)
+        raise TorchrunError(f"torchrun {module} stopped: this process got signal {sig.signum}") from None
+    if echo:
+        print(output, end="")
+    if returncode != 0:
+        raise TorchrunError(
+            f"torchrun {module} {' '.join(map(str, args))} failed (exit {returncode}):\n{_tail(output)}"
+        )
+    return output
+
+
+class _Signalled(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise(*signums: int) -> Iterator[None]:
+    """While the job runs, turn `signums` into an exception, so the job is stopped before we exit.
+
+    Only signals left at their default action are taken over (one the caller ignores, e.g. SIGHUP
+    under nohup, or handles itself stays so). Signal handlers can only be set from the main thread;
+    elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Signalled(signum)
+
+    previous = {s: signal.signal(s, handler) for s in signums if signal.getsignal(s) == signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# Run in the child before torchrun: ask the kernel to SIGTERM it when this process dies, even by
+# SIGKILL (torchrun then stops its ranks), and give up if this process is already gone.
+_EXEC_WITH_PARENT_DEATH_SIGNAL = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG\n"
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def _run_job(cmd: list[str], env: dict[str, str], timeout_s: float, module: str) -> tuple[str, int]:
+    """Run the job to its end; on a timeout or an interrupt stop it, every rank included."""
+    if sys.platform == "linux":
+        cmd = [sys.executable, "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid()), *cmd]
+    # torchrun starts each rank in a session of its own, so killing the agent alone would orphan
+    # ranks that keep running (and keep their GPU memory) after the job was declared dead: see
+    # _terminate. The agent's own session keeps a Ctrl-C in the terminal from reaching the ranks
+    # directly; the interrupt reaches them through _terminate instead.
     proc = subprocess.Popen(
-        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
@@ -69,17 +140,10 @@ def run_torchrun(
         raise TorchrunError(
             f"torchrun {module} timed out after {timeout_s:.0f} s\n{_tail(stdout + stderr)}"
         ) from None
-    except BaseException:  # e.g. KeyboardInterrupt in a notebook
+    except BaseException:  # KeyboardInterrupt (Ctrl-C, a notebook's interrupt), SIGTERM, SIGHUP
         _terminate(proc)
         raise
-    output = stdout + stderr
-    if echo:
-        print(stdout, end="")
-    if proc.returncode != 0:
-        raise TorchrunError(
-            f"torchrun {module} {' '.join(map(str, args))} failed (exit {proc.returncode}):\n{_tail(output)}"
-        )
-    return output
+    return stdout + stderr, proc.returncode
 
 
 def _descendants(pid: int) -> list[int]:
@@ -165,3 +229,41 @@ def run_variants(
             failed.append(bad)
             on_failure(bad, failure_note(exc))
     return failed
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m cs336_systems.distributed.launch [--nproc N] MODULE [ARGS...]`: run_torchrun from a shell."""
+    p = argparse.ArgumentParser(
+        prog="python -m cs336_systems.distributed.launch",
+        description="Run a package module under torchrun on this host (a free port, a timeout, every rank "
+        "stopped on Ctrl-C or SIGTERM, the failing rank's traceback in the error).",
+        epilog="example:\n  python -m cs336_systems.distributed.launch --nproc 2 "
+        "cs336_systems.studies.distributed.ddp_check --variants naive",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc", type=int, default=2, help="processes (ranks) on this host (default: 2)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="limit for the whole job (default: 900)")
+    p.add_argument(
+        "--results-dir",
+        default=None,
+        metavar="DIR",
+        help="CS336_RESULTS_DIR of the ranks (default: $CS336_RESULTS_DIR, else figures/data/)",
+    )
+    p.add_argument(
+        "module", help="the module to run on every rank, e.g. cs336_systems.studies.distributed.ddp_check"
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the module")
+    a = p.parse_args(argv)
+    if a.nproc < 1 or a.timeout_s <= 0:
+        p.error("--nproc must be >= 1 and --timeout-s > 0")
+    if importlib.util.find_spec(a.module) is None:
+        p.error(f"module {a.module!r} cannot be imported here")
+    try:
+        env = {"CS336_RESULTS_DIR": str(a.results_dir)} if a.results_dir is not None else None
+        run_torchrun(a.module, a.args, a.nproc, timeout_s=a.timeout_s, env=env)
+    except TorchrunError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+if __name__ == "__main__":
+    main()

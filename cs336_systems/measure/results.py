@@ -12,14 +12,21 @@ otherwise; quick/smoke runs point it at a scratch directory so committed results
 from __future__ import annotations
 
 import contextlib
+import csv
 import datetime
+import fcntl
 import functools
 import gc
+import io
 import json
 import math
 import os
 import platform
+import shutil
 import subprocess
+import sys
+import tempfile
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,11 +37,47 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 COLUMNS = [
-    "problem", "name", "impl", "mode", "dtype", "x_name", "x_value", "metric", "unit",
-    "p50", "p20", "p80", "mean", "std", "n", "samples", "note",
-    "config_json", "gpu_name", "num_gpus", "torch_version", "triton_version", "git_sha", "timestamp",
-]  # fmt: skip
+    "problem",
+    "name",
+    "impl",
+    "mode",
+    "dtype",
+    "x_name",
+    "x_value",
+    "metric",
+    "unit",
+    "p50",
+    "p20",
+    "p80",
+    "mean",
+    "std",
+    "n",
+    "samples",
+    "note",
+    "config_json",
+    "gpu_name",
+    "num_gpus",
+    "torch_version",
+    "triton_version",
+    "git_sha",
+    "timestamp",
+]
 STAT_COLUMNS = ["p50", "p20", "p80", "mean", "std"]
+# Read back as text whatever they look like: a commit such as 5498e64123 or a version such as 3.6
+# would otherwise come back as the numbers inf and 3.6.
+TEXT_COLUMNS = [
+    "problem",
+    "metric",
+    "unit",
+    "samples",
+    "note",
+    "config_json",
+    "gpu_name",
+    "torch_version",
+    "triton_version",
+    "git_sha",
+    "timestamp",
+]
 
 
 def results_dir(results_dir: str | os.PathLike | None = None) -> Path:
@@ -69,8 +112,11 @@ def _git_sha() -> str:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=5,
-        ).stdout.strip()  # fmt: skip
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("CS336_GIT_SHA", "unknown")
     if not sha:  # a copy of the tree without .git (e.g. on a device host): the launcher passes it in
@@ -146,14 +192,24 @@ def make_row(
     else:
         st = {k: math.nan for k in STAT_COLUMNS} | {"n": 0}
     return {
-        "problem": problem, "name": name, "impl": impl, "mode": mode, "dtype": dtype,
-        "x_name": x_name, "x_value": x_value, "metric": metric, "unit": unit, **st,
-        "samples": json.dumps([round(float(x), 6) for x in samples]) if samples is not None and keep_samples else "",
+        "problem": problem,
+        "name": name,
+        "impl": impl,
+        "mode": mode,
+        "dtype": dtype,
+        "x_name": x_name,
+        "x_value": x_value,
+        "metric": metric,
+        "unit": unit,
+        **st,
+        "samples": json.dumps([round(float(x), 6) for x in samples])
+        if samples is not None and keep_samples
+        else "",
         "note": note,
         "config_json": json.dumps(config or {}, sort_keys=True, default=str),
         **env_metadata(),
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }  # fmt: skip
+    }
 
 
 def failure_row(*, problem: str, metric: str, unit: str, note: str, **kw) -> dict[str, Any]:
@@ -163,13 +219,52 @@ def failure_row(*, problem: str, metric: str, unit: str, note: str, **kw) -> dic
     return make_row(problem=problem, metric=metric, unit=unit, note=note, **kw)
 
 
+class ResultsNotWritable(OSError):
+    """The results directory cannot take new rows (raised before anything is measured)."""
+
+
+class TornRowWarning(UserWarning):
+    """A results file held an incomplete row (a writer was killed mid-row); it was skipped."""
+
+
+def check_writable(results_dir_: str | os.PathLike | None = None) -> Path:
+    """The results directory, created if needed, after proving a file can be written there.
+
+    Call it before measuring: a read-only or missing directory then fails in a second, not after the
+    work. Raises ResultsNotWritable naming the directory and how to choose another.
+    """
+    d = results_dir(results_dir_)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ResultsNotWritable(
+            f"results directory {d} is not writable ({exc.strerror or exc}); "
+            "choose another with --results-dir or the CS336_RESULTS_DIR environment variable"
+        ) from exc
+    return d
+
+
 def append_rows(
     problem: str, rows: Iterable[dict[str, Any]], results_dir_: str | os.PathLike | None = None
 ) -> Path:
-    """Append rows to `<results_dir>/<problem>.csv` (header written once); returns the path."""
+    """Append rows to `<results_dir>/<problem>.csv`; returns the path the rows went to.
+
+    Safe against the ways a shared results file gets damaged:
+    * values are written under the file's own header, by column name: a file whose columns are in
+      another order keeps its order, and a file that lacks a schema column is widened (that column
+      is added at the end, empty for the old rows); values never shift;
+    * all rows of one call are one write, under an exclusive lock, then fsync: concurrent writers
+      (ranks, parallel jobs) never interleave rows or both write a header;
+    * a torn last row left by a killed writer is moved to `<problem>.csv.torn` before appending;
+    * a row is one line: newlines inside values are stored as the two characters backslash-n.
+    If the file cannot be written (read-only, disk full), the rows are kept in a rescue file under
+    the temp directory, a message on stderr names it, and its path is returned: nothing measured is
+    lost. Use `check_writable` before measuring to fail early instead.
+    """
     rows = list(rows)
     path = results_path(problem, results_dir_)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if not rows:
         return path
     df = pd.DataFrame(rows)
@@ -177,17 +272,153 @@ def append_rows(
     if unknown:
         raise ValueError(f"unknown result columns {sorted(unknown)}; the schema is {COLUMNS}")
     df = df.reindex(columns=COLUMNS)
-    df.to_csv(path, mode="a", header=not path.exists() or path.stat().st_size == 0, index=False)
+    for col in df.select_dtypes(include=["object", "string"]).columns:
+        df[col] = df[col].map(_one_line)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _append_locked(path, df)
+    except OSError as exc:
+        return _rescue(problem, df, path, exc)
     return path
 
 
+def _one_line(value: Any) -> Any:
+    if isinstance(value, str) and ("\n" in value or "\r" in value):
+        return value.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\\n")
+    return value
+
+
+def _append_locked(path: Path, df: pd.DataFrame) -> None:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                continue  # another writer widened (replaced) the file while we waited: use the new one
+            _set_aside_torn_tail(fd, path)
+            header = _read_header(fd)
+            if header is None:
+                _write_all(fd, df.to_csv(index=False, lineterminator="\n").encode())
+                return
+            missing = [c for c in COLUMNS if c not in header]
+            if missing:
+                _widen(fd, path, missing)
+                continue  # append to the widened file, under its own lock
+            _write_all(
+                fd, df.reindex(columns=header).to_csv(index=False, header=False, lineterminator="\n").encode()
+            )
+            return
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.fsync(fd)
+
+
+def _read_header(fd: int) -> list[str] | None:
+    """The file's column names, or None when it is empty."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return None
+    head, offset = b"", 0
+    while b"\n" not in head and offset < size:
+        chunk = os.pread(fd, 1 << 16, offset)
+        head, offset = head + chunk, offset + len(chunk)
+    return next(csv.reader([head.split(b"\n", 1)[0].decode()]))
+
+
+def _set_aside_torn_tail(fd: int, path: Path) -> None:
+    """Move an incomplete last line (no newline: its writer died) to `<file>.torn`, then truncate."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    start = size
+    while start > 0:  # find the last newline, reading backwards
+        lo = max(0, start - (1 << 16))
+        cut = os.pread(fd, start - lo, lo).rfind(b"\n")
+        if cut >= 0:
+            start = lo + cut + 1
+            break
+        start = lo
+    fragment = os.pread(fd, size - start, start)
+    torn = path.with_name(path.name + ".torn")
+    with open(torn, "ab") as f:
+        f.write(fragment + b"\n")
+    os.ftruncate(fd, start)
+    print(
+        f"[results] {path}: an incomplete last row (a writer was killed mid-row) was moved to {torn}",
+        file=sys.stderr,
+    )
+
+
+def _widen(fd: int, path: Path, missing: list[str]) -> None:
+    """Rewrite the file with `missing` columns appended (empty in old rows); atomic replace."""
+    size = os.fstat(fd).st_size
+    lines = os.pread(fd, size, 0).decode().split("\n")
+    out = [lines[0] + "," + ",".join(missing)] + [ln + "," * len(missing) for ln in lines[1:] if ln]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.widen")
+    with open(tmp, "w") as f:
+        f.write("\n".join(out) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.copymode(path, tmp)
+    os.replace(tmp, path)
+
+
+def _rescue(problem: str, df: pd.DataFrame, path: Path, exc: OSError) -> Path:
+    rescue_dir = Path(tempfile.gettempdir()) / "cs336-results-rescue"
+    rescue_dir.mkdir(parents=True, exist_ok=True)
+    rescue = rescue_dir / f"{problem}.{os.getpid()}.csv"
+    df.to_csv(rescue, mode="a", header=not rescue.exists(), index=False, lineterminator="\n")
+    print(
+        f"[results] could not write {path} ({exc.strerror or exc}); {len(df)} row(s) kept in {rescue}",
+        file=sys.stderr,
+    )
+    return rescue
+
+
 def load_results(problem: str, results_dir_: str | os.PathLike | None = None) -> pd.DataFrame:
-    """All rows of a problem (empty frame with the schema when none were recorded)."""
+    """All rows of a problem (empty frame with the schema when none were recorded).
+
+    A torn row (wrong number of fields, or a last line without its newline: a writer was killed
+    mid-row) is skipped with a TornRowWarning naming its line; every complete row still loads.
+    Columns come in schema order, then any extra columns the file has.
+    """
     path = results_path(problem, results_dir_)
     if not path.exists():
         return pd.DataFrame(columns=COLUMNS)
-    df = pd.read_csv(path, keep_default_na=True)
+    lines = path.read_bytes().decode(errors="replace").split("\n")
+    header, body, tail = lines[0], lines[1:-1], lines[-1]
+    if len(lines) == 1:  # not even the header is complete
+        header, body, tail = "", [], lines[0]
+    n_fields = len(next(csv.reader([header]))) if header else 0
+    good, torn = [], [len(lines)] if tail else []
+    for i, line in enumerate(body, start=2):
+        if not line:
+            continue
+        try:
+            ok = len(next(csv.reader([line], strict=True))) == n_fields
+        except csv.Error:
+            ok = False
+        (good if ok else torn).append(line if ok else i)
+    if torn:
+        warnings.warn(
+            f"{path}: skipped {len(torn)} incomplete row(s) at line(s) {sorted(torn)} "
+            "(a writer was killed mid-row); the other rows are intact",
+            TornRowWarning,
+            stacklevel=2,
+        )
+    if not header:
+        return pd.DataFrame(columns=COLUMNS)
+    text = {c: str for c in TEXT_COLUMNS}
+    df = pd.read_csv(io.StringIO("\n".join([header, *good]) + "\n"), keep_default_na=True, dtype=text)
+    df = df.reindex(columns=COLUMNS + [c for c in df.columns if c not in COLUMNS])
     df["note"] = df["note"].astype("object").fillna("")
+    df.attrs["torn_lines"] = sorted(torn)
     return df
 
 

@@ -46,6 +46,26 @@ class Linear(nn.Module):
         return f"d_in={self.d_in}, d_out={self.d_out}"
 
 
+def check_ids_in_range(ids: Tensor, upper: int, what: str = "token ids") -> None:
+    """Refuse integer ids outside [0, upper): indexing would wrap a negative id to the end of the table.
+
+    On CPU (eager) the check is exact and names the first bad id and its position. On a GPU (or while
+    torch.compile traces) it is an asynchronous device assert: no host sync on the training path,
+    and a bad id stops the program at the next synchronisation instead of training on garbage.
+    """
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{what} must be an integer tensor, got {ids.dtype}")
+    if ids.numel() == 0:
+        return
+    if ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = (ids < 0) | (ids >= upper)
+        if bad.any():
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{what} must lie in [0, {upper}): found {int(ids[where])} at position {where}")
+        return
+    torch._assert_async(((ids >= 0) & (ids < upper)).all(), f"{what} outside [0, {upper})")
+
+
 class Embedding(nn.Module):
     """Row lookup into a (num_embeddings, d_model) table; truncated-normal init, std 1, in [-3, 3]."""
 
@@ -56,6 +76,7 @@ class Embedding(nn.Module):
         nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
 
     def forward(self, token_ids: Tensor) -> Tensor:
+        check_ids_in_range(token_ids, self.num_embeddings)
         return self.weight[token_ids]
 
     def extra_repr(self) -> str:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cs336_systems.model.layers import log_softmax
+from cs336_systems.model.layers import check_ids_in_range, log_softmax
 
 
 def cross_entropy(inputs: Tensor, targets: Tensor) -> Tensor:
     """inputs: (..., vocab) logits; targets: (...) int64 class ids -> scalar mean negative log-likelihood."""
     if inputs.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(inputs.shape)} and targets {tuple(targets.shape)} do not match")
+    check_ids_in_range(targets, inputs.shape[-1], "targets")
     logp = log_softmax(inputs.float(), dim=-1)
     return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).mean()
 

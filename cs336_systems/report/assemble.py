@@ -246,7 +246,11 @@ def executed_notebooks(executed: Path, sources: Path) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example:\n  python -m cs336_systems.report.assemble --pdf writeup.pdf",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument(
         "--executed",
         type=Path,

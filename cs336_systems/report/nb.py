@@ -28,14 +28,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from cs336_systems.measure.cli import COMMITTED_RESULTS_DIR, RESULTS_ENV, SCRATCH_ROOT
+from cs336_systems.measure.cli import is_committed as _is_committed
 from cs336_systems.measure.results import REPO_ROOT
 from cs336_systems.report import style
 
-COMMITTED_RESULTS_DIR = REPO_ROOT / "figures" / "data"
 COMMITTED_FIGURES_DIR = REPO_ROOT / "figures"
-SCRATCH_ROOT = REPO_ROOT / "build" / "quick"
-
-RESULTS_ENV = "CS336_RESULTS_DIR"
 FIGURES_ENV = "CS336_FIGURES_DIR"
 
 # Environment variables this module exported itself (so a later non-quick setup in the same process,
@@ -53,13 +51,6 @@ def _unexport(var: str) -> None:
     if var in _exported and os.environ.get(var) == _exported[var]:
         del os.environ[var]
     _exported.pop(var, None)
-
-
-def _is_committed(path: Path) -> bool:
-    try:
-        return path.resolve() == COMMITTED_RESULTS_DIR.resolve()
-    except OSError:
-        return False
 
 
 def setup(quick: bool = False) -> Path:

@@ -181,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    ap = argparse.ArgumentParser(description="Execute notebooks/*.py with papermill into build/executed/.")
+    ap = argparse.ArgumentParser(
+        description="Execute notebooks/*.py with papermill into build/executed/.",
+        epilog="example:\n  python -m cs336_systems.report.run_notebooks --select fsdp --quick",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--select", default="", help="only notebooks whose file name contains this substring")
     ap.add_argument("--quick", action="store_true", help="pass quick=True (tiny CPU sizes, scratch results)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per-notebook wall-clock limit (s)")

@@ -16,7 +16,6 @@ names another config field (the warm-up ablation uses `--x-axis warmup`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
@@ -30,10 +29,18 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from cs336_systems.measure import cli
 from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
 from cs336_systems.measure.timing import PhaseTimer, synchronize
-from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy, get_config, random_batch
+from cs336_systems.model import (
+    AdamW,
+    BasicsTransformerLM,
+    cross_entropy,
+    get_attention,
+    get_config,
+    random_batch,
+)
 
 MODES = ("forward", "forward_backward", "train")
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,6 +78,9 @@ class EndToEndConfig:
         if self.warmup < 0 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("need warmup >= 0, steps >= 1, batch_size >= 1")
         get_config(self.size)  # validates the name
+        get_attention(self.attention)  # validates the name
+        if self.context_length < 1 or (self.checkpoint_group is not None and self.checkpoint_group < 1):
+            raise ValueError("need context_length >= 1 and checkpoint_group None or >= 1")
         if self.x_axis not in X_AXES:
             raise ValueError(f"x_axis must be one of {X_AXES}, got {self.x_axis!r}")
 
@@ -229,10 +239,12 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = cli.make_parser(
+        __doc__,
+        "python -m cs336_systems.studies.end_to_end --size small medium --context-length 256 512 "
+        "--mode forward train --compile false true --results-dir /tmp/e2e",
     )
-    p.add_argument("--size", nargs="+", default=["small"], help="model size preset(s) (MODEL_SIZES)")
+    cli.add_size(p, ["small"], nargs="+")
     p.add_argument("--context-length", nargs="+", type=int, default=[512], help="sequence length(s)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument(
@@ -246,17 +258,17 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     p.add_argument(
         "--compile",
         nargs="+",
-        type=lambda s: s.lower() in ("1", "true", "yes"),
+        type=cli.boolean,
         default=[False],
         help="torch.compile the model (true/false; both to compare)",
     )
-    p.add_argument("--attention", nargs="+", default=["naive"], help="attention implementation(s)")
+    cli.add_attention(p, ["naive"], nargs="+")
     p.add_argument("--checkpoint-group", type=int, default=None, help="blocks per activation checkpoint")
     p.add_argument("--nvtx", action="store_true", help="emit NVTX / record_function ranges")
     p.add_argument(
         "--memory-snapshot", default=None, help="write a CUDA memory snapshot pickle of the timed steps"
     )
-    p.add_argument("--device", default=EndToEndConfig().device)
+    p.add_argument("--device", default=EndToEndConfig().device, choices=["cuda", "cpu"])
     p.add_argument(
         "--x-axis",
         default="context_length",
@@ -266,31 +278,35 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     p.add_argument(
         "--problem", default="benchmarking_script", help="results file name (figures/data/<problem>.csv)"
     )
-    p.add_argument("--results-dir", default=None, help="override the results directory")
+    cli.add_results_dir(p)
     p.add_argument("--no-save", action="store_true", help="print only; append no rows")
     args = p.parse_args(argv)
-    configs = grid(
-        size=args.size,
-        context_length=args.context_length,
-        batch_size=args.batch_size,
-        mode=args.mode,
-        warmup=args.warmup,
-        steps=args.steps,
-        autocast=args.autocast,
-        compile=args.compile,
-        attention=args.attention,
-        checkpoint_group=args.checkpoint_group,
-        nvtx=args.nvtx,
-        memory_snapshot=args.memory_snapshot,
-        device=args.device,
-        x_axis=args.x_axis,
-    )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible (use --device cpu)")
+    with cli.usage_errors(p):
+        configs = grid(
+            size=args.size,
+            context_length=args.context_length,
+            batch_size=args.batch_size,
+            mode=args.mode,
+            warmup=args.warmup,
+            steps=args.steps,
+            autocast=args.autocast,
+            compile=args.compile,
+            attention=args.attention,
+            checkpoint_group=args.checkpoint_group,
+            nvtx=args.nvtx,
+            memory_snapshot=args.memory_snapshot,
+            device=args.device,
+            x_axis=args.x_axis,
+        )
+    results_dir = None if args.no_save else cli.results_dir_for(args.results_dir)
     print(
         "resolved configs:",
         json.dumps([dataclasses.asdict(c) for c in configs][:3], default=str),
         f"... ({len(configs)} total)" if len(configs) > 3 else "",
     )
-    df = sweep(configs, args.problem, save=not args.no_save, results_dir=args.results_dir)
+    df = sweep(configs, args.problem, save=not args.no_save, results_dir=results_dir)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(summary_table(df).to_string())
     return df

@@ -32,12 +32,12 @@ Run: `python -m cs336_systems.studies.flash_bench [--quick] [--leaderboard] [--v
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 import torch
 
 from cs336_systems.attention import FlashAttentionTriton
+from cs336_systems.measure import cli
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.studies.flash_leaderboard import LeaderboardConfig, run_leaderboard, run_variants
 from cs336_systems.studies.flash_sweep import IMPLS, SweepConfig, quick_config, run_sweep
@@ -52,10 +52,17 @@ def _strs(s: str) -> tuple[str, ...]:
     return tuple(x for x in s.split(",") if x)
 
 
+def _tune_spec(spec: str) -> tuple[int, torch.dtype, int]:
+    """'d:dtype:N' of --tune, e.g. 64:bfloat16:16384."""
+    parts = spec.split(":")
+    dtype = getattr(torch, parts[1], None) if len(parts) == 3 else None
+    if not isinstance(dtype, torch.dtype) or not (parts[0].isdigit() and parts[2].isdigit()):
+        raise ValueError(f"--tune: expected d:dtype:N such as 64:bfloat16:16384, got {spec!r}")
+    return int(parts[0]), dtype, int(parts[2])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.flash_bench --quick --results-dir /tmp/fa2")
     d = SweepConfig()
     p.add_argument(
         "--sweep",
@@ -109,36 +116,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="one forward+backward at the leaderboard shape with the current tiles, nothing timed or saved "
         "(the workload to wrap in `ncu`/`nsys`)",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    cli.add_results_dir(p)
     args = p.parse_args(argv)
-
-    if args.once:
-        cfg = LeaderboardConfig(device=args.device)
-        x = torch.randn(
-            3, cfg.heads, cfg.seq_len, cfg.d, device=args.device, dtype=torch.bfloat16, requires_grad=True
-        )
-        q, k, v = x.unbind(0)
-        FlashAttentionTriton.apply(q, k, v, True).sum().backward()
-        synchronize(args.device)
-        return
-
-    if args.tune:
-        for spec in args.tune.split(","):
-            dd, dt, n = spec.split(":")
-            run_tuning(16, int(n), int(dd), getattr(torch, dt), device=args.device, small=args.tune_small)
-    if args.variants:
-        run_variants(LeaderboardConfig(device=args.device))
-    if args.leaderboard:
-        for i in range(args.lb_runs):  # repeated runs show the run-to-run spread; the split once, last
-            run_leaderboard(
-                LeaderboardConfig(rep_ms=args.lb_rep_ms, warmup_ms=args.lb_warmup_ms, device=args.device),
-                split=i == args.lb_runs - 1,
-            )
-    if args.sweep or args.quick or not (args.leaderboard or args.variants or args.tune):
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible (use --device cpu or --quick)")
+    with cli.usage_errors(p):
+        tune = [_tune_spec(spec) for spec in args.tune.split(",") if spec]
+        sweep_cfg = None
         if args.quick:
-            cfg = quick_config(args.device)
-        else:
-            cfg = SweepConfig(
+            sweep_cfg = quick_config(args.device)
+        elif args.sweep or not (args.leaderboard or args.variants or args.tune or args.once):
+            sweep_cfg = SweepConfig(
                 seq_lens=args.seq_lens,
                 head_dims=args.head_dims,
                 dtypes=args.dtypes,
@@ -155,8 +146,35 @@ def main(argv: Sequence[str] | None = None) -> None:
                 },
                 device=args.device,
             )
+        if args.lb_runs < 1:
+            raise ValueError(f"--lb-runs must be >= 1, got {args.lb_runs}")
+    results_dir = None if args.once else cli.results_dir_for(args.results_dir, quick=args.quick)
+
+    if args.once:
+        cfg = LeaderboardConfig(device=args.device)
+        x = torch.randn(
+            3, cfg.heads, cfg.seq_len, cfg.d, device=args.device, dtype=torch.bfloat16, requires_grad=True
+        )
+        q, k, v = x.unbind(0)
+        FlashAttentionTriton.apply(q, k, v, True).sum().backward()
+        synchronize(args.device)
+        return
+
+    for d, dtype, n in tune:
+        run_tuning(16, n, d, dtype, device=args.device, small=args.tune_small, results_dir=results_dir)
+    if args.variants:
+        run_variants(LeaderboardConfig(device=args.device), results_dir=results_dir)
+    if args.leaderboard:
+        for i in range(args.lb_runs):  # repeated runs show the run-to-run spread; the split once, last
+            run_leaderboard(
+                LeaderboardConfig(rep_ms=args.lb_rep_ms, warmup_ms=args.lb_warmup_ms, device=args.device),
+                split=i == args.lb_runs - 1,
+                results_dir=results_dir,
+            )
+    if sweep_cfg is not None:
+        cfg = sweep_cfg
         print(cfg)
-        rows = run_sweep(cfg)
+        rows = run_sweep(cfg, results_dir=results_dir)
         measured = sum(1 for r in rows if r["metric"] == "latency" and not r["note"])
         print(f"flash_benchmarking: {measured} latency rows measured, {len(rows)} rows written")
 

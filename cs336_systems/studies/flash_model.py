@@ -20,7 +20,6 @@ Two measurements (issue: use the kernel in the model), rows under problem "flash
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -31,6 +30,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from cs336_systems.measure import cli
 from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
 from cs336_systems.model import BasicsTransformerLM, cross_entropy, get_config, random_batch
 from cs336_systems.studies import end_to_end as e2e
@@ -288,20 +288,31 @@ def facts(df: pd.DataFrame, ours: str = "flash_triton") -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="2.7B")
-    p.add_argument("--contexts", nargs="*", type=int, default=[512, 1024, 2048, 4096])
-    p.add_argument("--check-contexts", nargs="*", type=int, default=[512, 1024])
-    p.add_argument("--impls", nargs="+", default=list(IMPLS))
+    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.flash_model --quick")
+    cli.add_size(p, "2.7B")
+    p.add_argument(
+        "--contexts", nargs="*", type=int, default=[512, 1024, 2048, 4096], help="training-step contexts"
+    )
+    p.add_argument(
+        "--check-contexts", nargs="*", type=int, default=[512, 1024], help="equivalence-check contexts"
+    )
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS, help="attention implementations")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU (Triton interpreter)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--results-dir", default=None)
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    cli.add_results_dir(p)
     a = p.parse_args(argv)
     if a.quick:
         a.size, a.contexts, a.check_contexts, a.batch_size, a.warmup, a.steps = "debug", [32], [32], 2, 1, 2
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible (use --device cpu or --quick)")
+    if min([a.batch_size, a.steps, *a.contexts, *a.check_contexts], default=1) < 1 or a.warmup < 0:
+        p.error("--batch-size, --steps, --contexts and --check-contexts must be >= 1, --warmup >= 0")
+    a.results_dir = cli.results_dir_for(a.results_dir, quick=a.quick)
     others = [i for i in a.impls if i != "naive"]
     if a.check_contexts:
         dtypes = ("fp32",) if a.device == "cpu" else ("fp32", "bf16-autocast")

@@ -1,11 +1,10 @@
 """The flash_benchmarking sweep (handout 1.3.2) and its tables, plots and facts (notebook 10).
 
-Batch 1, one head, causal, N = 128 ... 65536, d = 16 ... 128, bf16 and fp32; forward, backward and
-forward+backward latency (`timing.kernel_time`, i.e. `triton.testing.do_bench`: median and p20/p80),
-TFLOP/s (`flops.attention_flops`, causal = half the matmul work) and the peak memory of one
-forward+backward, for the implementations listed in `flash_bench` (its CLI runs this sweep).
-Configurations an implementation cannot reasonably run become 'skipped: reason' rows, so every
-planned cell has a row. fp32 matmuls run in TF32 for every implementation alike.
+Batch 1, one head, causal, N = 128 ... 65536, d = 16 ... 128, bf16 and fp32; forward, backward and fwd+bwd
+latency (`timing.kernel_time` = `triton.testing.do_bench`: median, p20/p80), TFLOP/s (`flops.attention_flops`,
+causal = half the matmul work) and the peak memory of one fwd+bwd, for the implementations listed in
+`flash_bench` (its CLI runs this sweep). Configurations an implementation cannot reasonably run become
+'skipped: reason' rows, so every planned cell has a row. fp32 matmuls run in TF32 for every implementation.
 """
 
 from __future__ import annotations
@@ -69,11 +68,12 @@ class SweepConfig:
     device: str = "cuda"
 
     def __post_init__(self) -> None:
-        unknown = set(self.impls) - set(IMPLS)
-        if unknown:
+        if unknown := set(self.impls) - set(IMPLS):
             raise ValueError(f"unknown impls {sorted(unknown)}; known: {IMPLS}")
         if any(n < 1 for n in self.seq_lens) or any(d < 1 for d in self.head_dims):
             raise ValueError("sequence lengths and head dims must be positive")
+        if bad := [d for d in self.dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]:
+            raise ValueError(f"unknown dtypes {bad}; use torch dtype names such as float32,bfloat16")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import timeit
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,9 +41,10 @@ from typing import Any
 import pandas as pd
 import torch
 
+from cs336_systems.measure import cli
 from cs336_systems.measure.budget import TimeBudget, skipped_row
 from cs336_systems.measure.results import REPO_ROOT, append_rows
-from cs336_systems.model import SIZES_2025
+from cs336_systems.model import MODEL_SIZES, SIZES_2025
 from cs336_systems.studies import memory as mem
 from cs336_systems.studies.checkpointing_study import checkpointing_sweep
 from cs336_systems.studies.compile_study import attention_compile_sweep, whole_model_compile_sweep
@@ -157,9 +157,11 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     """Run the parts; `start` (default: now) is when the budget began (the script passes its import time)."""
     p = gpu_run_parser(
         __doc__,
+        example="python -m cs336_systems.studies.memory_attention_gpu_run --quick --parts memory",
         out={
-            "default": str(REPO_ROOT / "figures" / "data" / "memory_profiling"),
-            "help": "directory for snapshots (.pickle.gz), preview figures and manifest.json",
+            "default": None,
+            "help": "directory for snapshots (.pickle.gz), preview figures and manifest.json "
+            "(default: figures/data/memory_profiling; quick: <results dir>/memory_profiling)",
         },
         quick_help="tiny sizes (runs on a CPU); scratch results directory",
         budget=("--budget", 360.0, "total wall-clock seconds for all parts"),
@@ -181,7 +183,11 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
         help="in --quick, also compile the whole model (slow on CPU)",
     )
     p.add_argument(
-        "--compile-sizes", nargs="+", default=list(SIZES_2025), help="model sizes of compile_model"
+        "--compile-sizes",
+        nargs="+",
+        default=list(SIZES_2025),
+        choices=list(MODEL_SIZES),
+        help="model sizes of compile_model",
     )
     p.add_argument(
         "--compile-modes",
@@ -190,12 +196,20 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
         choices=["forward", "train"],
         help="end-to-end modes of compile_model",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    cli.add_results_dir(p)
     args = p.parse_args(argv)
-    if args.quick and "CS336_RESULTS_DIR" not in os.environ:
-        os.environ["CS336_RESULTS_DIR"] = tempfile.mkdtemp(prefix="memory_attention_gpu_run-")
-    results_dir = os.environ.get("CS336_RESULTS_DIR")
-    out = Path(args.out)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible (use --device cpu or --quick)")
+    if args.budget <= 0 or args.attn_reps < 1:
+        p.error("--budget must be > 0 and --attn-reps >= 1")
+    results_dir = str(cli.results_dir_for(args.results_dir, quick=args.quick))
+    default_out = Path(results_dir if args.quick else REPO_ROOT / "figures" / "data") / "memory_profiling"
+    out = Path(args.out) if args.out is not None else default_out
+    if args.quick and cli.is_committed(out.parent):
+        p.error("--out: a quick run must not write into the committed figures/data/")
     out.mkdir(parents=True, exist_ok=True)
     _log(
         f"device={args.device} ({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}), "

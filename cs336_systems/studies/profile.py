@@ -28,7 +28,6 @@ unprofiled benchmark); CUPTI and Nsight Systems cannot trace the same process at
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
@@ -44,6 +43,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from cs336_systems.measure import cli
 from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
 from cs336_systems.measure.timing import PhaseTimer, synchronize
@@ -368,47 +368,54 @@ def profile_grid(
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = cli.make_parser(
+        __doc__,
+        "python -m cs336_systems.studies.profile --size small --context-length 128 256 --results-dir /tmp/prof",
     )
-    p.add_argument("--size", nargs="+", default=["small"], help="model size preset(s)")
+    cli.add_size(p, ["small"], nargs="+")
     p.add_argument("--context-length", nargs="+", type=int, default=[512], help="sequence length(s)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1, help="untraced warm-up training steps (range 'warmup')")
     p.add_argument("--steps", type=int, default=1, help="profiled training steps")
     p.add_argument("--no-inference", action="store_true", help="do not profile the no_grad forward")
     p.add_argument("--autocast", default="none", choices=list(AUTOCAST_DTYPES))
-    p.add_argument("--attention", default="naive_annotated", help="attention implementation")
+    cli.add_attention(p, "naive_annotated")
     p.add_argument(
         "--profiler",
         default="torch",
         choices=["torch", "none"],
         help="torch: torch.profiler/CUPTI tables; none: only the NVTX ranges (run under nsys)",
     )
-    p.add_argument("--device", default=ProfileConfig().device)
+    p.add_argument("--device", default=ProfileConfig().device, choices=["cuda", "cpu"])
     p.add_argument(
         "--trace", default=None, help="write the slim Chrome trace (.json or .json.gz) of the first config"
     )
     p.add_argument("--problem", default=PROBLEM)
-    p.add_argument("--results-dir", default=None)
+    cli.add_results_dir(p)
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
-    configs = [
-        ProfileConfig(
-            size=s,
-            context_length=c,
-            batch_size=args.batch_size,
-            warmup=args.warmup,
-            steps=args.steps,
-            inference=not args.no_inference,
-            autocast=args.autocast,
-            attention=args.attention,
-            profiler=args.profiler,
-            device=args.device,
-        )
-        for s in args.size
-        for c in args.context_length
-    ]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible (use --device cpu)")
+    if min([args.batch_size, *args.context_length]) < 1:
+        p.error("--batch-size and --context-length must be >= 1")
+    with cli.usage_errors(p):
+        configs = [
+            ProfileConfig(
+                size=s,
+                context_length=c,
+                batch_size=args.batch_size,
+                warmup=args.warmup,
+                steps=args.steps,
+                inference=not args.no_inference,
+                autocast=args.autocast,
+                attention=args.attention,
+                profiler=args.profiler,
+                device=args.device,
+            )
+            for s in args.size
+            for c in args.context_length
+        ]
+    results_dir = None if args.no_save else cli.results_dir_for(args.results_dir)
     print(
         "resolved configs:",
         json.dumps([dataclasses.asdict(c) for c in configs][:2]),
@@ -418,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     df = profile_grid(
         configs,
         args.problem,
-        results_dir=args.results_dir,
+        results_dir=results_dir,
         save=not args.no_save,
         trace_for=first if args.trace else None,
         trace_path=args.trace,

@@ -101,7 +101,11 @@ def build() -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="example:\n  python -m cs336_systems.studies.readme_summary --print",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--print", action="store_true", help="print the summary instead of rewriting README.md")
     args = p.parse_args(argv)
     text = build()

@@ -43,6 +43,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from cs336_systems.measure import cli
 from cs336_systems.measure.budget import TimeBudget
 from cs336_systems.measure.results import REPO_ROOT, append_rows, failure_row, load_results
 from cs336_systems.measure.results import results_dir as default_results_dir
@@ -344,14 +345,12 @@ def _git_sha() -> str:
 
 
 def gpu_run_parser(
-    doc: str, *, out: dict[str, Any], quick_help: str, budget: tuple[str, float, str]
+    doc: str, *, example: str, out: dict[str, Any], quick_help: str, budget: tuple[str, float, str]
 ) -> argparse.ArgumentParser:
     """The options every GPU-session script has: `--out` (add_argument keywords), `--quick` and a
     wall-clock budget `(flag, default seconds, help)`; the description is the module docstring's
-    first paragraph."""
-    p = argparse.ArgumentParser(
-        description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    first paragraph and `example` is shown in the help."""
+    p = cli.make_parser(doc, example)
     p.add_argument("--out", **out)
     p.add_argument("--quick", action="store_true", help=quick_help)
     flag, default, budget_help = budget
@@ -362,6 +361,7 @@ def gpu_run_parser(
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = gpu_run_parser(
         __doc__,
+        example="python -m cs336_systems.studies.timing_gpu_run --out /tmp/s1a --quick",
         out={"required": True, "help": "directory for summary.json and the timeline PNG"},
         quick_help="debug model on the CPU, short protocols (a smoke run)",
         budget=("--budget-s", 285.0, "wall-clock budget of the whole run (seconds)"),
@@ -369,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--results-dir",
         default=None,
-        help="default: $CS336_RESULTS_DIR, else figures/data (quick: <out>/results)",
+        metavar="DIR",
+        help="where result rows go (default: $CS336_RESULTS_DIR, else figures/data/; quick: <out>/results)",
     )
     p.add_argument(
         "--stages",
@@ -379,22 +380,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="stages to run, in this order",
     )
     args = p.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        p.error("no CUDA device: this run is meant for a GPU host (use --quick for a CPU smoke run)")
+    if args.budget_s <= 0:
+        p.error(f"--budget-s must be > 0, got {args.budget_s}")
+    explicit = args.results_dir
+    if args.quick and explicit is None and not os.environ.get(cli.RESULTS_ENV):
+        explicit = str(Path(args.out) / "results")
+    results = str(cli.results_dir_for(explicit, quick=args.quick))
     budget = TimeBudget(args.budget_s)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = make_plan(args.quick)
-    if not args.quick and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this run is meant for a GPU host (use --quick for a CPU smoke run)")
-    results = (
-        args.results_dir
-        or os.environ.get("CS336_RESULTS_DIR")
-        or (str(out / "results") if args.quick else None)
-    )
-    committed = (REPO_ROOT / "figures" / "data").resolve()
-    if args.quick and results is not None and Path(results).resolve() == committed:
-        raise SystemExit("--quick must not write into the committed figures/data/")
-    results = str(default_results_dir(results))
     print(
         "plan:", json.dumps(dataclasses.asdict(plan)), "| results:", results, "| budget:", args.budget_s, "s"
     )

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cs336_systems.accounting.hardware import peak_flops
+from cs336_systems.measure import cli
 from cs336_systems.measure.results import (
     append_rows,
     capture_failure,
@@ -430,8 +431,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager stock and ours")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--results-dir", default=None, help="where rows go (default figures/data)")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    cli.add_results_dir(p)
     p.add_argument("--no-save", action="store_true", help="print only")
     p.add_argument(
         "--quick", action="store_true", help="debug model, 2 rounds of 2 steps, no compile, no save"
@@ -453,6 +456,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         )
     if any(c < 1 for c in args.context_length):
         raise SystemExit(f"--context-length must be positive, got {args.context_length}")
+    if not args.no_save:
+        args.results_dir = str(cli.results_dir_for(args.results_dir, quick=args.quick))
     args.size_name = args.size
     return run(args)
 

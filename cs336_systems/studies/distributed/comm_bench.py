@@ -27,7 +27,6 @@ slow gloo 1 GB case stays within minutes; CPU timings depend on how many cores t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -44,6 +43,7 @@ from tqdm.auto import tqdm
 
 from cs336_systems.distributed.launch import TorchrunError, run_torchrun
 from cs336_systems.distributed.process_group import cleanup_process_group, rank0_print, setup_process_group
+from cs336_systems.measure import cli
 from cs336_systems.measure.results import append_rows, child_env, failure_row, load_results, make_row
 from cs336_systems.measure.timing import synchronize
 
@@ -382,8 +382,10 @@ def latency_bandwidth_from_rows(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = cli.make_parser(
+        __doc__,
+        "python -m cs336_systems.studies.distributed.comm_bench --grid --gloo-procs 2 4 --nccl-procs auto "
+        "--results-dir /tmp/allreduce",
     )
     p.add_argument(
         "--grid", action="store_true", help="driver: launch every (backend, world size) via torchrun"
@@ -404,9 +406,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--gloo-max-mb", type=float, default=1024, help="driver: skip larger gloo sizes (CPU RAM/time)"
     )
     p.add_argument("--timeout-s", type=float, default=300.0, help="driver: limit per torchrun job")
-    p.add_argument("--results-dir", default=None, help="override the results directory")
+    cli.add_results_dir(p)
     args = p.parse_args(argv)
+    with cli.usage_errors(p):
+        cfg = CommBenchConfig(
+            backend=args.backend,
+            sizes_mb=tuple(args.sizes_mb),
+            warmup=args.warmup,
+            min_iters=args.min_iters,
+            max_iters=args.max_iters,
+            budget_s=args.budget_s,
+        )
+        if args.grid:
+            if not all(n.isdigit() and int(n) >= 1 for n in args.nccl_procs) and args.nccl_procs != ["auto"]:
+                raise ValueError(f"--nccl-procs: 'auto' or world sizes >= 1, got {args.nccl_procs}")
+            if any(n < 1 for n in args.gloo_procs) or args.timeout_s <= 0:
+                raise ValueError("--gloo-procs must be >= 1 and --timeout-s > 0")
     if args.grid:
+        args.results_dir = str(cli.results_dir_for(args.results_dir))
         nccl = None if args.nccl_procs == ["auto"] else [int(n) for n in args.nccl_procs]
         print("resolved grid:", json.dumps({k: v for k, v in vars(args).items() if k != "backend"}))
         run_grid(
@@ -422,15 +439,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         return
     if "WORLD_SIZE" not in os.environ:
-        raise SystemExit("worker mode runs under torchrun (or pass --grid to launch the grid)")
-    cfg = CommBenchConfig(
-        backend=args.backend,
-        sizes_mb=tuple(args.sizes_mb),
-        warmup=args.warmup,
-        min_iters=args.min_iters,
-        max_iters=args.max_iters,
-        budget_s=args.budget_s,
-    )
+        p.error("worker mode runs under torchrun (or pass --grid to launch the grid)")
     run_worker(cfg, args.results_dir)
 
 

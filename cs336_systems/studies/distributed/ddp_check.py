@@ -33,6 +33,7 @@ from torch import nn
 from cs336_systems.distributed.ddp import DDP_VARIANTS, DDPBucketed
 from cs336_systems.distributed.launch import run_torchrun
 from cs336_systems.distributed.process_group import cleanup_process_group, setup_process_group
+from cs336_systems.measure import cli
 
 MODULE = "cs336_systems.studies.distributed.ddp_check"
 
@@ -62,6 +63,20 @@ def _wrap(variant: str, module: nn.Module) -> nn.Module:
         size = variant.partition(":")[2]
         return DDPBucketed(module, float(size) if size else None)
     return DDP_VARIANTS[variant](module)
+
+
+def _variant(text: str) -> str:
+    """argparse type of --variants: a DDP_VARIANTS name, or bucketed:MB with MB > 0."""
+    name, _, size = text.partition(":")
+    try:
+        ok = name in DDP_VARIANTS and (not size or (name == "bucketed" and float(size) > 0))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(DDP_VARIANTS)} or bucketed:MB, got {text!r}"
+        )
+    return text
 
 
 def _check_one(variant: str, steps: int, batch: int) -> tuple[list[dict], dict]:
@@ -201,13 +216,24 @@ def facts(checks: dict[str, tuple[pd.DataFrame, dict]], variant: str = "naive") 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", nargs="+", default=["naive"], help="naive, flat, overlap, bucketed[:MB]")
+    p = cli.make_parser(
+        __doc__, "python -m cs336_systems.studies.distributed.ddp_check --variants naive bucketed:0.01"
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["naive"],
+        type=_variant,
+        help=f"DDP wrappers to check: {', '.join(DDP_VARIANTS)} (bucketed:MB for a bucket size)",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=16, help="global batch (split over the ranks)")
     p.add_argument("--out", default=None, help="rank 0 writes the comparison here (JSON)")
     p.add_argument("--world-size", type=int, default=2, help="driver: number of processes")
     args = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))  # under torchrun: the real world size
+    if min(args.steps, args.batch, world) < 1 or args.batch % world:
+        p.error("--steps, --batch and --world-size must be >= 1, and --batch a multiple of --world-size")
     if "WORLD_SIZE" in os.environ:
         run_check(args.variants, args.steps, args.batch, args.out)
         return

@@ -32,7 +32,6 @@ Entry points as in sharding_bench (through `runner`: driver without torchrun, wo
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -48,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems.distributed.fsdp import FSDP
+from cs336_systems.measure import cli
 from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import make_row
 from cs336_systems.measure.results import results_dir as default_results_dir
@@ -360,9 +360,7 @@ QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.distributed.fsdp_bench --quick")
     defaults = FsdpBenchConfig()
     runner.add_training_arguments(p, defaults, VARIANTS, timeout_s=300.0)
     p.add_argument("--trace", nargs="*", default=list(defaults.trace), choices=VARIANTS)
@@ -371,12 +369,12 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
         runner.run_config_worker(STUDY, FsdpBenchConfig, args)
         return None
     fields = {"trace": tuple(args.trace), **runner.training_fields(args, QUICK)}
-    cfg = FsdpBenchConfig(**fields)
+    cfg, results_dir = runner.checked_config(p, args, FsdpBenchConfig, fields)
     print("resolved config:", json.dumps(asdict(cfg)), flush=True)
     df = run(
         cfg,
         nproc=args.nproc,
-        results_dir=args.results_dir,
+        results_dir=results_dir,
         figures_dir=args.figures_dir,
         timeout_s=args.timeout,
     )

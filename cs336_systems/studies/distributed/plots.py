@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from cs336_systems.measure import cli
 from cs336_systems.report.style import impl_color
 
 PHASE_COLS = (
@@ -246,11 +246,17 @@ def render_figures(results_dir: str | os.PathLike | None, figures_dir: str | os.
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description="Render the figures of the distributed problems from their results."
+    p = cli.make_parser(
+        "Render the figures of the distributed problems from their results.",
+        "python -m cs336_systems.studies.distributed.plots --figures-dir /tmp/figures --results-dir figures/data",
     )
     p.add_argument("--figures-dir", required=True, help="where the PNG/PDF files go")
-    p.add_argument("--results-dir", default=None, help="override the results directory")
+    p.add_argument(
+        "--results-dir",
+        default=None,
+        metavar="DIR",
+        help="where the result rows are read from (default: $CS336_RESULTS_DIR, else figures/data/)",
+    )
     args = p.parse_args(argv)
     render_figures(args.results_dir, args.figures_dir)
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from cs336_systems.distributed.launch import run_variants
 from cs336_systems.distributed.process_group import cleanup_process_group, rank0_print, setup_process_group
+from cs336_systems.measure import cli
 from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import append_rows, child_env, failure_row, load_results, make_row
 from cs336_systems.measure.timing import PhaseTimer, synchronize
@@ -211,17 +212,19 @@ def add_training_arguments(
 ) -> None:
     """The flags of a dataclass-configured study's CLI (`defaults` is its default config)."""
     add_worker_arguments(parser)
-    parser.add_argument("--size", default=defaults.size)
+    cli.add_size(parser, defaults.size)
     parser.add_argument("--context-length", type=int, default=defaults.context_length)
     parser.add_argument("--batch-per-rank", type=int, default=defaults.batch_per_rank)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
     parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--attention", default=defaults.attention)
+    cli.add_attention(parser, defaults.attention)
     parser.add_argument("--variants", nargs="+", default=list(known), choices=known)
-    parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument(
+        "--backend", default="nccl" if torch.cuda.is_available() else "gloo", choices=["nccl", "gloo"]
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, debug model, 2 steps")
-    parser.add_argument("--results-dir", default=None)
+    cli.add_results_dir(parser)
     parser.add_argument("--figures-dir", default=None, help="render the figures here after measuring")
     parser.add_argument("--timeout", type=float, default=timeout_s, help="seconds per torchrun launch")
 
@@ -239,6 +242,18 @@ def training_fields(args: argparse.Namespace, quick: dict[str, Any]) -> dict[str
         backend=args.backend,
     )
     return {**fields, **(quick if args.quick else {})}
+
+
+def checked_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, config_class: type, fields: dict[str, Any]
+) -> tuple[Any, str]:
+    """The run's config and results directory, or a usage error (exit 2) before anything runs:
+    a bad field, a launch the hardware cannot run (NCCL without a GPU per rank), an unwritable
+    results directory. Quick runs get a scratch directory unless told otherwise."""
+    with cli.usage_errors(parser):
+        cfg = config_class(**fields)
+        cli.check_launch(cfg.backend, args.nproc, args.timeout)
+    return cfg, str(cli.results_dir_for(args.results_dir, quick=args.quick))
 
 
 def run_config_worker(study: Study, config_class: type, args: argparse.Namespace) -> None:

@@ -37,7 +37,6 @@ that crashes (e.g. out of memory) and relaunches the rest, then renders the figu
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -52,6 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
+from cs336_systems.measure import cli
 from cs336_systems.measure.results import make_row
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.model import AdamW, cross_entropy
@@ -220,9 +220,7 @@ QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.distributed.sharding_bench --quick")
     defaults = BenchConfig()
     runner.add_training_arguments(p, defaults, VARIANTS, timeout_s=240.0)
     args = p.parse_args(argv)
@@ -230,12 +228,12 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
         runner.run_config_worker(STUDY, BenchConfig, args)
         return None
     fields = runner.training_fields(args, QUICK)
-    cfg = BenchConfig(**fields)
+    cfg, results_dir = runner.checked_config(p, args, BenchConfig, fields)
     print("resolved config:", json.dumps(asdict(cfg)), flush=True)
     df = run(
         cfg,
         nproc=args.nproc,
-        results_dir=args.results_dir,
+        results_dir=results_dir,
         figures_dir=args.figures_dir,
         timeout_s=args.timeout,
     )

@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems.distributed.ddp import DDPBucketed
+from cs336_systems.measure import cli
 from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import env_metadata, failure_row, make_row
 from cs336_systems.measure.results import results_dir as default_results_dir
@@ -395,20 +396,27 @@ def measure(
 
 def main(argv: Sequence[str] | None = None) -> None:
     d = TrainBenchConfig()
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = cli.make_parser(
+        __doc__,
+        "python -m cs336_systems.studies.distributed.train_bench --size debug --context-length 16 --global-batch 4 "
+        "--backend gloo --variants naive flat bucketed:1 --results-dir /tmp/ddp",
     )
-    p.add_argument("--size", default=d.size, help="model size preset (MODEL_SIZES)")
+    cli.add_size(p, d.size)
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument(
         "--global-batch", type=int, default=d.global_batch, help="sequences per step over all ranks"
     )
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per variant")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per variant")
-    p.add_argument("--attention", default=d.attention, help="attention implementation")
+    cli.add_attention(p, d.attention)
     p.add_argument("--backend", default=d.backend, choices=["gloo", "nccl"])
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), help="variant labels, in order")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(DEFAULT_VARIANTS),
+        help=f"variant labels, in order: {', '.join(KIND_IMPL)} (bucketed:<MB>, torch:<MB>)",
+    )
     p.add_argument("--trace", nargs="*", default=list(d.trace), help="variants to profile one extra step of")
     p.add_argument(
         "--pg-timeout-s", type=float, default=d.pg_timeout_s, help="collective timeout (a hung rank dies)"
@@ -417,13 +425,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--nproc", type=int, default=None, help="driver: processes (default: #GPUs for nccl, 2 for gloo)"
     )
     p.add_argument("--timeout-s", type=float, default=None, help="driver: limit per torchrun launch")
-    p.add_argument("--results-dir", default=None, help="override the results directory")
+    cli.add_results_dir(p)
     p.add_argument("--progress-file", default=None, help=argparse.SUPPRESS)
     # Tests only: make the last rank fail in "<variant>" (or raise an OOM for "oom:<variant>").
     p.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     names = [f.name for f in dataclasses.fields(TrainBenchConfig)]  # each flag's dest is its field
-    cfg = TrainBenchConfig(**{name: getattr(args, name) for name in names} | {"trace": tuple(args.trace)})
+    with cli.usage_errors(p):
+        cfg = TrainBenchConfig(**{name: getattr(args, name) for name in names} | {"trace": tuple(args.trace)})
+        for label in args.variants:
+            Variant.parse(label)
     if "WORLD_SIZE" in os.environ:
         run_worker(
             cfg,
@@ -435,6 +446,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nproc = args.nproc or (max(n_gpus, 1) if cfg.backend == "nccl" else 2)
+    with cli.usage_errors(p):
+        cli.check_launch(cfg.backend, nproc, args.timeout_s)
+        if cfg.global_batch % nproc:
+            raise ValueError(f"--global-batch {cfg.global_batch} is not divisible by {nproc} processes")
+    args.results_dir = str(cli.results_dir_for(args.results_dir))
     print(
         "resolved config:", json.dumps({**dataclasses.asdict(cfg), "variants": args.variants, "nproc": nproc})
     )

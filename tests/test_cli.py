@@ -1,0 +1,195 @@
+"""Every command-line entry point: help with choices and an example, usage errors before any work,
+typed flags, a results directory option, and quick runs that never touch the committed results."""
+
+import hashlib
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cs336_systems.model import ATTENTION_IMPLS, MODEL_SIZES
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "cs336_systems"
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cli_modules() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if '__name__ == "__main__"' in path.read_text():
+            found.append(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    return found
+
+
+CLIS = _cli_modules()
+# CLIs that write result rows (the others build the report, launch a module, write a JSON check or
+# render the README summary from the committed results).
+NOT_MEASURING = {
+    "cs336_systems.distributed.launch",
+    "cs336_systems.studies.distributed.ddp_check",
+    "cs336_systems.studies.readme_summary",
+}
+MEASURING = [m for m in CLIS if ".report." not in m and m not in NOT_MEASURING]
+
+
+def _help(module: str, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main(["--help"])
+    assert exit_info.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+def test_the_cli_list_is_complete():
+    assert len(CLIS) >= 15 and "cs336_systems.studies.flash_bench" in CLIS
+
+
+@pytest.mark.parametrize("module", CLIS)
+def test_every_cli_help_shows_its_choices_and_an_example(module, capsys):
+    """Item 12: `--help` prints the purpose, the choices (model sizes, attention, ...) and an example."""
+    text = _help(module, capsys)
+    assert "example:" in text and f"python -m {module}" in text.split("example:", 1)[1], text
+    flat = " ".join(text.split())
+    if re.search(r"--size[\s{\]]", text):
+        assert all(size in flat for size in MODEL_SIZES), f"{module}: --help does not list the sizes"
+    if "--attention" in text:  # the implementations this CLI accepts (a subset for some)
+        offered = re.search(r"--attention \{([^}]+)\}", text)
+        assert offered and set(offered.group(1).split(",")) <= set(ATTENTION_IMPLS), f"{module}: {text}"
+    if module in MEASURING:
+        assert "--results-dir" in text, f"{module} takes no --results-dir"
+
+
+def test_launch_help_is_printed_from_the_shell():
+    out = subprocess.run([sys.executable, "-m", "cs336_systems.distributed.launch", "--help"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and "--nproc" in out.stdout and "example:" in out.stdout
+
+
+def test_no_cli_parses_a_flag_with_a_silent_lambda():
+    """Item 11: `type=lambda s: s in ("true", ...)` turned `--compile maybe` into False."""
+    offenders = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "type=lambda" in p.read_text()]
+    assert not offenders
+
+
+def test_compile_maybe_is_an_error(tmp_path, capsys):
+    from cs336_systems.studies import end_to_end
+
+    with pytest.raises(SystemExit) as exit_info:
+        end_to_end.main(["--size", "debug", "--compile", "maybe", "--results-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "argument --compile: expected true or false, got 'maybe'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+USAGE_ERRORS = [
+    ("studies.end_to_end", ["--size", "huge"], "--size"),
+    ("studies.end_to_end", ["--size", "debug", "--batch-size", "0"], "batch_size"),
+    ("studies.end_to_end", ["--size", "debug", "--attention", "fast"], "--attention"),
+    ("studies.profile", ["--size", "debug", "--context-length", "0"], "--context-length"),
+    ("studies.flash_bench", ["--impls", "flash_triton,warp"], "unknown impls ['warp']"),
+    ("studies.flash_bench", ["--dtypes", "float33"], "unknown dtypes ['float33']"),
+    ("studies.flash_bench", ["--tune", "64:bfloat:16384"], "--tune"),
+    ("studies.flash_model", ["--quick", "--impls", "naive", "fast"], "--impls"),
+    ("studies.memory_attention_gpu_run", ["--quick", "--compile-sizes", "huge"], "--compile-sizes"),
+    ("studies.distributed.comm_bench", ["--grid", "--nccl-procs", "two"], "--nccl-procs"),
+    ("studies.distributed.comm_bench", ["--grid", "--sizes-mb", "0"], "sizes_mb"),
+    ("studies.distributed.ddp_check", ["--variants", "bucketed:x"], "--variants"),
+    ("studies.distributed.fsdp_bench", ["--quick", "--variants", "zero3"], "--variants"),
+    ("studies.distributed.fsdp_bench", ["--quick", "--nproc", "0"], "--nproc"),
+    ("studies.distributed.sharding_bench", ["--size", "huge"], "--size"),
+    ("studies.distributed.train_bench", ["--size", "debug", "--backend", "gloo", "--variants", "bucketd"], "unknown variant"),
+    ("studies.distributed.train_bench", ["--size", "debug", "--backend", "gloo", "--nproc", "2", "--global-batch", "3"],
+     "--global-batch 3 is not divisible"),
+    ("studies.distributed.fsdp_parity", ["--device", "tpu"], "--device"),
+    ("studies.train_step", ["--size", "huge"], "--size"),
+]  # fmt: skip
+if N_GPUS < 2:  # impossible on this machine: NCCL needs a GPU per process
+    USAGE_ERRORS += [
+        (
+            "studies.distributed.fsdp_bench",
+            ["--size", "debug", "--backend", "nccl"],
+            "--backend nccl with --nproc 2",
+        ),
+        (
+            "studies.distributed.train_bench",
+            ["--size", "debug", "--backend", "nccl", "--nproc", "2"],
+            "--backend nccl",
+        ),
+    ]
+if N_GPUS == 0:
+    USAGE_ERRORS += [("studies.flash_model", ["--device", "cuda"], "--device cuda")]
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "named"), USAGE_ERRORS, ids=lambda x: " ".join(x) if isinstance(x, list) else None
+)
+def test_configuration_mistakes_are_usage_errors_before_any_work(
+    module, argv, named, tmp_path, capsys, monkeypatch
+):
+    """Item 10: exit status 2 and a message naming the argument; no row, no file, nothing measured."""
+    monkeypatch.setenv("CS336_RESULTS_DIR", str(tmp_path))
+    mod = importlib.import_module(f"cs336_systems.{module}")
+    with pytest.raises(SystemExit) as exit_info:
+        mod.main(
+            [*argv, "--results-dir", str(tmp_path)] if module != "studies.distributed.ddp_check" else argv
+        )
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_unwritable_results_dir_stops_a_cli_before_measuring(tmp_path, capsys):
+    """Item 4 at the CLI boundary: the error comes before the work, naming the directory."""
+    from cs336_systems.studies import end_to_end
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SystemExit, match=r"--results-dir: results directory .*file/rows is not writable"):
+        end_to_end.main(["--size", "debug", "--context-length", "8", "--results-dir", str(blocker / "rows")])
+    assert "resolved configs" not in capsys.readouterr().out
+
+
+def _digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+QUICK_RUNS = [
+    ["cs336_systems.studies.flash_bench", "--quick"],
+    ["cs336_systems.studies.flash_model", "--quick"],
+    ["cs336_systems.studies.memory_attention_gpu_run", "--quick", "--parts", "memory"],
+    ["cs336_systems.studies.distributed.fsdp_bench", "--quick"],
+    ["cs336_systems.studies.distributed.sharding_bench", "--quick"],
+    ["cs336_systems.studies.train_step", "--quick"],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cmd", QUICK_RUNS, ids=lambda c: c[0].rsplit(".", 1)[1])
+def test_quick_runs_write_a_scratch_dir_never_the_committed_results(cmd):
+    """Item 5: a quick run without --results-dir (and without CS336_RESULTS_DIR) leaves figures/data/
+    byte-identical and says where its rows went."""
+    committed = ROOT / "figures" / "data"
+    before = _digest(committed)
+    env = {k: v for k, v in os.environ.items() if k != "CS336_RESULTS_DIR"}
+    out = subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=280)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert _digest(committed) == before, f"{cmd} changed the committed figures/data/"
+    match = re.search(r"quick run: results go to (\S+)", out.stdout)
+    if match:  # train_step --quick saves nothing unless given a directory
+        scratch = Path(match.group(1))
+        assert scratch.is_relative_to(ROOT / "build" / "quick") and any(scratch.rglob("*"))
+        shutil.rmtree(scratch)
+    else:
+        assert cmd[0].endswith("train_step")
