@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
@@ -89,8 +90,17 @@ class Lab:
             data=None if body is None else json.dumps(body).encode(),
             headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(req, timeout=30) as r:
-            text = r.read().decode()
+        deadline = time.monotonic() + 20
+        while True:  # a loaded machine may print the URL a moment before the socket accepts
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    text = r.read().decode()
+                break
+            except urllib.error.URLError as exc:
+                refused = isinstance(exc.reason, ConnectionRefusedError)
+                if not refused or time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise AssertionError(f"{method} {path} failed: {exc}\n{self.output()[-2000:]}") from exc
+                time.sleep(0.5)
         return json.loads(text) if r.headers.get_content_type() == "application/json" else text
 
 
