@@ -102,21 +102,15 @@ def _git_sha() -> str:
     to another host says which commit it sent (the copy's own .git may be stale there)."""
     if os.environ.get("CS336_GIT_SHA"):
         return os.environ["CS336_GIT_SHA"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short=10", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
+        sha = git("rev-parse", "--short=10", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("CS336_GIT_SHA", "unknown")
     if not sha:  # a copy of the tree without .git (e.g. on a device host): the launcher passes it in

@@ -32,11 +32,9 @@ Entry points as in sharding_bench (through `runner`: driver without torchrun, wo
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -349,7 +347,6 @@ def run(
     timeout_s: float = 300.0,
 ) -> pd.DataFrame:
     """Launch the workers (relaunching after a crashed variant), then render the figures."""
-    cfg = FsdpBenchConfig(**{**asdict(cfg), "run_id": cfg.run_id or uuid.uuid4().hex[:8]})
     df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
     if figures_dir is not None:
         fsdp_analysis.render_figures(df, results_dir, figures_dir)
@@ -365,19 +362,16 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     runner.add_training_arguments(p, defaults, VARIANTS, timeout_s=300.0)
     p.add_argument("--trace", nargs="*", default=list(defaults.trace), choices=VARIANTS)
     args = p.parse_args(argv)
-    if args.worker is not None:
-        runner.run_config_worker(STUDY, FsdpBenchConfig, args)
-        return None
-    fields = {"trace": tuple(args.trace), **runner.training_fields(args, QUICK)}
-    cfg, results_dir = runner.checked_config(p, args, FsdpBenchConfig, fields)
-    print("resolved config:", json.dumps(asdict(cfg)), flush=True)
-    df = run(
-        cfg,
-        nproc=args.nproc,
-        results_dir=results_dir,
-        figures_dir=args.figures_dir,
-        timeout_s=args.timeout,
+    df = runner.config_cli(
+        p,
+        args,
+        STUDY,
+        FsdpBenchConfig,
+        lambda: {"trace": tuple(args.trace), **runner.training_fields(args, QUICK)},
+        run,
     )
+    if df is None:
+        return None
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(fsdp_analysis.memory_table(df).to_string())
         print(fsdp_analysis.saving_table(df).to_string())

@@ -23,6 +23,7 @@ import argparse
 import json
 import re
 import tempfile
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -263,6 +264,19 @@ def run_config_worker(study: Study, config_class: type, args: argparse.Namespace
     run_worker(study, cfg, cfg.variants, backend=cfg.backend, progress_file=args.progress_file)
 
 
+def config_cli(parser, args, study: Study, config_class: type, fields: Callable[[], dict[str, Any]], run):
+    """The CLI body of a dataclass-configured study: a worker runs its variants; the driver checks the
+    config (usage errors before any work), prints it and calls `run(cfg, nproc=..., ...)`."""
+    if args.worker is not None:
+        run_config_worker(study, config_class, args)
+        return None
+    cfg, results_dir = checked_config(parser, args, config_class, fields())
+    print("resolved config:", json.dumps(asdict(cfg)), flush=True)
+    return run(
+        cfg, nproc=args.nproc, results_dir=results_dir, figures_dir=args.figures_dir, timeout_s=args.timeout
+    )
+
+
 def step_failure_rows(problem: str, cfg: Any, impl: str, dtype: str, note: str, world_size: int) -> Rows:
     """The one failure row (metric step_time) of a variant of a dataclass-configured study."""
     keys = dict(problem=problem, name=cfg.size, impl=impl, mode="train", dtype=dtype, config=asdict(cfg))
@@ -274,7 +288,10 @@ def step_failure_rows(problem: str, cfg: Any, impl: str, dtype: str, note: str, 
 def run_config_study(
     study: Study, cfg: Any, *, nproc: int, results_dir: Any = None, timeout_s: float | None = None
 ):
-    """Driver of a dataclass-configured study; returns the rows of this run (`cfg.run_id`)."""
+    """Driver of a dataclass-configured study; returns the rows of this run (`cfg.run_id`, made here
+    when the config has none)."""
+    if not cfg.run_id:
+        cfg = replace(cfg, run_id=uuid.uuid4().hex[:8])
     results = None if results_dir is None else str(results_dir)
     run_study(
         study,

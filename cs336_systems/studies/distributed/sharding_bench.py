@@ -37,10 +37,8 @@ that crashes (e.g. out of memory) and relaunches the rest, then renders the figu
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -209,7 +207,6 @@ def run(
     timeout_s: float = 240.0,
 ) -> pd.DataFrame:
     """Launch the workers (relaunching after a crashed variant), then render figures; returns the rows."""
-    cfg = BenchConfig(**{**asdict(cfg), "run_id": cfg.run_id or uuid.uuid4().hex[:8]})
     df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
     if figures_dir is not None and not df.empty:
         sharding_analysis.render_figures(df, figures_dir)
@@ -224,19 +221,9 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     defaults = BenchConfig()
     runner.add_training_arguments(p, defaults, VARIANTS, timeout_s=240.0)
     args = p.parse_args(argv)
-    if args.worker is not None:
-        runner.run_config_worker(STUDY, BenchConfig, args)
+    df = runner.config_cli(p, args, STUDY, BenchConfig, lambda: runner.training_fields(args, QUICK), run)
+    if df is None:
         return None
-    fields = runner.training_fields(args, QUICK)
-    cfg, results_dir = runner.checked_config(p, args, BenchConfig, fields)
-    print("resolved config:", json.dumps(asdict(cfg)), flush=True)
-    df = run(
-        cfg,
-        nproc=args.nproc,
-        results_dir=results_dir,
-        figures_dir=args.figures_dir,
-        timeout_s=args.timeout,
-    )
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_rows", 200):
         print(sharding_analysis.memory_table(df).to_string())
         print(sharding_analysis.time_table(df).to_string())
