@@ -22,7 +22,7 @@ import torch
 import triton
 from torch import Tensor
 
-from cs336_systems.attention.flash_triton import backward_kernels, kernels, tiles
+from cs336_systems.attention.flash_triton import backward_kernels, hopper, kernels, tiles
 from cs336_systems.attention.flash_triton.tiles import (
     BwdConfig,
     FwdConfig,
@@ -196,6 +196,9 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> tuple
     n_k = k4.shape[2]
     lse = _empty_f32((batch, heads, n_q), q.device)
     opts = tiles.pinned_options()
+    if hopper.use_hopper(opts.hopper, q4, k4, v4, o4):
+        hopper.flash_fwd_hopper(q4, k4, v4, o4, lse, is_causal)
+        return o, lse.view(q.shape[:-1])
     tma = use_tma(opts, q.device, q4, k4, v4, o4)
     if tma:
         _set_tma_allocator(q.device)

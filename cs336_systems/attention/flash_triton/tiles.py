@@ -69,11 +69,15 @@ class BwdConfig:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """Switches of the optimisation log's ladder (v0..v3). use_tma None = on when the GPU and layouts allow it."""
+    """Switches of the optimisation log's ladder (v0..v3). use_tma None = on when the GPU and layouts allow it.
+
+    hopper: the Gluon kernels for sm_90 (`hopper.py`): None = wherever they support the inputs,
+    False = never (the portable tl kernels), True = required (a ValueError where unsupported)."""
 
     skip_masked_tiles: bool = True
     split_diagonal: bool = True
     use_tma: bool | None = None
+    hopper: bool | None = None
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)

@@ -1,0 +1,136 @@
+"""Launchers of the Hopper (sm_90) Gluon FlashAttention kernels (`hopper_kernels.py`).
+
+`launch.flash_fwd` / `launch.flash_bwd` call these when `use_hopper(...)` says so: on an sm_90 GPU,
+for float16/bfloat16 inputs whose head dimension the kernels take (a power of two 16..256, or the
+sum of two powers of two >= 16 such as 80 = 64 + 16, 96, 160, 192) and whose layouts TMA can read
+(16-byte aligned bases and strides). `KernelOptions(hopper=False)` forces the portable tl kernels,
+`hopper=True` makes an unsupported input an error instead of a silent fallback.
+
+Gluon does not run under the Triton interpreter, and Triton builds without it (or with another API)
+simply leave `AVAILABLE` False: the tl kernels then serve every call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from cs336_systems.attention.flash_triton.tiles import interpreting
+
+try:  # Gluon's Hopper API as of Triton 3.6; absent or different elsewhere
+    from cs336_systems.attention.flash_triton import hopper_kernels
+except Exception as err:  # noqa: BLE001 - any import problem means "not available"
+    hopper_kernels = None
+    UNAVAILABLE_REASON = f"triton.experimental.gluon (Hopper) could not be imported: {err}"
+else:
+    UNAVAILABLE_REASON = ""
+AVAILABLE = hopper_kernels is not None
+
+HOPPER_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class HopperFwdConfig:
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 3
+    num_warps: int = 8
+
+
+def split_head_dim(d: int) -> int | None:
+    """D0 of the kernels' column split (d itself for a power of two), or None if d cannot be split."""
+    if d < 16 or d > 256:
+        return None
+    d0 = 1 << (d.bit_length() - 1)
+    if d0 == d:
+        return d
+    d1 = d - d0
+    return d0 if d1 >= 16 and d1 & (d1 - 1) == 0 else None
+
+
+def _tma_layout_ok(*tensors4: Tensor) -> bool:
+    for t in tensors4:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((t.stride(i) * size) % 16 for i in range(3)) or t.stride(-1) != 1:
+            return False
+    return True
+
+
+def unsupported_reason(*tensors4: Tensor) -> str:
+    """Why the Hopper kernels cannot take these (B, H, N, d) tensors ("" when they can)."""
+    q = tensors4[0]
+    if not AVAILABLE:
+        return UNAVAILABLE_REASON
+    if interpreting() or q.device.type != "cuda":
+        return "the Hopper kernels need a CUDA device (no interpreter)"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"the Hopper kernels need sm_90, found {torch.cuda.get_device_name(q.device)}"
+    if q.dtype not in HOPPER_DTYPES:
+        return f"the Hopper kernels take float16/bfloat16, got {q.dtype}"
+    if split_head_dim(q.shape[-1]) is None:
+        return f"head dim {q.shape[-1]} is neither a power of two 16..256 nor two such blocks >= 16"
+    if not _tma_layout_ok(*tensors4):
+        return "TMA needs 16-byte aligned bases and batch/head/row strides"
+    return ""
+
+
+def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
+    """Whether to launch the Hopper kernels (option: KernelOptions.hopper)."""
+    if option is False:
+        return False
+    reason = unsupported_reason(*tensors4)
+    if option and reason:
+        raise ValueError(f"FlashAttentionTriton: Hopper kernels forced (KernelOptions(hopper=True)) but {reason}")
+    return not reason
+
+
+def heuristic_fwd(d: int) -> HopperFwdConfig:
+    """Forward tiles by head dim: the widest key tile whose K/V ring fits shared memory without spills."""
+    if d <= 64:
+        return HopperFwdConfig(128, 128, 3, 8)
+    return HopperFwdConfig(128, 64, 2, 8)
+
+
+def _strides3(t4: Tensor) -> tuple[int, int, int]:
+    return t4.stride(0), t4.stride(1), t4.stride(2)
+
+
+def _set_allocator(device: torch.device) -> None:
+    # Device-side descriptors need global scratch; the allocator is a ContextVar (set per thread).
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
+def flash_fwd_hopper(
+    q4: Tensor, k4: Tensor, v4: Tensor, o4: Tensor, lse: Tensor, is_causal: bool, cfg: HopperFwdConfig | None = None
+) -> None:
+    """Fill o4 (B, H, N_q, d) and lse (B, H, N_q) float32 from (B, H, N, d) q4, k4, v4."""
+    batch, heads, n_q, d = q4.shape
+    cfg = cfg or heuristic_fwd(d)
+    _set_allocator(q4.device)
+    grid = (batch * heads, triton.cdiv(n_q, cfg.block_m))
+    hopper_kernels.flash_fwd_hopper_kernel[grid](
+        q4,
+        k4,
+        v4,
+        o4,
+        lse,
+        _strides3(q4),
+        _strides3(k4),
+        _strides3(v4),
+        _strides3(o4),
+        heads,
+        n_q,
+        k4.shape[2],
+        (1.0 / math.sqrt(d)) * 1.4426950408889634,
+        D=d,
+        D0=split_head_dim(d),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages,
+        IS_CAUSAL=bool(is_causal),
+        num_warps=cfg.num_warps,
+    )
