@@ -89,10 +89,12 @@ def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
 
 
 def heuristic_fwd(d: int) -> HopperFwdConfig:
-    """Forward tiles by head dim: the widest key tile whose K/V ring fits shared memory without spills."""
+    """Forward tiles by head dim (the fastest of the H100 sweep in OPTIMIZATION_LOG.md, Gluon section)."""
+    if split_head_dim(d) != d:  # two column blocks (d = 80, 96, ...)
+        return HopperFwdConfig(128, 64, 3, 8)
     if d <= 64:
-        return HopperFwdConfig(128, 128, 3, 8)
-    return HopperFwdConfig(128, 64, 2, 8)
+        return HopperFwdConfig(128, 64, 4, 8)
+    return HopperFwdConfig(64, 64, 3, 4)
 
 
 def _strides3(t4: Tensor) -> tuple[int, int, int]:
@@ -133,4 +135,56 @@ def flash_fwd_hopper(
         STAGES=cfg.stages,
         IS_CAUSAL=bool(is_causal),
         num_warps=cfg.num_warps,
+    )
+
+
+@dataclass(frozen=True)
+class HopperBwdConfig:
+    """dK/dV pass: block_n keys per program, block_m queries per step, a stages-deep Q/dO ring."""
+
+    block_m: int = 64
+    block_n: int = 64
+    stages: int = 2
+    num_warps: int = 4
+    maxnreg: int | None = None
+
+
+def bwd_supported(d: int) -> bool:
+    """The dK/dV kernel takes power-of-two head dims (split head dims use the tl backward)."""
+    return split_head_dim(d) == d
+
+
+def heuristic_bwd(d: int) -> HopperBwdConfig:
+    return HopperBwdConfig(64, 64, 2, 4)
+
+
+def flash_dkdv_hopper(tensors, is_causal: bool, cfg: HopperBwdConfig | None = None) -> None:
+    """Fill dk4, dv4 of `launch.prepare_backward`'s operands (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta)."""
+    q4, k4, v4, do4, _dq4, dk4, dv4, lse, delta = tensors
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    cfg = cfg or heuristic_bwd(d)
+    _set_allocator(q4.device)
+    grid = (batch * heads, triton.cdiv(n_k, cfg.block_n))
+    hopper_kernels.flash_bwd_dkdv_hopper_kernel[grid](
+        q4,
+        k4,
+        v4,
+        do4,
+        dk4,
+        dv4,
+        lse,
+        delta,
+        *(_strides3(t) for t in (q4, k4, v4, do4, dk4, dv4)),
+        heads,
+        n_q,
+        n_k,
+        1.0 / math.sqrt(d),
+        D=d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages,
+        IS_CAUSAL=bool(is_causal),
+        num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )

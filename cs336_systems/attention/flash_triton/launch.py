@@ -305,10 +305,16 @@ def flash_bwd(
     n_k = k4.shape[2]
     opts = tiles.pinned_options()
     tma = use_tma(opts, q.device, *tensors[:7])
+    if hopper.bwd_supported(d) and hopper.use_hopper(opts.hopper, *tensors[:7]):
+        # dK/dV by the Gluon kernel, dQ by the tl kernel (deterministic, no atomics).
+        hopper.flash_dkdv_hopper(tensors, is_causal)
+        passes = ("dq",)
+    else:
+        passes = ("dkdv", "dq")
     tiles.choose_and_run(
         "bwd",
         tuning_key(n_q, n_k, d, q.dtype, is_causal),
-        lambda c: launch_bwd(tensors, is_causal, c, opts, tma),
+        lambda c: launch_bwd(tensors, is_causal, c, opts, tma, passes),
         heuristic=lambda: heuristic_bwd(n_q, n_k, tiles.block_d(d), q.dtype),
         candidates=lambda: bwd_candidates(tiles.block_d(d), q.dtype),
         shrink=tiles.shrink_bwd,
