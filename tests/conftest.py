@@ -9,16 +9,27 @@
   (a test that measures passes a tmp results directory; quick runs default to a scratch one).
 * On a GPU host, deterministic-algorithm tests need a cuBLAS workspace setting before CUDA starts.
 * Every `distributed` test (several processes) carries its own timeout marker, or collection fails.
+* Jupyter and IPython keep their per-user state in a temporary directory: notebook kernels started by
+  the tests must not write into ~/.jupyter or ~/.ipython (jupyter_core's one-off IPython migration
+  drops a `migrated` marker there, which the Lab tests rightly report as a change to the user's home).
 """
 
+import atexit
 import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest
 import torch
+
+_JUPYTER_HOME = Path(tempfile.mkdtemp(prefix="cs336-tests-jupyter-"))
+for _var, _sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"), ("IPYTHONDIR", "ipython")):
+    os.environ.setdefault(_var, str(_JUPYTER_HOME / _sub))
+atexit.register(shutil.rmtree, _JUPYTER_HOME, ignore_errors=True)
 
 COMMITTED_RESULTS = Path(__file__).resolve().parents[1] / "figures" / "data"
 

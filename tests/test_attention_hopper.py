@@ -39,6 +39,12 @@ def test_cpu_tensors_fall_back_to_the_portable_kernels_and_forcing_is_an_error()
         hopper.use_hopper(True, q, q, q)
 
 
+def test_the_gluon_dkdv_kernel_is_opt_in_and_needs_the_hopper_path():
+    assert KernelOptions().hopper_dkdv is False
+    with pytest.raises(ValueError, match="hopper_dkdv=True needs the Hopper kernels"):
+        KernelOptions(hopper=False, hopper_dkdv=True)
+
+
 @pytest.mark.gpu
 def test_gpu_hopper_is_the_default_on_sm90_for_16_bit_inputs():
     q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
@@ -64,7 +70,8 @@ HOPPER_DTYPES = [
 )
 def test_gpu_hopper_matches_float64(batch, n_q, n_k, d, is_causal, dtype, atol, rtol, floor):
     case = make_case(batch, n_q, n_k, d, dtype, device="cuda", is_causal=is_causal)
-    with use_configs(options=HOPPER):
+    # the opt-in Gluon dK/dV kernel too, wherever it takes the head dim
+    with use_configs(options=KernelOptions(hopper=True, hopper_dkdv=hopper.bwd_supported(d))):
         ours = run_impl(FlashAttentionTriton.apply, case)
     check_outputs(ours, case, atol, rtol, floor)
 
@@ -81,7 +88,9 @@ def test_gpu_hopper_forward_tile_candidates_and_every_element_written(cfg, n):
     o = torch.full_like(q4, float("nan"))
     lse = torch.full(q4.shape[:-1], float("nan"), device="cuda")
     hopper.flash_fwd_hopper(q4, k4, v4, o, lse, True, cfg)
-    want = torch.nn.functional.scaled_dot_product_attention(q4.double(), k4.double(), v4.double(), is_causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q4.double(), k4.double(), v4.double(), is_causal=True
+    )
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.double(), want, atol=5e-2, rtol=5e-2)
 
@@ -96,6 +105,6 @@ def test_gpu_hopper_and_portable_paths_agree_under_torch_compile(request):
     want = x.grad.clone()
     x.grad = None
     flash = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
-    with use_configs(options=HOPPER):
+    with use_configs(options=KernelOptions(hopper=True, hopper_dkdv=True)):
         flash(q, k, v, True).sum().backward()
     torch.testing.assert_close(x.grad, want, atol=2e-2, rtol=2e-2)

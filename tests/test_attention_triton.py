@@ -231,7 +231,11 @@ def test_gpu_ragged_and_odd_head_dims_bf16(batch, n_q, n_k, d, is_causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "options",
-    [KernelOptions(use_tma=False), KernelOptions(use_tma=True), KernelOptions(False, False)],
+    [
+        KernelOptions(use_tma=False, hopper=False),
+        KernelOptions(use_tma=True, hopper=False),
+        KernelOptions(False, False, hopper=False),
+    ],  # the tl kernels' memory paths, also on Hopper
     ids=["blockptr", "tma", "baseline"],
 )
 def test_gpu_memory_paths_and_variants(options):

@@ -32,6 +32,7 @@ Run: `python -m cs336_systems.studies.flash_bench [--quick] [--leaderboard] [--v
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +40,7 @@ import torch
 from cs336_systems.attention import FlashAttentionTriton
 from cs336_systems.measure import cli
 from cs336_systems.measure.timing import synchronize
+from cs336_systems.studies.attention_impls import LEADERBOARD_IMPLS
 from cs336_systems.studies.flash_leaderboard import LeaderboardConfig, run_leaderboard, run_variants
 from cs336_systems.studies.flash_sweep import IMPLS, SweepConfig, quick_config, run_sweep
 from cs336_systems.studies.flash_tuning import run_tuning
@@ -59,6 +61,15 @@ def _tune_spec(spec: str) -> tuple[int, torch.dtype, int]:
     if not isinstance(dtype, torch.dtype) or not (parts[0].isdigit() and parts[2].isdigit()):
         raise ValueError(f"--tune: expected d:dtype:N such as 64:bfloat16:16384, got {spec!r}")
     return int(parts[0]), dtype, int(parts[2])
+
+
+def _lb_shape(spec: str) -> tuple[int, int, int]:
+    """'16x16384x64' -> (heads, N, d)."""
+    parts = spec.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--lb-shapes: {spec!r} is not HEADSxNxD with positive integers (e.g. 16x16384x64)")
+    heads, n, d = map(int, parts)
+    return heads, n, d
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -111,6 +122,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--tune-small", action="store_true", help="--tune over the short later-round lists")
     p.add_argument("--lb-runs", type=int, default=1, help="how many times to run the leaderboard protocol")
     p.add_argument(
+        "--lb-shapes",
+        type=_strs,
+        default=("16x16384x64",),
+        help="comma-separated HEADSxNxD causal bf16 shapes for --leaderboard (batch 1; the 2025 protocol is "
+        "16x16384x64, rows 'protocol'; other shapes are rows 'shapes'), e.g. 32x32768x128,128x2048x80",
+    )
+    p.add_argument(
+        "--lb-impls",
+        type=_strs,
+        default=LeaderboardConfig().impls,
+        help=f"comma-separated implementations for --leaderboard, from {', '.join(LEADERBOARD_IMPLS)}",
+    )
+    p.add_argument(
         "--once",
         action="store_true",
         help="one forward+backward at the leaderboard shape with the current tiles, nothing timed or saved "
@@ -148,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         if args.lb_runs < 1:
             raise ValueError(f"--lb-runs must be >= 1, got {args.lb_runs}")
+        lb_shapes = [_lb_shape(spec) for spec in args.lb_shapes]
+        if unknown := set(args.lb_impls) - set(LEADERBOARD_IMPLS):
+            raise ValueError(f"--lb-impls: unknown {sorted(unknown)}; known: {', '.join(LEADERBOARD_IMPLS)}")
     results_dir = None if args.once else cli.results_dir_for(args.results_dir, quick=args.quick)
 
     if args.once:
@@ -165,12 +192,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.variants:
         run_variants(LeaderboardConfig(device=args.device), results_dir=results_dir)
     if args.leaderboard:
-        for i in range(args.lb_runs):  # repeated runs show the run-to-run spread; the split once, last
-            run_leaderboard(
-                LeaderboardConfig(rep_ms=args.lb_rep_ms, warmup_ms=args.lb_warmup_ms, device=args.device),
-                split=i == args.lb_runs - 1,
-                results_dir=results_dir,
+        for heads, n, d in lb_shapes:
+            lb = LeaderboardConfig(
+                heads=heads,
+                seq_len=n,
+                d=d,
+                rep_ms=args.lb_rep_ms,
+                warmup_ms=args.lb_warmup_ms,
+                impls=tuple(args.lb_impls),
+                device=args.device,
             )
+            lb = dataclasses.replace(lb, name="protocol" if lb.is_protocol_shape() else "shapes")
+            for i in range(args.lb_runs):  # repeated runs show the run-to-run spread; the split once, last
+                split = i == args.lb_runs - 1 and lb.is_protocol_shape()
+                run_leaderboard(lb, split=split, results_dir=results_dir)
     if sweep_cfg is not None:
         cfg = sweep_cfg
         print(cfg)

@@ -35,15 +35,8 @@ from cs336_systems.measure.results import (
     make_row,
 )
 from cs336_systems.measure.timing import kernel_time
-from cs336_systems.studies.flash_sweep import (
-    IMPL_ORDER,
-    LEADERBOARD,
-    MODES,
-    attention_fn,
-    failure_note,
-    measure_config,
-    sdpa_fn,
-)
+from cs336_systems.studies.attention_impls import attention_fn, leaderboard_step
+from cs336_systems.studies.flash_sweep import IMPL_ORDER, LEADERBOARD, MODES, failure_note, measure_config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +52,10 @@ class LeaderboardConfig:
     dtype: str = "bfloat16"  # the protocol's; quick CPU runs use float32 (the interpreter cannot do bf16)
     matmul_n: int = 8192  # size of the matmul whose rate is the "measured peak"
     device: str = "cuda"
+    name: str = "protocol"  # row name: "protocol" for the 2025 shape, "shapes" for other shapes
+
+    def is_protocol_shape(self) -> bool:
+        return (self.heads, self.seq_len, self.d) == (16, 16384, 64)
 
     def shape(self) -> dict[str, Any]:
         """The causal attention problem as `flash_sweep.measure_config` keywords (batch 1)."""
@@ -77,24 +74,6 @@ def _row_keys(name: str, impl: str, mode: str, dtype: str, n: int, config: dict[
         x_value=n,
         config=config,
     )
-
-
-def _leaderboard_fn(impl: str, x: torch.Tensor) -> Callable[[], None]:
-    q, k, v = x  # the protocol's unpacking along dim 0: (heads, N, d) views of x
-    if impl == "flash_triton":
-        flash = torch.compile(FlashAttentionTriton.apply)
-    elif impl == "flash_pytorch_compiled_bwd":
-        flash = torch.compile(lambda a, b, c, causal: FlashAttentionTriton.apply(a, b, c, causal, "pytorch"))
-    else:
-        sdpa = sdpa_fn(impl.removeprefix("sdpa_"))
-        q, k, v = q[None], k[None], v[None]  # (1, heads, N, d) views: SDPA's flash/cuDNN kernels want 4-D
-        flash = sdpa
-
-    def step():
-        o = flash(q, k, v, True)
-        o.sum().backward()
-
-    return step
 
 
 def bench_all(
@@ -133,10 +112,10 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
         x = torch.randn(shape, device=cfg.device, dtype=getattr(torch, cfg.dtype), requires_grad=True)
         outcome: dict[str, str] = {}
         with capture_failure(outcome):
-            step = _leaderboard_fn(impl, x)
+            step = leaderboard_step(impl, x)
             step()  # compile outside the timed region (do_bench's warm-up would also absorb it)
             results[impl] = bench_all(step, cfg.warmup_ms, cfg.rep_ms)
-        common = _row_keys("protocol", impl, "fwd_bwd", cfg.dtype, cfg.seq_len, config)
+        common = _row_keys(cfg.name, impl, "fwd_bwd", cfg.dtype, cfg.seq_len, config)
         if impl in results:
             rows.append(make_row(metric="latency", unit="ms", stats=results[impl], **common))
         else:
@@ -216,11 +195,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # choice, e.g. set by run_tuning), backward implementation. The committed results also hold
     # v4_tma_fused_bwd and v6_tuned_dq_side_stream: neither helped (OPTIMIZATION_LOG.md), and their
     # switches (the fused backward kernel, the dQ pass on a side stream) have left the kernels.
-    "v0_mask_all_tiles": {"options": tiles.KernelOptions(False, False, False)},
-    "v1_skip_masked_tiles": {"options": tiles.KernelOptions(True, False, False)},
-    "v2_split_diagonal": {"options": tiles.KernelOptions(True, True, False)},
-    "v3_tma": {"options": tiles.KernelOptions(True, True, True)},
-    "v5_tuned_tiles": {"options": tiles.KernelOptions(), "bwd": "tuned"},
+    "v0_mask_all_tiles": {"options": tiles.KernelOptions(False, False, False, hopper=False)},
+    "v1_skip_masked_tiles": {"options": tiles.KernelOptions(True, False, False, hopper=False)},
+    "v2_split_diagonal": {"options": tiles.KernelOptions(True, True, False, hopper=False)},
+    "v3_tma": {"options": tiles.KernelOptions(True, True, True, hopper=False)},
+    "v5_tuned_tiles": {"options": tiles.KernelOptions(hopper=False), "bwd": "tuned"},
     "pytorch_compiled_bwd": {"options": tiles.KernelOptions(), "bwd_impl": "pytorch"},
 }
 

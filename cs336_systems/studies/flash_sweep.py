@@ -19,16 +19,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from cs336_systems.attention import FlashAttentionPytorch, FlashAttentionTriton
 from cs336_systems.attention.flash_triton import tiles
 from cs336_systems.measure.budget import TimeBudget, skipped_row
 from cs336_systems.measure.flops import attention_flops, tflops
 from cs336_systems.measure.results import append_rows, capture_failure, failure_row, latest_run, make_row
 from cs336_systems.measure.timing import kernel_time, synchronize
-from cs336_systems.model import get_attention
+from cs336_systems.studies.attention_impls import attention_fn
 
 PROBLEM = "flash_benchmarking"
 LEADERBOARD = "flash_leaderboard"
@@ -79,34 +77,6 @@ class SweepConfig:
 # ------------------------------------------------------------------------------------------------
 # The implementations: fn(q, k, v, is_causal) -> o on (batch, heads, N, d) tensors
 # ------------------------------------------------------------------------------------------------
-
-
-def sdpa_fn(backend_name: str) -> Callable:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
-
-    def fn(q, k, v, is_causal):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-
-    return fn
-
-
-def attention_fn(impl: str, device: str = "cuda") -> Callable:
-    """The callable of `impl`; the PyTorch tile loop uses 128-row tiles on a GPU (64 on a CPU)."""
-    tile = 128 if torch.device(device).type == "cuda" else 64
-    return {
-        "flash_triton": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c),
-        "flash_triton_ptbwd": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, "pytorch"),
-        "flash_pytorch": lambda q, k, v, c: FlashAttentionPytorch.apply(q, k, v, c, None, tile, tile),
-        "flash_pytorch_compiled": lambda q, k, v, c: FlashAttentionPytorch.apply(
-            q, k, v, c, True, tile, tile
-        ),
-        "naive": get_attention("naive"),
-        "sdpa_flash": sdpa_fn("flash"),
-        "sdpa_cudnn": sdpa_fn("cudnn"),
-    }[impl]
 
 
 def failure_note(note: str) -> str:

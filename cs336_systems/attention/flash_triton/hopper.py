@@ -23,7 +23,7 @@ from cs336_systems.attention.flash_triton.tiles import interpreting
 
 try:  # Gluon's Hopper API as of Triton 3.6; absent or different elsewhere
     from cs336_systems.attention.flash_triton import hopper_kernels
-except Exception as err:  # noqa: BLE001 - any import problem means "not available"
+except Exception as err:  # any import problem means "not available"
     hopper_kernels = None
     UNAVAILABLE_REASON = f"triton.experimental.gluon (Hopper) could not be imported: {err}"
 else:
@@ -84,7 +84,9 @@ def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
         return False
     reason = unsupported_reason(*tensors4)
     if option and reason:
-        raise ValueError(f"FlashAttentionTriton: Hopper kernels forced (KernelOptions(hopper=True)) but {reason}")
+        raise ValueError(
+            f"FlashAttentionTriton: Hopper kernels forced (KernelOptions(hopper=True)) but {reason}"
+        )
     return not reason
 
 
@@ -107,7 +109,13 @@ def _set_allocator(device: torch.device) -> None:
 
 
 def flash_fwd_hopper(
-    q4: Tensor, k4: Tensor, v4: Tensor, o4: Tensor, lse: Tensor, is_causal: bool, cfg: HopperFwdConfig | None = None
+    q4: Tensor,
+    k4: Tensor,
+    v4: Tensor,
+    o4: Tensor,
+    lse: Tensor,
+    is_causal: bool,
+    cfg: HopperFwdConfig | None = None,
 ) -> None:
     """Fill o4 (B, H, N_q, d) and lse (B, H, N_q) float32 from (B, H, N, d) q4, k4, v4."""
     batch, heads, n_q, d = q4.shape

@@ -42,7 +42,9 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _head_desc(ptr, strides, off_b, off_h, n_rows, col0: gl.constexpr, BLOCK_ROWS: gl.constexpr, WIDTH: gl.constexpr):
+def _head_desc(
+    ptr, strides, off_b, off_h, n_rows, col0: gl.constexpr, BLOCK_ROWS: gl.constexpr, WIDTH: gl.constexpr
+):
     """Descriptor of columns [col0, col0 + WIDTH) of one (b, h) slice (n_rows, d), in (BLOCK_ROWS, WIDTH) tiles."""
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_ROWS, WIDTH], ptr.dtype.element_ty)
     base = ptr + off_b * strides[0] + off_h * strides[1] + col0
@@ -52,8 +54,23 @@ def _head_desc(ptr, strides, off_b, off_h, n_rows, col0: gl.constexpr, BLOCK_ROW
 
 
 @gluon.jit
-def _load_kv(k0, k1, v0, v1, k_bar, v_bar, k0_s, k1_s, v0_s, v1_s, tile, n_tiles, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, SPLIT: gl.constexpr):
+def _load_kv(
+    k0,
+    k1,
+    v0,
+    v1,
+    k_bar,
+    v_bar,
+    k0_s,
+    k1_s,
+    v0_s,
+    v1_s,
+    tile,
+    n_tiles,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    SPLIT: gl.constexpr,
+):
     """Start the TMA loads of key tile `tile` (if it exists) into stage tile % STAGES."""
     s = tile % STAGES
     pred = tile < n_tiles
@@ -70,8 +87,16 @@ def _load_kv(k0, k1, v0, v1, k_bar, v_bar, k0_s, k1_s, v0_s, v1_s, tile, n_tiles
 
 
 @gluon.jit
-def _scores(q0_s, q1_s, k0_s, k1_s, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            SPLIT: gl.constexpr):
+def _scores(
+    q0_s,
+    q1_s,
+    k0_s,
+    k1_s,
+    s_layout: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    SPLIT: gl.constexpr,
+):
     """Issue S = Q K^T for one staged key tile (async); returns the accumulator token."""
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     s = warpgroup_mma(q0_s, k0_s.permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -81,8 +106,19 @@ def _scores(q0_s, q1_s, k0_s, k1_s, s_layout: gl.constexpr, BLOCK_M: gl.constexp
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, start_n, start_m, offs_m, N_KEYS, qk_scale, IS_CAUSAL: gl.constexpr,
-                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def _softmax_step(
+    s,
+    m_i,
+    l_i,
+    start_n,
+    start_m,
+    offs_m,
+    N_KEYS,
+    qk_scale,
+    IS_CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    s_layout: gl.constexpr,
+):
     """Online softmax of one score tile: returns (P unnormalised, new max, new sum, rescale factor)."""
     s = s * qk_scale  # log2 units
     # Only tiles that straddle the diagonal or hold keys >= N_KEYS pay for the mask.
@@ -105,11 +141,26 @@ def _softmax_step(s, m_i, l_i, start_n, start_m, offs_m, N_KEYS, qk_scale, IS_CA
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
 def flash_fwd_hopper_kernel(
-    Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr,
-    q_strides, k_strides, v_strides, o_strides,
-    NUM_HEADS, N_QUERIES, N_KEYS, qk_scale,
-    D: gl.constexpr, D0: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    Q_ptr,
+    K_ptr,
+    V_ptr,
+    O_ptr,
+    L_ptr,
+    q_strides,
+    k_strides,
+    v_strides,
+    o_strides,
+    NUM_HEADS,
+    N_QUERIES,
+    N_KEYS,
+    qk_scale,
+    D: gl.constexpr,
+    D0: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """O = softmax(Q K^T * scale) V and L = logsumexp (natural log, (B*H, N_QUERIES) contiguous).
 
@@ -128,12 +179,15 @@ def flash_fwd_hopper_kernel(
     start_m = q_tile * BLOCK_M
 
     # Register layouts: wgmma accumulators (one 16-row slab per warp), P as the register A operand.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o0_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, D0, 16])
-    o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, D1, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o0_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D0, 16]
+    )
+    o1_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D1, 16]
+    )
     p0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o0_layout, k_width=2)
     p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -192,8 +246,9 @@ def flash_fwd_hopper_kernel(
     mbarrier.wait(k_bar.index(0), 0)
     s_tok0 = _scores(q0_s, q1_s, k0_s.index(0), k1_s.index(0), s_layout, BLOCK_M, BLOCK_N, SPLIT)
     s0 = warpgroup_mma_wait(0, deps=(s_tok0,))
-    p, m_i, l_i, alpha = _softmax_step(s0, m_i, l_i, 0, start_m, offs_m, N_KEYS, qk_scale, IS_CAUSAL,
-                                       BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = _softmax_step(
+        s0, m_i, l_i, 0, start_m, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
+    )
     for t in range(1, n_tiles):
         st = t % STAGES
         prev = (t - 1) % STAGES
@@ -210,8 +265,9 @@ def flash_fwd_hopper_kernel(
         else:
             s_t = warpgroup_mma_wait(1, deps=(s_tok,))
         # The softmax of tile t runs on the CUDA cores while P_{t-1} V_{t-1} runs on the tensor cores.
-        p, m_i, l_i, alpha = _softmax_step(s_t, m_i, l_i, t * BLOCK_N, start_m, offs_m, N_KEYS, qk_scale,
-                                           IS_CAUSAL, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = _softmax_step(
+            s_t, m_i, l_i, t * BLOCK_N, start_m, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
+        )
         if SPLIT:
             acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
             acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
@@ -220,8 +276,23 @@ def flash_fwd_hopper_kernel(
         acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
         # Every warp is done with stage `prev` (K_{t-1} and V_{t-1}): refill it with tile t-1+STAGES.
         gl.thread_barrier()
-        _load_kv(k0, k1, v0, v1, k_bar, v_bar, k0_s, k1_s, v0_s, v1_s, t - 1 + STAGES, n_tiles, BLOCK_N,
-                 STAGES, SPLIT)
+        _load_kv(
+            k0,
+            k1,
+            v0,
+            v1,
+            k_bar,
+            v_bar,
+            k0_s,
+            k1_s,
+            v0_s,
+            v1_s,
+            t - 1 + STAGES,
+            n_tiles,
+            BLOCK_N,
+            STAGES,
+            SPLIT,
+        )
 
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_bar.index(last), ((n_tiles - 1) // STAGES) & 1)
@@ -245,7 +316,9 @@ def flash_fwd_hopper_kernel(
     inv_l = 1.0 / l_i
     q0_s.store((acc0 * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o0_layout)), 1)).to(dtype))
     if SPLIT:
-        q1_s.store((acc1 * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout)), 1)).to(dtype))
+        q1_s.store(
+            (acc1 * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout)), 1)).to(dtype)
+        )
     fence_async_shared()
     gl.thread_barrier()
     tma.async_copy_shared_to_global(o0, [start_m, 0], q0_s)
@@ -267,11 +340,30 @@ def _load_qdo(q_d, do_d, bar, q_s, do_s, it, n_iters, start_m0, BLOCK_M: gl.cons
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
 def flash_bwd_dkdv_hopper_kernel(
-    Q_ptr, K_ptr, V_ptr, DO_ptr, DK_ptr, DV_ptr, L_ptr, Delta_ptr,
-    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
-    NUM_HEADS, N_QUERIES, N_KEYS, scale,
-    D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    Q_ptr,
+    K_ptr,
+    V_ptr,
+    DO_ptr,
+    DK_ptr,
+    DV_ptr,
+    L_ptr,
+    Delta_ptr,
+    q_strides,
+    k_strides,
+    v_strides,
+    do_strides,
+    dk_strides,
+    dv_strides,
+    NUM_HEADS,
+    N_QUERIES,
+    N_KEYS,
+    scale,
+    D: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """dK, dV of one tile of BLOCK_N keys of one (b, h), streaming Q/dO tiles of BLOCK_M queries.
 
@@ -292,10 +384,12 @@ def flash_bwd_dkdv_hopper_kernel(
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_n = k_tile * BLOCK_N
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D, 16]
+    )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -355,7 +449,7 @@ def flash_bwd_dkdv_hopper_kernel(
             gl.thread_barrier()
             _load_qdo(q_d, do_d, bar, q_s, do_s, it - 1 + STAGES, n_iters, start_m0, BLOCK_M, STAGES)
         pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
-        if IS_CAUSAL:
+        if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
             if start_m < start_n + BLOCK_N - 1:  # a step that straddles the diagonal
                 keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
                 pt = gl.where(keep, pt, 0.0)

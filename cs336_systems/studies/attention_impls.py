@@ -1,0 +1,86 @@
+"""The attention implementations the FlashAttention benchmarks time, by name.
+
+`attention_fn(impl)` -> f(q, k, v, is_causal) for the sweep; `leaderboard_step(impl, x)` -> the
+2025 leaderboard protocol's step (compiled apply, forward + o.sum().backward()).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cs336_systems.attention import FlashAttentionPytorch, FlashAttentionTriton
+from cs336_systems.attention.flash_triton import tiles
+from cs336_systems.model import get_attention
+
+# Implementations the protocol can time: ours (Gluon kernels on Hopper where supported), ours with the
+# portable tl kernels only, ours with the PyTorch backward, and SDPA's two fastest backends.
+LEADERBOARD_IMPLS = (
+    "flash_triton",
+    "flash_triton_portable",
+    "flash_pytorch_compiled_bwd",
+    "sdpa_flash",
+    "sdpa_cudnn",
+)
+
+
+def sdpa_fn(backend_name: str) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+
+    def fn(q, k, v, is_causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    return fn
+
+
+def _portable_flash_triton(q, k, v, causal):
+    """Our Triton FlashAttention with the tl kernels only (the Hopper Gluon kernels switched off)."""
+    with tiles.use_configs(options=tiles.KernelOptions(hopper=False)):
+        return FlashAttentionTriton.apply(q, k, v, causal)
+
+
+def attention_fn(impl: str, device: str = "cuda") -> Callable:
+    """The callable of `impl`; the PyTorch tile loop uses 128-row tiles on a GPU (64 on a CPU)."""
+    tile = 128 if torch.device(device).type == "cuda" else 64
+    return {
+        "flash_triton": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c),
+        "flash_triton_ptbwd": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, "pytorch"),
+        "flash_triton_portable": _portable_flash_triton,
+        "flash_pytorch": lambda q, k, v, c: FlashAttentionPytorch.apply(q, k, v, c, None, tile, tile),
+        "flash_pytorch_compiled": lambda q, k, v, c: FlashAttentionPytorch.apply(
+            q, k, v, c, True, tile, tile
+        ),
+        "naive": get_attention("naive"),
+        "sdpa_flash": sdpa_fn("flash"),
+        "sdpa_cudnn": sdpa_fn("cudnn"),
+    }[impl]
+
+
+def leaderboard_step(impl: str, x: torch.Tensor) -> Callable[[], None]:
+    """The protocol's timed step for `impl` on x = stacked (q, k, v): o = flash(q, k, v, True); o.sum().backward()."""
+    q, k, v = x  # the protocol's unpacking along dim 0: (heads, N, d) views of x
+    if impl == "flash_triton":
+        flash = torch.compile(FlashAttentionTriton.apply)
+    elif impl == "flash_triton_portable":  # the tl kernels also on Hopper (the Gluon path switched off)
+        apply = torch.compile(FlashAttentionTriton.apply)
+
+        def flash(a, b, c, causal):
+            with tiles.use_configs(options=tiles.KernelOptions(hopper=False)):
+                return apply(a, b, c, causal)
+    elif impl == "flash_pytorch_compiled_bwd":
+        flash = torch.compile(lambda a, b, c, causal: FlashAttentionTriton.apply(a, b, c, causal, "pytorch"))
+    else:
+        sdpa = sdpa_fn(impl.removeprefix("sdpa_"))
+        q, k, v = q[None], k[None], v[None]  # (1, heads, N, d) views: SDPA's flash/cuDNN kernels want 4-D
+        flash = sdpa
+
+    def step():
+        o = flash(q, k, v, True)
+        o.sum().backward()
+
+    return step
