@@ -43,7 +43,7 @@ from cs336_systems.measure.timing import synchronize
 from cs336_systems.studies.attention_impls import LEADERBOARD_IMPLS
 from cs336_systems.studies.flash_leaderboard import LeaderboardConfig, run_leaderboard, run_variants
 from cs336_systems.studies.flash_sweep import IMPLS, SweepConfig, quick_config, run_sweep
-from cs336_systems.studies.flash_tuning import run_tuning
+from cs336_systems.studies.flash_tuning import run_hopper_tuning, run_tuning
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -120,6 +120,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--tune", type=str, default="", help="time tile candidates: 'd:dtype:N,...' e.g. 64:bfloat16:16384"
     )
     p.add_argument("--tune-small", action="store_true", help="--tune over the short later-round lists")
+    p.add_argument(
+        "--tune-hopper",
+        type=str,
+        default="",
+        help="time the Gluon (sm_90) kernels' tile candidates against the tl kernels, each pass alone: "
+        "'d:dtype:N,...' e.g. 64:bfloat16:16384 (16 heads, causal)",
+    )
     p.add_argument("--lb-runs", type=int, default=1, help="how many times to run the leaderboard protocol")
     p.add_argument(
         "--lb-shapes",
@@ -149,10 +156,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--device cuda: no CUDA device is visible (use --device cpu or --quick)")
     with cli.usage_errors(p):
         tune = [_tune_spec(spec) for spec in args.tune.split(",") if spec]
+        tune_hopper = [_tune_spec(spec) for spec in args.tune_hopper.split(",") if spec]
         sweep_cfg = None
         if args.quick:
             sweep_cfg = quick_config(args.device)
-        elif args.sweep or not (args.leaderboard or args.variants or args.tune or args.once):
+        elif args.sweep or not (
+            args.leaderboard or args.variants or args.tune or args.tune_hopper or args.once
+        ):
             sweep_cfg = SweepConfig(
                 seq_lens=args.seq_lens,
                 head_dims=args.head_dims,
@@ -189,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     for d, dtype, n in tune:
         run_tuning(16, n, d, dtype, device=args.device, small=args.tune_small, results_dir=results_dir)
+    for d, dtype, n in tune_hopper:
+        run_hopper_tuning(16, n, d, dtype, device=args.device, results_dir=results_dir)
     if args.variants:
         run_variants(LeaderboardConfig(device=args.device), results_dir=results_dir)
     if args.leaderboard:
