@@ -39,18 +39,23 @@ def test_cpu_tensors_fall_back_to_the_portable_kernels_and_forcing_is_an_error()
         hopper.use_hopper(True, q, q, q)
 
 
-def test_the_gluon_dkdv_kernel_is_opt_in_and_needs_the_hopper_path():
-    assert KernelOptions().hopper_dkdv is False
-    with pytest.raises(ValueError, match="hopper_dkdv=True needs the Hopper kernels"):
-        KernelOptions(hopper=False, hopper_dkdv=True)
+@pytest.mark.parametrize(
+    ("d", "default"),
+    [(64, False), (128, False), (80, True), (96, True), (48, True), (72, False), (160, False)],
+)
+def test_the_gluon_kernels_are_preferred_where_the_tl_kernels_would_pad_the_head_dim(d, default):
+    assert hopper.preferred(d) is default
 
 
 @pytest.mark.gpu
-def test_gpu_hopper_is_the_default_on_sm90_for_16_bit_inputs():
-    q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+def test_gpu_hopper_is_the_default_on_sm90_for_16_bit_inputs_at_padded_head_dims():
+    q = torch.randn(1, 2, 128, 80, device="cuda", dtype=torch.bfloat16)
     assert hopper.use_hopper(None, q, q, q) == _on_hopper()
     assert not hopper.use_hopper(None, q.float(), q.float(), q.float())  # fp32: the tl kernels
     assert not hopper.use_hopper(False, q, q, q)
+    q64 = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    assert not hopper.use_hopper(None, q64, q64, q64)  # power of two: the (faster) tl kernels
+    assert hopper.use_hopper(True, q64, q64, q64) == _on_hopper()
 
 
 needs_sm90 = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
@@ -64,14 +69,13 @@ HOPPER_DTYPES = [
 @needs_sm90
 @pytest.mark.parametrize(("dtype", "atol", "rtol", "floor"), HOPPER_DTYPES)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [16, 32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("d", [16, 32, 48, 64, 80, 96, 128, 160, 256])
 @pytest.mark.parametrize(
     ("batch", "n_q", "n_k"), [((2,), 1, 1), ((1, 3), 97, 250), ((1, 3), 300, 97), ((1, 2), 1025, 1025)]
 )
 def test_gpu_hopper_matches_float64(batch, n_q, n_k, d, is_causal, dtype, atol, rtol, floor):
     case = make_case(batch, n_q, n_k, d, dtype, device="cuda", is_causal=is_causal)
-    # the opt-in Gluon dK/dV kernel too, wherever it takes the head dim
-    with use_configs(options=KernelOptions(hopper=True, hopper_dkdv=hopper.bwd_supported(d))):
+    with use_configs(options=HOPPER):  # the Gluon forward and dK/dV kernels, dQ by the tl kernel
         ours = run_impl(FlashAttentionTriton.apply, case)
     check_outputs(ours, case, atol, rtol, floor)
 
@@ -105,6 +109,40 @@ def test_gpu_hopper_and_portable_paths_agree_under_torch_compile(request):
     want = x.grad.clone()
     x.grad = None
     flash = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
-    with use_configs(options=KernelOptions(hopper=True, hopper_dkdv=True)):
+    with use_configs(options=HOPPER):
         flash(q, k, v, True).sum().backward()
     torch.testing.assert_close(x.grad, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        hopper.HopperBwdConfig(64, 64, 2, 4),
+        hopper.HopperBwdConfig(32, 64, 3, 4, row_loads=True),
+        hopper.HopperBwdConfig(16, 64, 3, 4),
+        hopper.HopperBwdConfig(32, 128, 3, 8, maxnreg=128),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("d", [64, 80])
+@pytest.mark.parametrize("n", [333, 2048])
+def test_gpu_hopper_dkdv_tile_candidates_and_every_element_written(cfg, d, n):
+    """dK, dV of the Gluon pass alone (poisoned outputs) against the float64 reference's gradients."""
+    from cs336_systems.attention.flash_triton import launch
+
+    case = make_case((1, 4), n, n, d, torch.bfloat16, device="cuda", is_causal=True)
+    q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
+    do = torch.randn_like(q)
+    want = torch.nn.functional.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=True)
+    want.backward(do.double())
+    with use_configs(options=PORTABLE):
+        o, lse = launch.flash_fwd(q.detach(), k.detach(), v.detach(), True)
+    tensors, (_dq, dk, dv) = launch.prepare_backward(do, q.detach(), k.detach(), v.detach(), o, lse)
+    dk.fill_(float("nan"))
+    dv.fill_(float("nan"))
+    hopper.flash_dkdv_hopper(tensors, True, cfg)
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    torch.testing.assert_close(dk.double(), k.grad, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(dv.double(), v.grad, atol=5e-2, rtol=5e-2)

@@ -1,11 +1,13 @@
 """The attention implementations the FlashAttention benchmarks time, by name.
 
-`attention_fn(impl)` -> f(q, k, v, is_causal) for the sweep; `leaderboard_step(impl, x)` -> the
-2025 leaderboard protocol's step (compiled apply, forward + o.sum().backward()).
+`attention_fn(impl)` -> f(q, k, v, is_causal) for the sweep, to be called (forward and backward) inside
+`impl_options(impl)`; `leaderboard_step(impl, x)` -> the 2025 leaderboard protocol's step (compiled
+apply, forward + o.sum().backward()).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -15,15 +17,19 @@ from cs336_systems.attention import FlashAttentionPytorch, FlashAttentionTriton
 from cs336_systems.attention.flash_triton import tiles
 from cs336_systems.model import get_attention
 
-# Implementations the protocol can time: ours (Gluon kernels on Hopper where supported), ours with the
-# portable tl kernels only, ours with the PyTorch backward, and SDPA's two fastest backends.
+# Implementations the protocol can time: ours (the default choice of kernels), ours with the portable
+# tl kernels only, ours with the Gluon (Hopper) forward and dK/dV kernels wherever they take the
+# inputs, ours with the PyTorch backward, and SDPA's two fastest backends.
 LEADERBOARD_IMPLS = (
     "flash_triton",
     "flash_triton_portable",
+    "flash_triton_gluon",
     "flash_pytorch_compiled_bwd",
     "sdpa_flash",
     "sdpa_cudnn",
 )
+# Our implementations that pin the kernel choice (tiles.KernelOptions.hopper).
+_PINNED_HOPPER = {"flash_triton_portable": False, "flash_triton_gluon": True}
 
 
 def sdpa_fn(backend_name: str) -> Callable:
@@ -38,10 +44,12 @@ def sdpa_fn(backend_name: str) -> Callable:
     return fn
 
 
-def _portable_flash_triton(q, k, v, causal):
-    """Our Triton FlashAttention with the tl kernels only (the Hopper Gluon kernels switched off)."""
-    with tiles.use_configs(options=tiles.KernelOptions(hopper=False)):
-        return FlashAttentionTriton.apply(q, k, v, causal)
+def impl_options(impl: str) -> contextlib.AbstractContextManager:
+    """The kernel choice `impl` pins (Hopper kernels forced on or off), for the whole timed region:
+    forward and backward (autograd runs the backward outside any call of the forward)."""
+    if impl in _PINNED_HOPPER:
+        return tiles.use_configs(options=tiles.KernelOptions(hopper=_PINNED_HOPPER[impl]))
+    return contextlib.nullcontext()
 
 
 def attention_fn(impl: str, device: str = "cuda") -> Callable:
@@ -50,7 +58,8 @@ def attention_fn(impl: str, device: str = "cuda") -> Callable:
     return {
         "flash_triton": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c),
         "flash_triton_ptbwd": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, "pytorch"),
-        "flash_triton_portable": _portable_flash_triton,
+        "flash_triton_portable": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c),  # impl_options
+        "flash_triton_gluon": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c),  # pin the kernels
         "flash_pytorch": lambda q, k, v, c: FlashAttentionPytorch.apply(q, k, v, c, None, tile, tile),
         "flash_pytorch_compiled": lambda q, k, v, c: FlashAttentionPytorch.apply(
             q, k, v, c, True, tile, tile
@@ -64,14 +73,8 @@ def attention_fn(impl: str, device: str = "cuda") -> Callable:
 def leaderboard_step(impl: str, x: torch.Tensor) -> Callable[[], None]:
     """The protocol's timed step for `impl` on x = stacked (q, k, v): o = flash(q, k, v, True); o.sum().backward()."""
     q, k, v = x  # the protocol's unpacking along dim 0: (heads, N, d) views of x
-    if impl == "flash_triton":
+    if impl == "flash_triton" or impl in _PINNED_HOPPER:
         flash = torch.compile(FlashAttentionTriton.apply)
-    elif impl == "flash_triton_portable":  # the tl kernels also on Hopper (the Gluon path switched off)
-        apply = torch.compile(FlashAttentionTriton.apply)
-
-        def flash(a, b, c, causal):
-            with tiles.use_configs(options=tiles.KernelOptions(hopper=False)):
-                return apply(a, b, c, causal)
     elif impl == "flash_pytorch_compiled_bwd":
         flash = torch.compile(lambda a, b, c, causal: FlashAttentionTriton.apply(a, b, c, causal, "pytorch"))
     else:
@@ -80,7 +83,8 @@ def leaderboard_step(impl: str, x: torch.Tensor) -> Callable[[], None]:
         flash = sdpa
 
     def step():
-        o = flash(q, k, v, True)
-        o.sum().backward()
+        with impl_options(impl):
+            o = flash(q, k, v, True)
+            o.sum().backward()
 
     return step

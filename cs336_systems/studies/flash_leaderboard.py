@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from cs336_systems.attention import FlashAttentionTriton
-from cs336_systems.attention.flash_triton import tiles
+from cs336_systems.attention.flash_triton import hopper, tiles
 from cs336_systems.measure.flops import attention_flops, tflops
 from cs336_systems.measure.results import (
     append_rows,
@@ -35,7 +35,7 @@ from cs336_systems.measure.results import (
     make_row,
 )
 from cs336_systems.measure.timing import kernel_time
-from cs336_systems.studies.attention_impls import attention_fn, leaderboard_step
+from cs336_systems.studies.attention_impls import attention_fn, impl_options, leaderboard_step
 from cs336_systems.studies.flash_sweep import IMPL_ORDER, LEADERBOARD, MODES, failure_note, measure_config
 
 
@@ -104,6 +104,10 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
         "tiles_fwd": repr(tiles.current_config("fwd", cfg.seq_len, cfg.seq_len, cfg.d, dt, True)),
         "tiles_bwd": repr(tiles.current_config("bwd", cfg.seq_len, cfg.seq_len, cfg.d, dt, True)),
         "tiles_source": "tuned" if tiles.cached("fwd", key) else "heuristic",
+        # the Gluon (sm_90) kernels: chosen by default for this head dim?, and their tiles
+        "hopper_default": hopper.preferred(cfg.d),
+        "hopper_fwd": repr(hopper.heuristic_fwd(cfg.d)),
+        "hopper_dkdv": repr(hopper.heuristic_bwd(cfg.d)),
     }
     results: dict[str, dict[str, float]] = {}
     for impl in cfg.impls:
@@ -166,14 +170,15 @@ def _leaderboard_split(cfg: LeaderboardConfig, config: dict[str, Any]) -> list[d
     print(f"{'impl':<16}{'mode':<9}{'median ms':>11}{'TFLOP/s':>9}{'of peak':>9}")
     for impl in cfg.impls:
         fn = attention_fn(impl, cfg.device)
-        stats, _, note = measure_config(
-            fn,
-            **cfg.shape(),
-            dtype=getattr(torch, cfg.dtype),
-            warmup_ms=cfg.warmup_ms / 10,
-            rep_ms=cfg.rep_ms / 10,
-            modes=("fwd", "bwd"),
-        )
+        with impl_options(impl):
+            stats, _, note = measure_config(
+                fn,
+                **cfg.shape(),
+                dtype=getattr(torch, cfg.dtype),
+                warmup_ms=cfg.warmup_ms / 10,
+                rep_ms=cfg.rep_ms / 10,
+                modes=("fwd", "bwd"),
+            )
         for mode in ("fwd", "bwd"):
             common = _row_keys("split", impl, mode, cfg.dtype, cfg.seq_len, config)
             if mode not in stats:

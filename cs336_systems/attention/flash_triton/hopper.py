@@ -1,4 +1,5 @@
-"""Launchers of the Hopper (sm_90) Gluon FlashAttention kernels (`hopper_kernels.py`).
+"""Launchers of the Hopper (sm_90) Gluon FlashAttention kernels (`hopper_kernels.py`: forward;
+`hopper_backward_kernels.py`: dK/dV).
 
 `launch.flash_fwd` / `launch.flash_bwd` call these when `use_hopper(...)` says so: on an sm_90 GPU,
 for float16/bfloat16 inputs whose head dimension the kernels take (a power of two 16..256, or the
@@ -22,9 +23,9 @@ from torch import Tensor
 from cs336_systems.attention.flash_triton.tiles import interpreting
 
 try:  # Gluon's Hopper API as of Triton 3.6; absent or different elsewhere
-    from cs336_systems.attention.flash_triton import hopper_kernels
+    from cs336_systems.attention.flash_triton import hopper_backward_kernels, hopper_kernels
 except Exception as err:  # any import problem means "not available"
-    hopper_kernels = None
+    hopper_kernels = hopper_backward_kernels = None
     UNAVAILABLE_REASON = f"triton.experimental.gluon (Hopper) could not be imported: {err}"
 else:
     UNAVAILABLE_REASON = ""
@@ -78,6 +79,14 @@ def unsupported_reason(*tensors4: Tensor) -> str:
     return ""
 
 
+def preferred(d: int) -> bool:
+    """Whether the Gluon kernels are the default for head dim d: where the tl kernels pad d to a power
+    of two (80 -> 128) and the split column blocks do not, up to d = 128 (beyond, the dK/dV kernel's
+    accumulators spill). At power-of-two head dims the tl kernels
+    were faster on an H100 (OPTIMIZATION_LOG.md, "Gluon"), so they stay the default there."""
+    return d <= 128 and split_head_dim(d) not in (None, d)
+
+
 def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
     """Whether to launch the Hopper kernels (option: KernelOptions.hopper)."""
     if option is False:
@@ -87,7 +96,7 @@ def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
         raise ValueError(
             f"FlashAttentionTriton: Hopper kernels forced (KernelOptions(hopper=True)) but {reason}"
         )
-    return not reason
+    return not reason and (option or preferred(tensors4[0].shape[-1]))
 
 
 def heuristic_fwd(d: int) -> HopperFwdConfig:
@@ -155,15 +164,19 @@ class HopperBwdConfig:
     stages: int = 2
     num_warps: int = 4
     maxnreg: int | None = None
-
-
-def bwd_supported(d: int) -> bool:
-    """The dK/dV kernel takes power-of-two head dims (split head dims use the tl backward)."""
-    return split_head_dim(d) == d
+    row_loads: bool = False  # L and Delta loaded once per step and spread through shared memory
 
 
 def heuristic_bwd(d: int) -> HopperBwdConfig:
-    return HopperBwdConfig(64, 64, 2, 4)
+    """dK/dV tiles by head dim. The two fp32 accumulators (dK, dV: 64 key rows x d per warpgroup)
+    grow with d, so the query step shrinks to keep registers (ptxas, sm_90): 64-query steps at
+    d <= 64 (222 registers, the fastest at d = 64 on an H100), 32 up to 128 (190 at d = 80), 16 above
+    (d = 256 spills whatever the step)."""
+    if d <= 64:
+        return HopperBwdConfig(64, 64, 2, 4)
+    if d <= 128:
+        return HopperBwdConfig(32, 64, 3 if split_head_dim(d) != d else 2, 4)
+    return HopperBwdConfig(16, 64, 2, 4)
 
 
 def flash_dkdv_hopper(tensors, is_causal: bool, cfg: HopperBwdConfig | None = None) -> None:
@@ -174,7 +187,7 @@ def flash_dkdv_hopper(tensors, is_causal: bool, cfg: HopperBwdConfig | None = No
     cfg = cfg or heuristic_bwd(d)
     _set_allocator(q4.device)
     grid = (batch * heads, triton.cdiv(n_k, cfg.block_n))
-    hopper_kernels.flash_bwd_dkdv_hopper_kernel[grid](
+    hopper_backward_kernels.flash_bwd_dkdv_hopper_kernel[grid](
         q4,
         k4,
         v4,
@@ -189,10 +202,12 @@ def flash_dkdv_hopper(tensors, is_causal: bool, cfg: HopperBwdConfig | None = No
         n_k,
         1.0 / math.sqrt(d),
         D=d,
+        D0=split_head_dim(d),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
         IS_CAUSAL=bool(is_causal),
+        ROW_LOADS=cfg.row_loads,
         num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )

@@ -42,7 +42,7 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _head_desc(
+def head_descriptor(
     ptr, strides, off_b, off_h, n_rows, col0: gl.constexpr, BLOCK_ROWS: gl.constexpr, WIDTH: gl.constexpr
 ):
     """Descriptor of columns [col0, col0 + WIDTH) of one (b, h) slice (n_rows, d), in (BLOCK_ROWS, WIDTH) tiles."""
@@ -192,18 +192,18 @@ def flash_fwd_hopper_kernel(
     p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    q0 = _head_desc(Q_ptr, q_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
-    k0 = _head_desc(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    v0 = _head_desc(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    o0 = _head_desc(O_ptr, o_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
+    q0 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
+    k0 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
+    v0 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
+    o0 = head_descriptor(O_ptr, o_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
     q0_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D0], q0.layout)
     k0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], k0.layout)
     v0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], v0.layout)
     if SPLIT:
-        q1 = _head_desc(Q_ptr, q_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
-        k1 = _head_desc(K_ptr, k_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
-        v1 = _head_desc(V_ptr, v_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
-        o1 = _head_desc(O_ptr, o_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
+        q1 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
+        k1 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
+        v1 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
+        o1 = head_descriptor(O_ptr, o_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
         q1_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D1], q1.layout)
         k1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k1.layout)
         v1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], v1.layout)
@@ -324,155 +324,4 @@ def flash_fwd_hopper_kernel(
     tma.async_copy_shared_to_global(o0, [start_m, 0], q0_s)
     if SPLIT:
         tma.async_copy_shared_to_global(o1, [start_m, 0], q1_s)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _load_qdo(q_d, do_d, bar, q_s, do_s, it, n_iters, start_m0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """Start the TMA loads of query step `it` (Q and dO rows) into stage it % STAGES, if it exists."""
-    s = it % STAGES
-    pred = it < n_iters
-    row = start_m0 + it * BLOCK_M
-    mbarrier.expect(bar.index(s), q_d.block_type.nbytes + do_d.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_d, [row, 0], bar.index(s), q_s.index(s), pred=pred)
-    tma.async_copy_global_to_shared(do_d, [row, 0], bar.index(s), do_s.index(s), pred=pred)
-
-
-@gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
-def flash_bwd_dkdv_hopper_kernel(
-    Q_ptr,
-    K_ptr,
-    V_ptr,
-    DO_ptr,
-    DK_ptr,
-    DV_ptr,
-    L_ptr,
-    Delta_ptr,
-    q_strides,
-    k_strides,
-    v_strides,
-    do_strides,
-    dk_strides,
-    dv_strides,
-    NUM_HEADS,
-    N_QUERIES,
-    N_KEYS,
-    scale,
-    D: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """dK, dV of one tile of BLOCK_N keys of one (b, h), streaming Q/dO tiles of BLOCK_M queries.
-
-    Works on transposed scores (keys on rows) so that P^T and dS^T come out of the wgmma
-    accumulators already shaped as the register A operand of dV += P^T dO and dK += dS^T Q.
-    Per query step, four asynchronous products; each elementwise phase overlaps one of them:
-        S^T = K Q^T, dP^T = V dO^T issued; wait for S^T      -> P^T = exp2(S^T c - L)   || dP^T
-        dV += P^T dO issued; wait for dP^T                  -> dS^T = P^T (dP^T - Delta) || dV
-        dK += dS^T Q issued; the next step's S^T, dP^T are issued before it is waited for.
-    L (natural log) and Delta = rowsum(dO * O) are (B*H, N_QUERIES) float32. Grid (B*H, cdiv(N_KEYS, BLOCK_N)).
-    """
-    dtype: gl.constexpr = Q_ptr.dtype.element_ty
-    off_bh = gl.program_id(0)
-    k_tile = gl.program_id(1)
-    if IS_CAUSAL:
-        k_tile = gl.num_programs(1) - 1 - k_tile  # most query steps first (keys at the start)
-    off_b = (off_bh // NUM_HEADS).to(gl.int64)
-    off_h = (off_bh % NUM_HEADS).to(gl.int64)
-    start_n = k_tile * BLOCK_N
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    k_d = _head_desc(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D)
-    v_d = _head_desc(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D)
-    q_d = _head_desc(Q_ptr, q_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D)
-    do_d = _head_desc(DO_ptr, do_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D)
-    k_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_d.layout)
-    v_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_d.layout)
-    q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_d.layout)
-    do_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_d.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bar.index(i), count=1)
-
-    # Query steps: (causal) from the step holding query start_n, else from 0.
-    if IS_CAUSAL:
-        start_m0 = (start_n // BLOCK_M) * BLOCK_M
-    else:
-        start_m0 = 0
-    n_iters = gl.cdiv(N_QUERIES - start_m0, BLOCK_M)
-
-    mbarrier.expect(kv_bar, k_d.block_type.nbytes + v_d.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_d, [start_n, 0], kv_bar, k_s)
-    tma.async_copy_global_to_shared(v_d, [start_n, 0], kv_bar, v_s)
-    for i in gl.static_range(STAGES):
-        _load_qdo(q_d, do_d, bar, q_s, do_s, i, n_iters, start_m0, BLOCK_M, STAGES)
-
-    l_base = L_ptr + off_bh.to(gl.int64) * N_QUERIES
-    delta_base = Delta_ptr + off_bh.to(gl.int64) * N_QUERIES
-    offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
-    qk_scale = scale * LOG2E
-    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    mbarrier.wait(kv_bar, 0)
-
-    for it in range(n_iters):
-        st = it % STAGES
-        start_m = start_m0 + it * BLOCK_M
-        mbarrier.wait(bar.index(st), (it // STAGES) & 1)
-        q_t = q_s.index(st)
-        do_t = do_s.index(st)
-        st_tok = warpgroup_mma(k_s, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dpt_tok = warpgroup_mma(v_s, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-        in_q = offs_m < N_QUERIES
-        l2 = gl.load(l_base + offs_m, mask=in_q, other=float("inf")) * LOG2E
-        delta = gl.load(delta_base + offs_m, mask=in_q, other=0.0)
-        # In flight now: dK of the previous step (if any), S^T, dP^T. Wait for all but dP^T.
-        s_t = warpgroup_mma_wait(1, deps=(st_tok,))
-        if it > 0:
-            # The previous step's stage is free once its dK product is done (waited for just now).
-            gl.thread_barrier()
-            _load_qdo(q_d, do_d, bar, q_s, do_s, it - 1 + STAGES, n_iters, start_m0, BLOCK_M, STAGES)
-        pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
-        if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
-            if start_m < start_n + BLOCK_N - 1:  # a step that straddles the diagonal
-                keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
-                pt = gl.where(keep, pt, 0.0)
-        pt_a = gl.convert_layout(pt.to(dtype), a_layout)
-        dv = warpgroup_mma(pt_a, do_t, dv, is_async=True)
-        dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
-        dst = pt * (dpt - gl.expand_dims(delta, 0))
-        dst_a = gl.convert_layout(dst.to(dtype), a_layout)
-        dk = warpgroup_mma(dst_a, q_t, dk, is_async=True)
-        dv, dk, pt_a, dst_a = warpgroup_mma_wait(1, deps=(dv, dk, pt_a, dst_a))
-    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bar.index(i))
-    # dK, dV through K's and V's shared memory (no longer read) and TMA stores that drop rows >= N_KEYS.
-    dk_d = _head_desc(DK_ptr, dk_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D)
-    dv_d = _head_desc(DV_ptr, dv_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D)
-    gl.thread_barrier()
-    k_s.store((dk * scale).to(dtype))
-    v_s.store(dv.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_d, [start_n, 0], k_s)
-    tma.async_copy_shared_to_global(dv_d, [start_n, 0], v_s)
     tma.store_wait(0)

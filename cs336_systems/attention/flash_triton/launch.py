@@ -305,11 +305,7 @@ def flash_bwd(
     n_k = k4.shape[2]
     opts = tiles.pinned_options()
     tma = use_tma(opts, q.device, *tensors[:7])
-    if opts.hopper_dkdv and not hopper.bwd_supported(d):
-        raise ValueError(
-            f"FlashAttentionTriton: KernelOptions(hopper_dkdv=True) needs a power-of-two head dim, got {d}"
-        )
-    if opts.hopper_dkdv and hopper.use_hopper(True, *tensors[:7]):
+    if hopper.use_hopper(opts.hopper, *tensors[:7]):
         # dK/dV by the Gluon kernel, dQ by the tl kernel (deterministic, no atomics).
         hopper.flash_dkdv_hopper(tensors, is_causal)
         passes = ("dq",)

@@ -71,21 +71,15 @@ class BwdConfig:
 class KernelOptions:
     """Switches of the optimisation log's ladder (v0..v3). use_tma None = on when the GPU and layouts allow it.
 
-    hopper: the Gluon kernels for sm_90 (`hopper.py`): None = wherever they support the inputs,
-    False = never (the portable tl kernels), True = required (a ValueError where unsupported).
-    hopper_dkdv: the Gluon dK/dV backward kernel (power-of-two head dims) instead of the tl one; off
-    by default because on an H100 it is slower (0.8-1.0x the tl kernel, see OPTIMIZATION_LOG.md);
-    True requires the Hopper path as hopper=True does."""
+    hopper: the Gluon kernels for sm_90 (`hopper.py`: the forward and the dK/dV pass; dQ stays a tl
+    kernel): None = where they support the inputs and were measured faster than the tl kernels
+    (`hopper.preferred`), False = never (the portable tl kernels), True = wherever they support the
+    inputs (a ValueError where they do not)."""
 
     skip_masked_tiles: bool = True
     split_diagonal: bool = True
     use_tma: bool | None = None
     hopper: bool | None = None
-    hopper_dkdv: bool = False
-
-    def __post_init__(self) -> None:
-        if self.hopper_dkdv and self.hopper is False:
-            raise ValueError("KernelOptions: hopper_dkdv=True needs the Hopper kernels, but hopper=False")
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)

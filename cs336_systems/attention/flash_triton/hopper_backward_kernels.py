@@ -1,0 +1,281 @@
+"""The Hopper (sm_90) dK/dV backward kernel in Gluon; the forward and the shared helpers are in
+`hopper_kernels.py`, whose docstring gives the conventions. `hopper.py` checks and launches.
+
+dQ stays the tl kernel's pass (`backward_kernels.py`): deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor
+
+
+@gluon.jit
+def _load_qdo(
+    q0,
+    q1,
+    do0,
+    do1,
+    bar,
+    q0_s,
+    q1_s,
+    do0_s,
+    do1_s,
+    it,
+    n_iters,
+    start_m0,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    SPLIT: gl.constexpr,
+):
+    """Start the TMA loads of query step `it` (Q and dO rows, both column blocks) into stage it % STAGES."""
+    s = it % STAGES
+    pred = it < n_iters
+    row = start_m0 + it * BLOCK_M
+    nbytes: gl.constexpr = 2 * (q0.block_type.nbytes + (q1.block_type.nbytes if SPLIT else 0))
+    mbarrier.expect(bar.index(s), nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q0, [row, 0], bar.index(s), q0_s.index(s), pred=pred)
+    tma.async_copy_global_to_shared(do0, [row, 0], bar.index(s), do0_s.index(s), pred=pred)
+    if SPLIT:
+        tma.async_copy_global_to_shared(q1, [row, 0], bar.index(s), q1_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(do1, [row, 0], bar.index(s), do1_s.index(s), pred=pred)
+
+
+@gluon.jit
+def _transposed_product(a0_s, a1_s, b0_t, b1_t, zero, SPLIT: gl.constexpr):
+    """Issue X^T = A B^T over both column blocks (async): K Q^T or V dO^T with keys on rows."""
+    acc = warpgroup_mma(a0_s, b0_t.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if SPLIT:
+        acc = warpgroup_mma(a1_s, b1_t.permute((1, 0)), acc, is_async=True)
+    return acc
+
+
+@gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
+def flash_bwd_dkdv_hopper_kernel(
+    Q_ptr,
+    K_ptr,
+    V_ptr,
+    DO_ptr,
+    DK_ptr,
+    DV_ptr,
+    L_ptr,
+    Delta_ptr,
+    q_strides,
+    k_strides,
+    v_strides,
+    do_strides,
+    dk_strides,
+    dv_strides,
+    NUM_HEADS,
+    N_QUERIES,
+    N_KEYS,
+    scale,
+    D: gl.constexpr,
+    D0: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    ROW_LOADS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """dK, dV of one tile of BLOCK_N keys of one (b, h), streaming Q/dO tiles of BLOCK_M queries.
+
+    Works on transposed scores (keys on rows) so that P^T and dS^T come out of the wgmma
+    accumulators already shaped as the register A operand of dV += P^T dO and dK += dS^T Q.
+    Per query step, four asynchronous products; each elementwise phase overlaps one of them:
+        S^T = K Q^T, dP^T = V dO^T issued; wait for S^T      -> P^T = exp2(S^T c - L)   || dP^T
+        dV += P^T dO issued; wait for dP^T                  -> dS^T = P^T (dP^T - Delta) || dV
+        dK += dS^T Q issued; the next step's S^T, dP^T are issued before it is waited for.
+    A head dim that is not a power of two is split in two power-of-two column blocks (D0 + D1, as
+    in the forward): S^T and dP^T accumulate over both, dK and dV are two accumulators each, and
+    every product is issued per block (so each wait above counts twice as many groups).
+    L (natural log) and Delta = rowsum(dO * O) are (B*H, N_QUERIES) float32. Grid (B*H, cdiv(N_KEYS, BLOCK_N)).
+    """
+    SPLIT: gl.constexpr = D0 != D
+    D1: gl.constexpr = D - D0 if SPLIT else D0
+    G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
+    dtype: gl.constexpr = Q_ptr.dtype.element_ty
+    off_bh = gl.program_id(0)
+    k_tile = gl.program_id(1)
+    if IS_CAUSAL:
+        k_tile = gl.num_programs(1) - 1 - k_tile  # most query steps first (keys at the start)
+    off_b = (off_bh // NUM_HEADS).to(gl.int64)
+    off_h = (off_bh % NUM_HEADS).to(gl.int64)
+    start_n = k_tile * BLOCK_N
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc0_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D0, 16]
+    )
+    acc1_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D1, 16]
+    )
+    a0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc0_layout, k_width=2)
+    a1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+
+    k0 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
+    v0 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
+    q0 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
+    do0 = head_descriptor(DO_ptr, do_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
+    k0_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D0], k0.layout)
+    v0_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D0], v0.layout)
+    q0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], q0.layout)
+    do0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], do0.layout)
+    if SPLIT:
+        k1 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
+        v1 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
+        q1 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
+        do1 = head_descriptor(DO_ptr, do_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
+        k1_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D1], k1.layout)
+        v1_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D1], v1.layout)
+        q1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], q1.layout)
+        do1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], do1.layout)
+    else:
+        k1, v1, q1, do1 = k0, v0, q0, do0
+        k1_s, v1_s, q1_s, do1_s = k0_s, v0_s, q0_s, do0_s
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bar.index(i), count=1)
+
+    # Query steps: (causal) from the step holding query start_n, else from 0.
+    if IS_CAUSAL:
+        start_m0 = (start_n // BLOCK_M) * BLOCK_M
+    else:
+        start_m0 = 0
+    n_iters = gl.cdiv(N_QUERIES - start_m0, BLOCK_M)
+
+    kv_bytes: gl.constexpr = 2 * (k0.block_type.nbytes + (k1.block_type.nbytes if SPLIT else 0))
+    mbarrier.expect(kv_bar, kv_bytes)
+    tma.async_copy_global_to_shared(k0, [start_n, 0], kv_bar, k0_s)
+    tma.async_copy_global_to_shared(v0, [start_n, 0], kv_bar, v0_s)
+    if SPLIT:
+        tma.async_copy_global_to_shared(k1, [start_n, 0], kv_bar, k1_s)
+        tma.async_copy_global_to_shared(v1, [start_n, 0], kv_bar, v1_s)
+    for i in gl.static_range(STAGES):
+        _load_qdo(
+            q0, q1, do0, do1, bar, q0_s, q1_s, do0_s, do1_s, i, n_iters, start_m0, BLOCK_M, STAGES, SPLIT
+        )
+
+    l_base = L_ptr + off_bh.to(gl.int64) * N_QUERIES
+    delta_base = Delta_ptr + off_bh.to(gl.int64) * N_QUERIES
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
+    qk_scale = scale * LOG2E
+    dk0 = gl.zeros([BLOCK_N, D0], gl.float32, acc0_layout)
+    dv0 = gl.zeros([BLOCK_N, D0], gl.float32, acc0_layout)
+    dk1 = gl.zeros([BLOCK_N, D1], gl.float32, acc1_layout)
+    dv1 = gl.zeros([BLOCK_N, D1], gl.float32, acc1_layout)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(kv_bar, 0)
+
+    for it in range(n_iters):
+        st = it % STAGES
+        start_m = start_m0 + it * BLOCK_M
+        mbarrier.wait(bar.index(st), (it // STAGES) & 1)
+        q0_t, q1_t = q0_s.index(st), q1_s.index(st)
+        do0_t, do1_t = do0_s.index(st), do1_s.index(st)
+        st_tok = _transposed_product(k0_s, k1_s, q0_t, q1_t, zero_s, SPLIT)
+        dpt_tok = _transposed_product(v0_s, v1_s, do0_t, do1_t, zero_s, SPLIT)
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+        if ROW_LOADS:
+            # L and Delta of the step loaded once each (one element a thread), then spread to the
+            # score tile's column layout through shared memory, instead of every thread loading each
+            # of its columns from global memory.
+            offs_1d = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)
+            in_q1 = offs_1d < N_QUERIES
+            l2 = gl.convert_layout(
+                gl.load(l_base + offs_1d, mask=in_q1, other=float("inf")) * LOG2E, col_layout
+            )
+            delta = gl.convert_layout(gl.load(delta_base + offs_1d, mask=in_q1, other=0.0), col_layout)
+        else:
+            in_q = offs_m < N_QUERIES
+            l2 = gl.load(l_base + offs_m, mask=in_q, other=float("inf")) * LOG2E
+            delta = gl.load(delta_base + offs_m, mask=in_q, other=0.0)
+        # In flight now: dK of the previous step (if any), S^T, dP^T. Wait for all but dP^T.
+        s_t = warpgroup_mma_wait(G, deps=(st_tok,))
+        if it > 0:
+            # The previous step's stage is free once its dK product is done (waited for just now).
+            gl.thread_barrier()
+            _load_qdo(
+                q0,
+                q1,
+                do0,
+                do1,
+                bar,
+                q0_s,
+                q1_s,
+                do0_s,
+                do1_s,
+                it - 1 + STAGES,
+                n_iters,
+                start_m0,
+                BLOCK_M,
+                STAGES,
+                SPLIT,
+            )
+        pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
+        if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
+            if start_m < start_n + BLOCK_N - 1:  # a step that straddles the diagonal
+                keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
+                pt = gl.where(keep, pt, 0.0)
+        pt_b = pt.to(dtype)
+        pt_a0 = gl.convert_layout(pt_b, a0_layout)
+        dv0 = warpgroup_mma(pt_a0, do0_t, dv0, is_async=True)
+        if SPLIT:
+            pt_a1 = gl.convert_layout(pt_b, a1_layout)
+            dv1 = warpgroup_mma(pt_a1, do1_t, dv1, is_async=True)
+        dpt = warpgroup_mma_wait(G, deps=(dpt_tok,))
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        dst_a0 = gl.convert_layout(dst, a0_layout)
+        dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
+        if SPLIT:
+            dst_a1 = gl.convert_layout(dst, a1_layout)
+            dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
+            dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1 = warpgroup_mma_wait(
+                G, deps=(dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1)
+            )
+        else:
+            dv0, dk0, pt_a0, dst_a0 = warpgroup_mma_wait(G, deps=(dv0, dk0, pt_a0, dst_a0))
+    if SPLIT:
+        dv0, dv1, dk0, dk1 = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1))
+    else:
+        dv0, dk0 = warpgroup_mma_wait(0, deps=(dv0, dk0))
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bar.index(i))
+    # dK, dV through K's and V's shared memory (no longer read) and TMA stores that drop rows >= N_KEYS.
+    dk0_d = head_descriptor(DK_ptr, dk_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
+    dv0_d = head_descriptor(DV_ptr, dv_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
+    gl.thread_barrier()
+    k0_s.store((dk0 * scale).to(dtype))
+    v0_s.store(dv0.to(dtype))
+    if SPLIT:
+        dk1_d = head_descriptor(DK_ptr, dk_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
+        dv1_d = head_descriptor(DV_ptr, dv_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
+        k1_s.store((dk1 * scale).to(dtype))
+        v1_s.store(dv1.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk0_d, [start_n, 0], k0_s)
+    tma.async_copy_shared_to_global(dv0_d, [start_n, 0], v0_s)
+    if SPLIT:
+        tma.async_copy_shared_to_global(dk1_d, [start_n, 0], k1_s)
+        tma.async_copy_shared_to_global(dv1_d, [start_n, 0], v1_s)
+    tma.store_wait(0)
