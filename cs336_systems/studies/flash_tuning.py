@@ -164,7 +164,7 @@ def run_tuning(
 
 
 # The Gluon (Hopper) kernels' candidates, by head dim: forward (block_m, block_n, stages, warps) and
-# dK/dV (block_m queries per step, block_n keys, stages, warps, register cap[, row loads]). Registers per thread
+# dK/dV (block_m queries per step, block_n keys, stages, warps, register cap). Registers per thread
 # were read offline first (sm_90 compiles with Triton 3.6, OPTIMIZATION_LOG.md "Gluon"): e.g. the
 # dK/dV kernel needs 222 at 64x64 (two 4-warp CTAs per SM), 151 at 32x64 (three).
 HOPPER_FWD_CANDIDATES = {
@@ -181,8 +181,6 @@ HOPPER_FWD_CANDIDATES = {
 }
 HOPPER_DKDV_CANDIDATES = {
     64: [
-        (64, 64, 2, 4, None, True),
-        (32, 64, 3, 4, None, True),
         (64, 64, 2, 4, None),
         (64, 64, 2, 4, 168),
         (32, 64, 3, 4, None),
@@ -198,7 +196,6 @@ HOPPER_DKDV_CANDIDATES = {
         (64, 64, 2, 4, None),
         (32, 64, 2, 4, None),
         (32, 64, 3, 4, None),
-        (32, 64, 3, 4, None, True),
         (16, 64, 3, 4, None),
     ],
 }

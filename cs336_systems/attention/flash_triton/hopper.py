@@ -164,7 +164,6 @@ class HopperBwdConfig:
     stages: int = 2
     num_warps: int = 4
     maxnreg: int | None = None
-    row_loads: bool = False  # L and Delta loaded once per step and spread through shared memory
 
 
 def heuristic_bwd(d: int) -> HopperBwdConfig:
@@ -207,7 +206,6 @@ def flash_dkdv_hopper(tensors, is_causal: bool, cfg: HopperBwdConfig | None = No
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
         IS_CAUSAL=bool(is_causal),
-        ROW_LOADS=cfg.row_loads,
         num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )

@@ -85,7 +85,6 @@ def flash_bwd_dkdv_hopper_kernel(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
-    ROW_LOADS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of one tile of BLOCK_N keys of one (b, h), streaming Q/dO tiles of BLOCK_M queries.
@@ -126,7 +125,6 @@ def flash_bwd_dkdv_hopper_kernel(
     a1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
     k0 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
     v0 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
@@ -193,20 +191,9 @@ def flash_bwd_dkdv_hopper_kernel(
         st_tok = _transposed_product(k0_s, k1_s, q0_t, q1_t, zero_s, SPLIT)
         dpt_tok = _transposed_product(v0_s, v1_s, do0_t, do1_t, zero_s, SPLIT)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-        if ROW_LOADS:
-            # L and Delta of the step loaded once each (one element a thread), then spread to the
-            # score tile's column layout through shared memory, instead of every thread loading each
-            # of its columns from global memory.
-            offs_1d = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)
-            in_q1 = offs_1d < N_QUERIES
-            l2 = gl.convert_layout(
-                gl.load(l_base + offs_1d, mask=in_q1, other=float("inf")) * LOG2E, col_layout
-            )
-            delta = gl.convert_layout(gl.load(delta_base + offs_1d, mask=in_q1, other=0.0), col_layout)
-        else:
-            in_q = offs_m < N_QUERIES
-            l2 = gl.load(l_base + offs_m, mask=in_q, other=float("inf")) * LOG2E
-            delta = gl.load(delta_base + offs_m, mask=in_q, other=0.0)
+        in_q = offs_m < N_QUERIES
+        l2 = gl.load(l_base + offs_m, mask=in_q, other=float("inf")) * LOG2E
+        delta = gl.load(delta_base + offs_m, mask=in_q, other=0.0)
         # In flight now: dK of the previous step (if any), S^T, dP^T. Wait for all but dP^T.
         s_t = warpgroup_mma_wait(G, deps=(st_tok,))
         if it > 0:
