@@ -22,6 +22,8 @@ import matplotlib as mpl
 IMPL_COLORS: dict[str, str] = {
     # attention implementations
     "flash_triton": "#1f77b4",
+    "flash_triton_portable": "#aec7e8",
+    "flash_triton_gluon": "#9467bd",
     "flash_pytorch": "#ff7f0e",
     "flash_pytorch_compiled": "#ffbb78",
     "naive": "#d62728",

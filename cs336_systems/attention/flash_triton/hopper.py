@@ -167,14 +167,13 @@ class HopperBwdConfig:
 
 
 def heuristic_bwd(d: int) -> HopperBwdConfig:
-    """dK/dV tiles by head dim. The two fp32 accumulators (dK, dV: 64 key rows x d per warpgroup)
-    grow with d, so the query step shrinks to keep registers (ptxas, sm_90): 64-query steps at
-    d <= 64 (222 registers, the fastest at d = 64 on an H100), 32 up to 128 (190 at d = 80), 16 above
-    (d = 256 spills whatever the step)."""
-    if d <= 64:
-        return HopperBwdConfig(64, 64, 2, 4)
+    """dK/dV tiles by head dim: 64 keys x 64-query steps, two stages, one warpgroup, the fastest
+    candidate on an H100 at d = 64, 80 and 128 (flash_bench --tune-hopper; at d = 80 3.50 ms against
+    4.06 for 32-query steps, which need fewer registers, 190 instead of 254, but issue twice the
+    waits). Above d = 128 the two fp32 accumulators (dK, dV: 64 key rows x d per warpgroup) spill
+    whatever the step, so the step shrinks to 16 queries to keep the score tiles small."""
     if d <= 128:
-        return HopperBwdConfig(32, 64, 3 if split_head_dim(d) != d else 2, 4)
+        return HopperBwdConfig(64, 64, 2, 4)
     return HopperBwdConfig(16, 64, 2, 4)
 
 

@@ -1,0 +1,169 @@
+"""The Hopper (Gluon) FlashAttention kernels against the portable tl kernels and SDPA's backends.
+
+Rows come from `flash_bench --tune-hopper` (`name == "hopper_tuning"`: each pass alone, tl heuristic
+tiles against every Gluon candidate), `flash_bench --leaderboard` (`"protocol"`: the 2025 shape) and
+`flash_bench --leaderboard --lb-shapes ...` (`"shapes"`: the models' shapes, batch 1 with B*H heads).
+`measure(...)` runs all three on an sm_90 GPU; the tables and `facts` read the committed rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import pandas as pd
+
+from cs336_systems.measure.results import latest_run
+from cs336_systems.studies.flash_leaderboard import LeaderboardConfig, protocol_runs, run_leaderboard
+from cs336_systems.studies.flash_sweep import LEADERBOARD
+from cs336_systems.studies.flash_tuning import run_hopper_tuning
+
+PROBLEM = LEADERBOARD  # the rows live with the leaderboard's
+SHAPE_IMPLS = ("flash_triton", "flash_triton_portable", "flash_triton_gluon", "sdpa_flash", "sdpa_cudnn")
+# (heads, N, d): the 8B leaderboard's attention (32 heads, 32768, d 128) and the 2.7B model's (batch 4 x
+# 32 heads, d 80) at the contexts issue 18 names.
+MODEL_SHAPES = ((32, 32768, 128), (128, 512, 80), (128, 1024, 80), (128, 2048, 80), (128, 4096, 80))
+
+
+def measure(*, results_dir=None, protocol_runs_n: int = 3, device: str = "cuda") -> None:
+    """Tune both kernel families per pass (d = 64, 128, 80), then the protocol (interleaved runs) and
+    the model shapes, all in this process."""
+    import torch
+
+    for d in (64, 128, 80):
+        run_hopper_tuning(16, 16384, d, torch.bfloat16, device=device, results_dir=results_dir)
+    impls = ("flash_triton", "flash_triton_gluon", "sdpa_flash", "sdpa_cudnn")
+    for _ in range(protocol_runs_n):
+        run_leaderboard(LeaderboardConfig(impls=impls, device=device), results_dir=results_dir, split=False)
+    for heads, n, d in MODEL_SHAPES:
+        cfg = LeaderboardConfig(
+            heads=heads,
+            seq_len=n,
+            d=d,
+            rep_ms=2000,
+            warmup_ms=300,
+            impls=SHAPE_IMPLS,
+            device=device,
+            name="shapes",
+        )
+        run_leaderboard(cfg, results_dir=results_dir, split=False)
+
+
+def _config(row: pd.Series) -> dict[str, Any]:
+    return json.loads(row.config_json)
+
+
+def _tiles(impl: str) -> str:
+    """'gluon HopperBwdConfig(block_m=64, block_n=64, stages=2, num_warps=4, maxnreg=None)' -> '64x64, 4 warps, 2 stages'."""
+    f = dict(re.findall(r"(\w+)=([\w.]+)", impl))
+    if "block_m" in f and "stages" in f:
+        cap = f", <= {f['maxnreg']} regs" if f.get("maxnreg", "None") != "None" else ""
+        return f"{f['block_m']}x{f['block_n']}, {f['num_warps']} warps, {f['stages']} stages{cap}"
+    return impl
+
+
+def pass_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per head dim and pass (latest tuning run of each): the tl kernels' time, the fastest Gluon
+    candidate and the ratio; failing candidates never count."""
+    tun = df[(df.name == "hopper_tuning") & (df.metric == "latency")].copy()
+    if tun.empty:
+        return pd.DataFrame()
+    tun["d"] = [_config(r)["d"] for _, r in tun.iterrows()]
+    tun = latest_run(tun, keys=("name", "impl", "mode", "d", "metric"))
+    tun = tun[tun.p50.notna()]
+    rows = []
+    for (d, mode), g in tun.groupby(["d", "mode"], sort=False):
+        tl, gluon = g[g.impl.str.startswith("tl ")], g[g.impl.str.startswith("gluon ")]
+        if tl.empty or gluon.empty:
+            continue
+        best = gluon.loc[gluon.p50.idxmin()]
+        rows.append(
+            {
+                "head dim": int(d),
+                "pass": mode,
+                "tl ms": float(tl.p50.iloc[-1]),
+                "Gluon ms": float(best.p50),
+                "Gluon tiles": _tiles(best.impl.removeprefix("gluon ")),
+                "Gluon / tl": float(best.p50 / tl.p50.iloc[-1]),
+                "candidates": len(gluon),
+            }
+        )
+    out = pd.DataFrame(rows)
+    out.attrs["source"] = tun
+    return out
+
+
+def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Forward + backward at each model shape (latest run): every implementation's median ms and
+    ours against SDPA's two backends."""
+    sh = df[(df.name == "shapes") & (df.metric == "latency")].copy()
+    if sh.empty:
+        return pd.DataFrame()
+    sh["shape"] = [f"{c['heads']} x {c['seq_len']} x {c['d']}" for c in map(json.loads, sh.config_json)]
+    sh = latest_run(sh, keys=("name", "impl", "shape", "metric"))
+    wide = sh.pivot_table(index="shape", columns="impl", values="p50", aggfunc="first", sort=False)
+    wide = wide[[i for i in SHAPE_IMPLS if i in wide.columns]]
+    for base in ("sdpa_flash", "sdpa_cudnn"):  # absent on a CPU (quick runs)
+        if {"flash_triton", base} <= set(wide.columns):
+            wide[f"ours / {base}"] = wide["flash_triton"] / wide[base]
+    out = wide.reset_index()
+    out.attrs["source"] = sh
+    return out
+
+
+def facts(df: pd.DataFrame) -> dict[str, Any]:
+    """The numbers the Hopper section states: per-pass Gluon/tl ratios by head dim, the protocol runs
+    with the Gluon kernels forced (H100), and the model shapes against SDPA-flash and cuDNN."""
+    passes = pass_table(df)
+    runs = protocol_runs(df)
+    lb = df[(df.name == "protocol") & (df.metric == "latency")]
+    gluon_runs = lb[lb.impl == "flash_triton_gluon"]
+    with_gluon = runs[runs["git sha"].isin(gluon_runs.git_sha) & runs.gpu.str.contains("H100")]
+    forced = gluon_runs[gluon_runs.git_sha.isin(with_gluon["git sha"])].p50.to_numpy()
+    shapes = shapes_table(df).set_index("shape")
+    out: dict[str, Any] = {
+        "pass_ratio": {(int(r["head dim"]), r["pass"]): r["Gluon / tl"] for _, r in passes.iterrows()},
+        "protocol_runs": len(with_gluon),
+        "protocol_ratio_min": with_gluon["ours / sdpa_flash"].min(),
+        "protocol_ratio_max": with_gluon["ours / sdpa_flash"].max(),
+        "protocol_cudnn_ratio": (with_gluon["sdpa_cudnn ms"] / with_gluon["sdpa_flash ms"]).median(),
+        "protocol_gluon_ratio": float(pd.Series(forced).median() / with_gluon["sdpa_flash ms"].median())
+        if len(forced)
+        else math.nan,
+        "shape_vs_flash": shapes["ours / sdpa_flash"].to_dict(),
+        "shape_vs_cudnn": shapes["ours / sdpa_cudnn"].to_dict(),
+        "gpu": str(gluon_runs.gpu_name.iloc[-1]).replace("NVIDIA ", "") if len(gluon_runs) else "",
+    }
+    # the shortest context from which ours is no slower than SDPA-flash at every longer one (d = 80)
+    d80 = sorted((int(k.split(" x ")[1]), v) for k, v in out["shape_vs_flash"].items() if k.endswith(" x 80"))
+    out["d80_no_slower_from"] = next(
+        (n for k, (n, _) in enumerate(d80) if all(v <= 1 for _, v in d80[k:])), None
+    )
+    return out
+
+
+def plot_shapes(shapes: pd.DataFrame):
+    """Forward + backward time of each implementation relative to SDPA-flash, per model shape."""
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.report import impl_color
+
+    impls = [i for i in SHAPE_IMPLS if i in shapes.columns]
+    fig, ax = plt.subplots(figsize=(8.5, 3.2))
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        rel = shapes[impl] / shapes["sdpa_flash"]
+        ax.bar([x + k * width for x in range(len(shapes))], rel, width, label=impl, color=impl_color(impl))
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(shapes))], shapes["shape"], fontsize=8)
+    ax.set_ylabel("time / SDPA-flash time")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(plt.NullFormatter())
+    ax.set_yticks([0.5, 1, 2, 4])
+    ax.set_title("fwd+bwd at the models' shapes (heads x N x d, causal, bf16)")
+    ax.legend(frameon=False, fontsize=7, ncol=3)
+    fig.tight_layout()
+    return fig
