@@ -33,6 +33,7 @@ Run: `python -m cs336_systems.studies.flash_bench [--quick] [--leaderboard] [--v
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -70,6 +71,40 @@ def _lb_shape(spec: str) -> tuple[int, int, int]:
         raise ValueError(f"--lb-shapes: {spec!r} is not HEADSxNxD with positive integers (e.g. 16x16384x64)")
     heads, n, d = map(int, parts)
     return heads, n, d
+
+
+def host_profile(impls: Sequence[str], shapes: Sequence[tuple[int, int, int]], steps: int = 20) -> None:
+    """Where the time of one protocol step goes when the GPU waits for the host: per shape and impl,
+    the wall time per step (a loop of `steps` steps, one synchronize at the end), the GPU kernel time
+    per step, and the host operations with the most self CPU time (torch.profiler). Prints only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cs336_systems.studies.attention_impls import leaderboard_step
+
+    for heads, n, d in shapes:
+        x = torch.randn(3, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for impl in impls:
+            step = leaderboard_step(impl, x)
+            for _ in range(3):
+                step()
+            synchronize("cuda")
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            synchronize("cuda")
+            wall_ms = (time.perf_counter() - t0) / steps * 1e3
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    step()
+                synchronize("cuda")
+            events = prof.key_averages()
+            gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1e3
+            print(
+                f"\n{impl} at {heads} x {n} x {d}: wall {wall_ms:.3f} ms/step, GPU kernels {gpu_ms:.3f} ms/step"
+            )
+            top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+            for e in top:
+                print(f"  {e.self_cpu_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3} {e.key[:90]}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -148,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(the workload to wrap in `ncu`/`nsys`)",
     )
     p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="profile the host side of the protocol step for --lb-shapes x --lb-impls (prints only)",
+    )
+    p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
     )
     cli.add_results_dir(p)
@@ -161,7 +201,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.quick:
             sweep_cfg = quick_config(args.device)
         elif args.sweep or not (
-            args.leaderboard or args.variants or args.tune or args.tune_hopper or args.once
+            args.leaderboard
+            or args.variants
+            or args.tune
+            or args.tune_hopper
+            or args.once
+            or args.host_profile
         ):
             sweep_cfg = SweepConfig(
                 seq_lens=args.seq_lens,
@@ -185,6 +230,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         lb_shapes = [_lb_shape(spec) for spec in args.lb_shapes]
         if unknown := set(args.lb_impls) - set(LEADERBOARD_IMPLS):
             raise ValueError(f"--lb-impls: unknown {sorted(unknown)}; known: {', '.join(LEADERBOARD_IMPLS)}")
+    if args.host_profile:
+        if args.device != "cuda":
+            p.error("--host-profile needs a CUDA device")
+        host_profile(args.lb_impls, lb_shapes)
+        return
     results_dir = None if args.once else cli.results_dir_for(args.results_dir, quick=args.quick)
 
     if args.once:
