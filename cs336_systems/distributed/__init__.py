@@ -9,4 +9,12 @@ from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
 from cs336_systems.distributed.zero import ZeroAdamW
 
-__all__ = ["FSDP", "DDPBucketed", "DDPIndividualParameters", "FlatDDP", "NaiveDDP", "ShardedOptimizer", "ZeroAdamW"]
+__all__ = [
+    "FSDP",
+    "DDPBucketed",
+    "DDPIndividualParameters",
+    "FlatDDP",
+    "NaiveDDP",
+    "ShardedOptimizer",
+    "ZeroAdamW",
+]

@@ -246,6 +246,18 @@ class ZeroAdamW(torch.optim.Optimizer):
             shard_grad.record_stream(side)
         unit.done = True
 
+    def abandon_step(self) -> None:
+        """Forget a step that failed half-way (e.g. out of memory): wait for what was issued, drop the
+        gradients, start counting afresh. Units updated before the failure stay updated."""
+        for unit in self._units:
+            if unit.gather is not None:
+                unit.gather.wait()
+            unit.gather, unit.arrived, unit.done = None, 0, False
+            for p in unit.params:
+                p.grad = None
+        if self._side_stream is not None:
+            self._side_stream.synchronize()
+
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
