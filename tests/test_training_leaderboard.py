@@ -27,6 +27,7 @@ the loss of every step, and per parameter tensor the relative L2 error of its up
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -141,3 +142,110 @@ def test_leaderboard_step_on_one_gpu_compiled_matches_the_reference_gpu(attentio
 @pytest.mark.timeout(600)
 def test_leaderboard_step_on_two_gpus_matches_the_reference_gpu():
     spawn(_compare, 2, "bf16", "flash_triton", True, backend="nccl", timeout_s=500)
+
+
+# --------------------------------------------------------------------------------------------------
+# The study: timing protocol, memory plan, facts, the quick run
+# --------------------------------------------------------------------------------------------------
+
+
+def test_do_bench_all_ranks_makes_do_bench_calls():
+    from cs336_systems.measure.timing import do_bench_all_ranks
+
+    calls = []
+    result = do_bench_all_ranks(
+        lambda: calls.append(1), warmup_ms=1.0, rep_ms=2.0, estimate_calls=3, device="cpu"
+    )
+    # one first call, 3 to estimate, then max(1, warmup / estimate) and max(1, rep / estimate)
+    assert result["n_warmup"] == max(1, int(1.0 / result["estimate_ms"]))
+    assert result["n_repeat"] == max(1, int(2.0 / result["estimate_ms"]))
+    assert len(calls) == result["calls"] == 1 + 3 + result["n_warmup"] + result["n_repeat"]
+    assert len(result["times_ms"]) == result["n_repeat"] and min(result["times_ms"]) >= 0
+    with pytest.raises(ValueError, match="rep_ms"):
+        do_bench_all_ranks(lambda: None, warmup_ms=1, rep_ms=0)
+
+
+def test_memory_plan_of_the_8b_config():
+    from cs336_systems.model import get_config
+    from cs336_systems.studies import training_leaderboard_memory as memory
+
+    cfg = get_config("8B_leaderboard")
+    plan = memory.memory_plan(cfg, batch=1, world_size=2, loss_chunk=4096)
+    n = cfg.num_params()
+    assert 8.1e9 < plan["params"] == n < 8.2e9
+    assert plan["state_ours_bf16"] == n * (2 + 4 / 2)  # full bf16 weights + half of bf16 m, v
+    assert plan["state_stock_fp32_master"] == n * 16 / 2
+    assert plan["block_inputs"] == 34 * 32768 * 4096 * 2
+    assert plan["logits_bf16"] == 32768 * 151936 * 2  # ~10 GB: never materialised
+    assert 4 * memory.GiB < plan["block_saved"] < 10 * memory.GiB  # q, k, v, o, the SwiGLU hidden, ...
+    one = memory.memory_plan(cfg, batch=1, world_size=1, loss_chunk=4096)
+    h200 = 139.8 * memory.GiB
+    assert memory.skip_note(one, cfg, path="ours", mode="bf16", capacity=h200) is None
+    assert "skipped: needs at least" in memory.skip_note(
+        one, cfg, path="stock", mode="fp32_master", capacity=h200
+    )
+
+
+def _row(
+    impl, metric, value, dtype="bf16", name="8B_leaderboard:34L", x_name="world_size", x_value=2, note=""
+):
+    from cs336_systems.measure.results import make_row
+
+    config = {"batch_per_rank": 1, "rep_ms": 30000.0, "warmup_ms": 10000.0, "bench": {"n_repeat": 5}}
+    return make_row(problem="training_leaderboard", name=name, impl=impl, dtype=dtype, mode="train",
+                    x_name=x_name, x_value=x_value, metric=metric, unit="", value=value, note=note,
+                    config=config)  # fmt: skip
+
+
+def test_facts_say_not_run_without_rows_and_quote_the_latest_run():
+    import pandas as pd
+
+    from cs336_systems.measure.results import COLUMNS
+    from cs336_systems.studies import training_leaderboard_results as results
+
+    assert results.facts(pd.DataFrame(columns=COLUMNS)) == {"status": "not run"}
+    rows = [
+        _row("stock", "step_ms", 6000.0),
+        _row("ours", "step_ms", 4800.0),
+        _row("ours", "mfu_datasheet", 0.5),
+    ]
+    rows += [
+        _row("ours", "peak_memory_gib", g, x_name="rank", x_value=r) for r, g in enumerate((100.0, 101.0))
+    ]
+    rows += [_row("ours", "step_ms", 4000.0, dtype="fp32_master"), _row("stock", "step_ms", math.nan,
+             dtype="fp32_master", note="OOM")]  # fmt: skip
+    rows += [_row("all", "wall_s", 540.0, name="run", note="cold caches")]
+    facts = results.facts(pd.DataFrame(rows))
+    head = facts["headline"]
+    assert head["mode"] == "bf16" and head["ratio"] == pytest.approx(0.8) and facts["meets_goal"]
+    assert head["ours_peak_gib"] == 101.0 and head["ours_mfu"] == 0.5 and head["batch"] == 2
+    assert facts["wall_s"] == 540.0 and facts["wall_cold"] and facts["wall_within_limit"]
+    assert facts["failures"] == [
+        {"config": "8B_leaderboard:34L", "path": "stock", "mode": "fp32_master", "note": "OOM"}
+    ]
+    assert facts["protocol"]["n_repeat"] == 5
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
+    from cs336_systems.studies import training_leaderboard, training_leaderboard_results
+
+    df = training_leaderboard.main(["--quick", "--results-dir", str(tmp_path)])
+    step = df[df.metric == "step_ms"]
+    assert sorted(zip(step.impl, step.dtype)) == sorted(
+        (p, m) for p in ("ours", "stock") for m in ("bf16", "fp32_master")
+    )
+    assert (step["mean"] > 0).all() and (step.note == "").all()
+    for metric in (
+        "forward_ms",
+        "backward_ms",
+        "optimizer_step_ms",
+        "tflops",
+        "comm_ms",
+        "checkpoint_blocks",
+    ):
+        assert metric in set(df.metric), metric
+    assert len(list(tmp_path.glob("training_leaderboard__trace_ours-*_ws2.json.gz"))) == 2
+    facts = training_leaderboard_results.facts(df)
+    assert facts["status"] == "quick CPU run" and facts["wall_s"] > 0 and not facts["failures"]
