@@ -320,21 +320,38 @@ def _process_age_s() -> float:
 _IMPORTED = time.perf_counter()
 
 
+def _wall_s(started: float | None) -> float:
+    """Wall seconds of the run: the process's age now, or the time since `started`."""
+    return _process_age_s() if started is None else time.perf_counter() - started
+
+
 def run(
-    cfg: LeaderboardRunConfig, *, nproc: int, results_dir=None, figures_dir=None, timeout_s: float = 3600.0
+    cfg: LeaderboardRunConfig,
+    *,
+    nproc: int,
+    results_dir=None,
+    figures_dir=None,
+    timeout_s: float = 3600.0,
+    started: float | None = None,
 ):
-    """Launch the ranks (torchrun), then record the wall time of the whole run; returns this run's rows."""
+    """Launch the ranks (torchrun), then record the wall time of the whole run (since `started`, a
+    `time.perf_counter()` value; None: since this process started); returns this run's rows."""
+    env = {**GPU_ENV, "PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF}
+    if cfg.backend == "gloo":  # gloo ranks compute on the CPU: Triton kernels run in its interpreter
+        env["TRITON_INTERPRET"] = "1"
+    env = {k: v for k, v in env.items() if k not in os.environ or k in GPU_ENV}  # else the caller's win
     caches = {}
     if cfg.cold:
         for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
-            caches[var] = os.environ[var] = tempfile.mkdtemp(prefix=f"cold-{var.split('_')[0].lower()}-")
-    for var, value in {**GPU_ENV, "PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF}.items():
-        os.environ.setdefault(var, value)
-    df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
+            caches[var] = tempfile.mkdtemp(prefix=f"cold-{var.split('_')[0].lower()}-")
+    env |= caches
+    df = runner.run_config_study(
+        STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s, env=env
+    )
     run_id = df.config_json.str.extract(r'"run_id": "(\w+)"')[0].dropna()
     config = asdict(cfg) | {"caches": caches, "nproc": nproc, "run_id": run_id.iloc[0] if len(run_id) else ""}
     wall = make_row(
-        problem=PROBLEM, name="run", impl="all", dtype="", metric="wall_s", unit="s", value=_process_age_s(),
+        problem=PROBLEM, name="run", impl="all", dtype="", metric="wall_s", unit="s", value=_wall_s(started),
         x_name="world_size", x_value=nproc, config=config, note="cold caches" if cfg.cold else "",
     )  # fmt: skip
     append_rows(PROBLEM, [wall], results_dir)
@@ -392,7 +409,9 @@ def _parser():
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
+def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.DataFrame | None:
+    """The CLI; `from_shell`: the wall-time row counts from this process's start (else from this call)."""
+    started = None if from_shell else time.perf_counter()
     p = _parser()
     args = p.parse_args(argv)
     if args.quick:
@@ -418,7 +437,9 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
             )
         print(f"[{PROBLEM}] memory plan at {max(cfg.layers)} layers, {args.nproc} rank(s), GiB:", flush=True)
         print({k: round(v / memory.GiB, 2) for k, v in plan.items() if k not in ("params", "world_size")})
-    df = runner.config_cli(p, args, STUDY, LeaderboardRunConfig, fields, run)
+    df = runner.config_cli(
+        p, args, STUDY, LeaderboardRunConfig, fields, functools.partial(run, started=started)
+    )
     if df is not None and not df.empty:
         with pd.option_context("display.width", 200, "display.max_columns", 20):
             print(summary(df).to_string())
@@ -432,4 +453,4 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    main(from_shell=True)

@@ -2,7 +2,7 @@
 
 `memory_plan(cfg, ...)` returns, in bytes (the CLI prints it in GiB before anything runs; notebook 41
 shows it as a table):
-* `params`: the parameter count (`ModelConfig.num_params`: 8.13e9 for 8B_leaderboard);
+* `params`: the parameter count (`ModelConfig.num_params`);
 * `state_<path>_<mode>`: persistent training state per rank. Ours (ZeRO-2, `zero_state_bytes`): the
   full weights + 1/N of the optimizer state (gradients live one unit at a time). Stock (FSDP2):
   (weights + gradients + AdamW state) / N, per `accounting.memory.BytesPerParam` of the mode;
