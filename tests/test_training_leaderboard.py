@@ -246,3 +246,18 @@ def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
     assert len(list(tmp_path.glob("training_leaderboard__trace_ours-*_ws2.json.gz"))) == 2
     facts = training_leaderboard_results.facts(df)
     assert facts["status"] == "quick CPU run" and facts["wall_s"] > 0 and not facts["failures"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_small_gpu_run_measures_ours_and_stock_in_both_modes_gpu(tmp_path):
+    """The CLI's GPU path on a small config: NCCL on one rank, compiled blocks, FSDP2, auto checkpointing."""
+    from cs336_systems.studies import training_leaderboard
+
+    argv = ["--size", "small", "--layers", "2", "--context-length", "256", "--nproc", "1", "--rep-ms", "50"]
+    argv += ["--warmup-ms", "10", "--estimate-calls", "2", "--param-modes", "bf16", "fp32_master"]
+    df = training_leaderboard.main([*argv, "--results-dir", str(tmp_path)])
+    step = df[df.metric == "step_ms"]
+    assert len(step) == 4 and (step.note == "").all() and (step["mean"] > 0).all(), step
+    assert (df[df.metric == "peak_memory_gib"]["mean"] > 0).all()
+    assert "checkpoint_blocks" in set(df.metric) and "wall_s" in set(df.metric)
