@@ -131,13 +131,18 @@ else:
         else "No wall time was recorded."
     )
     failures = "; ".join(f"{f['path']} {f['mode']} {f['config']}: {f['note']}" for f in facts["failures"])
+    gaps = ", ".join(
+        f"{phase} {v['ours']:.0f} vs {v['stock']:.0f} ms"
+        for phase, v in facts.get("phases", {}).items()
+        if {"ours", "stock"} <= set(v)
+    )
     nb.md(
         f"""**Answer** ({facts["status"]}; {", ".join(facts["devices"])}). Headline configuration
 {head.get("config")} in mode {head.get("mode")} on {head.get("GPUs")} rank(s), global batch {head.get("batch")}:
 ours {head.get("ours_ms", float("nan")):.0f} ms against stock {head.get("stock_ms", float("nan")):.0f} ms per
 step, a ratio of {head.get("ratio", float("nan")):.3f}, which {goal} the 0.85x goal; MFU
 {head.get("ours_mfu", float("nan")):.1%} (ours) and {head.get("stock_mfu", float("nan")):.1%} (stock) of the
-datasheet bf16 peak. {wall} Timing: rep {facts.get("protocol", {}).get("rep_ms")} ms, warmup
+datasheet bf16 peak. Per phase (ours vs stock): {gaps}. {wall} Timing: rep {facts.get("protocol", {}).get("rep_ms")} ms, warmup
 {facts.get("protocol", {}).get("warmup_ms")} ms ({facts.get("protocol", {}).get("n_repeat")} timed calls).
 {("Not measured: " + failures + ".") if failures else ""}"""
     )

@@ -221,6 +221,7 @@ def test_facts_say_not_run_without_rows_and_quote_the_latest_run():
         {"config": "8B_leaderboard:34L", "path": "stock", "mode": "fp32_master", "note": "OOM"}
     ]
     assert facts["protocol"]["n_repeat"] == 5
+    assert facts["phases"] == {}  # no phase rows in this frame
 
 
 @pytest.mark.distributed
@@ -246,6 +247,8 @@ def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
     assert len(list(tmp_path.glob("training_leaderboard__trace_ours-*_ws2.json.gz"))) == 2
     facts = training_leaderboard_results.facts(df)
     assert facts["status"] == "quick CPU run" and facts["wall_s"] > 0 and not facts["failures"]
+    assert set(facts["phases"]) == {"forward", "backward", "optimizer_step"}
+    assert all(set(v) == {"ours", "stock"} for v in facts["phases"].values())
 
 
 @pytest.mark.gpu

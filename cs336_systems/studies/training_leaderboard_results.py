@@ -137,6 +137,20 @@ def facts(df: pd.DataFrame) -> dict:
         head = order.sort_values(["GPUs", "batch", "layers", "literal"]).iloc[-1].drop(["layers", "literal"])
         out["headline"] = head.to_dict()
         out["meets_goal"] = bool(head["ratio"] <= GOAL_RATIO)
+        phases = breakdown_table(d)
+        at = phases[
+            (phases.name == head["config"])
+            & (phases.dtype == head["mode"])
+            & (phases.x_value == head["GPUs"])
+        ]
+        by_path = at.set_index("impl")
+        out["phases"] = {  # mean ms of each phase, ours and stock, of the headline configuration
+            m.removesuffix("_ms"): {
+                p: float(by_path.at[p, m]) for p in ("ours", "stock") if p in by_path.index
+            }
+            for m in PHASE_METRICS
+            if m in by_path.columns
+        }
     wall = d[d.metric == "wall_s"]
     if len(wall):
         last = wall.iloc[-1]
