@@ -23,6 +23,16 @@ calling it runs the protocol's step on this rank's batch:
 * Streams: forward and backward run on a stream of the highest priority, the unit updates on
   ZeroAdamW's side stream ([Note: stream priorities] in training/step.py).
 
+[Note: why ZeRO-2 and not FSDP here]
+Per parameter and rank, ZeRO-2 keeps the full compute weights plus 1/N of the optimizer state
+(gradients one unit at a time): 2 + 4/N bytes in bf16, 2 + 12/N with float32 masters. FSDP keeps 1/N
+of weights, gradients and state: 8/N and 16/N. At N = 2 both are 4 and 8 bytes per parameter (30 and
+61 GiB of the 8B model; `studies/training_leaderboard_memory.py` computes them), so sharding the
+weights too saves no memory, while it would cost an all-gather of every block in forward and again in
+backward (or keeping them gathered). The project's own FSDP (distributed/fsdp) also gathers per
+Linear and cannot run under activation checkpointing. With more ranks FSDP would save memory; the
+step keeps ZeRO-2.
+
 The loss of one rank is the mean over its tokens; the gradients are averaged over the ranks, which
 for equal token counts per rank is the gradient of the mean over the global batch (the protocol's
 `cross_entropy(logits, targets).sum()` of a scalar mean).
