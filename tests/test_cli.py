@@ -108,6 +108,9 @@ USAGE_ERRORS = [
      "--global-batch 3 is not divisible"),
     ("studies.distributed.fsdp_parity", ["--device", "tpu"], "--device"),
     ("studies.train_step", ["--size", "huge"], "--size"),
+    ("studies.training_leaderboard", ["--size", "huge"], "--size"),
+    ("studies.training_leaderboard", ["--quick", "--checkpoint-blocks", "some"], "--checkpoint-blocks"),
+    ("studies.training_leaderboard", ["--rep-ms", "0"], "--rep-ms"),
 ]  # fmt: skip
 if N_GPUS < 2:  # impossible on this machine: NCCL needs a GPU per process
     USAGE_ERRORS += [
@@ -170,6 +173,7 @@ QUICK_RUNS = [
     ["cs336_systems.studies.distributed.fsdp_bench", "--quick"],
     ["cs336_systems.studies.distributed.sharding_bench", "--quick"],
     ["cs336_systems.studies.train_step", "--quick"],
+    ["cs336_systems.studies.training_leaderboard", "--quick"],
 ]
 
 

@@ -166,3 +166,19 @@ def test_training_step_facts_on_the_committed_run():
     waterfall = facts["waterfall"]
     assert waterfall["handout fp32"] > waterfall["+ bf16 autocast"] > waterfall["+ bf16 compute weights"]
     assert facts["check_steps"] == 20 and facts["check_max_loss_diff"] < 0.01
+
+
+def test_training_leaderboard_facts_on_the_committed_run():
+    from cs336_systems.studies import training_leaderboard_results as results
+
+    df = committed("training_leaderboard")
+    facts = results.facts(df)
+    latest = results.latest(df)
+    step = latest[(latest.metric == "step_ms") & (latest.x_name == "world_size")]
+    head = facts["headline"]
+    rows = step[(step.name == head["config"]) & (step.dtype == head["mode"]) & (step.x_value == head["GPUs"])]
+    means = rows.set_index("impl")["mean"]
+    assert head["ratio"] == pytest.approx(means["ours"] / means["stock"])  # do_bench's statistic: the mean
+    assert facts["meets_goal"] == (head["ratio"] <= results.GOAL_RATIO)
+    assert 0 < head["ours_mfu"] < 1 and head["ours_peak_gib"] > 0
+    assert facts["status"] == "measured" and "wall_s" in facts

@@ -75,6 +75,7 @@ from cs336_systems.accounting.hardware import (
     peak_flops,
 )
 from cs336_systems.accounting.memory import (
+    BF16_ADAMW,
     FP32_ADAMW,
     XXL,
     ZERO_MIXED_ADAM,
@@ -136,6 +137,7 @@ from cs336_systems.accounting.units import (
 __all__ = [
     "ACCELERATORS",
     "B200",
+    "BF16_ADAMW",
     "FP32_ADAMW",
     "GB",
     "H100_SXM",

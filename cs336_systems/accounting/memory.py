@@ -98,6 +98,8 @@ class BytesPerParam:
 FP32_ADAMW = BytesPerParam(weights=4, gradients=4, optimizer=8)
 # ZeRO paper's mixed-precision Adam: fp16 weights and gradients, K = 12 (fp32 master, m, v).
 ZERO_MIXED_ADAM = BytesPerParam(weights=2, gradients=2, optimizer=12)
+# Everything in bf16 (weights, gradients, AdamW m and v; no master copy): 2 + 2 + 4 = 8 bytes/param.
+BF16_ADAMW = BytesPerParam(weights=2, gradients=2, optimizer=4)
 
 
 @dataclass(frozen=True, kw_only=True)

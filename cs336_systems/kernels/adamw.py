@@ -1,7 +1,8 @@
 """Multi-tensor AdamW in Triton: one launch updates many parameters, reading and writing each byte once.
 
 Semantics are the project's reference `cs336_systems.model.AdamW` (staff CS336 AdamW), per element,
-all in float32:
+computed in float32 (the state is stored in float32, or in bfloat16 when the parameters and AdamW's
+m and v are kept in bf16: each stored value rounded once, to nearest even):
 
     [decay first]  p = p * (1 - lr * wd)                       (only with decay_before_update)
     m = b1 * m + (1 - b1) * g
@@ -19,7 +20,8 @@ stores the updated value rounded to the parameter's low-precision dtype at `copy
 weight that the model computes with), so autocast never recasts fp32 weights.
 
 Bytes per element: gradient (2 or 4) + 3 x 4 read, 3 x 4 written, + 2 for a bf16 copy: 28 for a bf16
-gradient with a bf16 copy, 28 for an fp32 parameter updated in place.
+gradient with a bf16 copy, 28 for an fp32 parameter updated in place; 14 with bf16 state (2 + 3 x 2
+read, 3 x 2 written).
 
 Caveats: dense gradients only; the step count is a host integer (no device sync); under the Triton
 interpreter (CPU) bf16 arithmetic is unreliable, but this kernel only loads/stores bf16 and computes
@@ -45,15 +47,29 @@ ALIGN = 16  # elements: tensors start at multiples of this in the flat buffers (
 
 
 @triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """x (float32) rounded to DTYPE for a store: bf16 by round-to-nearest-even done by hand."""
+    if tl.bfloat16 == DTYPE:
+        # The same bits as torch's .to(bfloat16) on every backend (the CPU interpreter's own
+        # fp32 -> bf16 cast truncates). NaN payloads may become inf.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
 def _adamw_block(
     g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
     COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr, DECAY_BEFORE: tl.constexpr, MASKED: tl.constexpr,
+    STATE_DTYPE: tl.constexpr,
 ):  # fmt: skip
     mask = idx < n if MASKED else None
     g = tl.load(g_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
-    p = tl.load(p_ptr + idx, mask=mask, eviction_policy="evict_first")
-    m = tl.load(m_ptr + idx, mask=mask, eviction_policy="evict_first")
-    v = tl.load(v_ptr + idx, mask=mask, eviction_policy="evict_first")
+    p = tl.load(p_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
+    m = tl.load(m_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
+    v = tl.load(v_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
     if DECAY_BEFORE:
         p = p * decay
     m = beta1 * m + (1.0 - beta1) * g
@@ -61,18 +77,11 @@ def _adamw_block(
     p = p - lr_t * (m / (tl.sqrt(v) + eps))
     if not DECAY_BEFORE:
         p = p * decay
-    tl.store(p_ptr + idx, p, mask=mask)
-    tl.store(m_ptr + idx, m, mask=mask)
-    tl.store(v_ptr + idx, v, mask=mask)
+    tl.store(p_ptr + idx, _rounded(p, STATE_DTYPE), mask=mask)
+    tl.store(m_ptr + idx, _rounded(m, STATE_DTYPE), mask=mask)
+    tl.store(v_ptr + idx, _rounded(v, STATE_DTYPE), mask=mask)
     if WRITE_COPY:
-        if tl.bfloat16 == COPY_DTYPE:
-            # Round to nearest even by hand: the same bits as torch's .to(bfloat16) on every backend
-            # (the CPU interpreter's own fp32 -> bf16 cast truncates). NaN payloads may become inf.
-            bits = p.to(tl.uint32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-            tl.store(out_ptr + idx, bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
-        else:
-            tl.store(out_ptr + idx, p.to(COPY_DTYPE), mask=mask)
+        tl.store(out_ptr + idx, _rounded(p, COPY_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -81,16 +90,17 @@ def _adamw_kernel(
     v_ptr, lr_t, decay, beta1, beta2, eps,
     GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
     DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, PERSISTENT: tl.constexpr,
+    STATE_DTYPE: tl.constexpr,
 ):  # fmt: skip
     if PERSISTENT:  # chunks pid, pid + grid, ...: a small grid leaves SMs to other streams
         for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
             _adamw_chunk(c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr,
                          m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE, WRITE_COPY,
-                         DECAY_BEFORE, BLOCK, ALIGN)  # fmt: skip
+                         DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE)  # fmt: skip
     else:
         _adamw_chunk(tl.program_id(0), grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start,
                      master_ptr, m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE,
-                     WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN)  # fmt: skip
+                     WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE)  # fmt: skip
 
 
 @triton.jit
@@ -98,7 +108,7 @@ def _adamw_chunk(
     c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr, m_ptr, v_ptr,
     lr_t, decay, beta1, beta2, eps,
     GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
-    DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+    DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, STATE_DTYPE: tl.constexpr,
 ):  # fmt: skip
     i = tl.load(chunk_tensor + c)
     start = tl.multiple_of(tl.load(chunk_start + c), BLOCK)
@@ -113,10 +123,10 @@ def _adamw_chunk(
     p_ptr, m_ptr, v_ptr = master_ptr + base, m_ptr + base, v_ptr + base
     if start + BLOCK <= n:  # a full chunk: no mask, so nothing stops vectorised access
         _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
-                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=False)  # fmt: skip
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=False, STATE_DTYPE=STATE_DTYPE)  # fmt: skip
     else:
         _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
-                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=True)  # fmt: skip
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=True, STATE_DTYPE=STATE_DTYPE)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -198,7 +208,8 @@ def adamw_step_(
     """Apply one AdamW step (1-based `step`) to the tensors of `plan`, in place.
 
     grads: one dense, contiguous gradient per tensor of the plan, all of one dtype (fp32/bf16/fp16);
-    master, exp_avg, exp_avg_sq: flat float32 buffers indexed by the plan's offsets;
+    master, exp_avg, exp_avg_sq: flat buffers indexed by the plan's offsets, all float32 or all
+        bfloat16 (bf16 state: loaded, updated in float32, stored rounded to nearest even);
     copies: optional (T,) int64 address table of low-precision copies (dtype `copy_dtype`) to refresh;
     table_cache: optional dict in which the gradients' address table is kept between calls;
     max_programs: launch at most this many programs (each loops over chunks), e.g. to leave most
@@ -209,9 +220,12 @@ def adamw_step_(
     gdtype = grads[0].dtype
     if any(g.dtype != gdtype for g in grads):
         raise ValueError("one launch takes gradients of one dtype; got " + str({g.dtype for g in grads}))
+    state_dtype = master.dtype
     for buf in (master, exp_avg, exp_avg_sq):
-        if buf.dtype != torch.float32 or not buf.is_contiguous():
-            raise ValueError("master, exp_avg and exp_avg_sq must be contiguous float32 buffers")
+        if buf.dtype != state_dtype or not buf.is_contiguous():
+            raise ValueError("master, exp_avg and exp_avg_sq must be contiguous buffers of one dtype")
+    if state_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the state (master, m, v) must be float32 or bfloat16, got {state_dtype}")
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
     b1, b2 = betas
@@ -247,5 +261,6 @@ def adamw_step_(
         BLOCK=BLOCK,
         ALIGN=ALIGN,
         PERSISTENT=grid < num_chunks,
+        STATE_DTYPE=_TL_DTYPES[state_dtype],
         num_warps=4,
     )

@@ -73,6 +73,28 @@ def all_gather_shard(
     return PendingGather(name, buffer, work, source, parts)
 
 
+def all_gather_in_place(
+    buffer: Tensor, *, name: str, group: dist.ProcessGroup | None = None
+) -> PendingGather:
+    """Start filling every rank's chunk of `buffer` ((N*S,), this rank's chunk r already set) in place.
+
+    NCCL gathers straight into `buffer` (its in-place form: the input is chunk r of the output); gloo
+    gathers into per-rank views of `buffer` from a copy of chunk r.
+    """
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if buffer.dim() != 1 or buffer.numel() % world_size:
+        raise ValueError(f"{name}: need a flat buffer divisible by {world_size}, got {tuple(buffer.shape)}")
+    chunks = list(buffer.chunk(world_size))
+    with torch.profiler.record_function(f"fsdp::all_gather::{name}"):
+        if uses_native_scatter(group):
+            work = _all_gather_single(buffer, chunks[rank], group=group, async_op=True)
+            source = chunks[rank]
+        else:
+            source = chunks[rank].clone()
+            work = dist.all_gather(chunks, source, group=group, async_op=True)
+    return PendingGather(name, buffer, work, source)
+
+
 class PendingReduceScatter:
     """A gradient reduce-scatter in flight; `wait()` returns this rank's (S,) chunk of the SUM."""
 

@@ -148,12 +148,13 @@ def run_study(
     nproc: int = 2,
     results_dir: str | None = None,
     timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[str]:
     """Run every variant under torchrun (relaunching after a crash); returns the labels that failed.
 
     `launch_args(remaining, progress_file)` are the module's arguments for a launch of the variants
     `remaining`; the worker must pass `progress_file` on to `run_worker`. The default time limit of
-    a launch is 120 s plus 90 s per variant.
+    a launch is 120 s plus 90 s per variant. `env`: extra environment of the ranks.
     """
     labels = list(labels)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -183,7 +184,7 @@ def run_study(
             on_failure=record_failure,
             nproc=nproc,
             timeout_s=timeout_s if timeout_s is not None else 120.0 + 90.0 * len(labels),
-            env=child_env(results_dir),
+            env=child_env(results_dir) | (env or {}),
         )
 
 
@@ -286,10 +287,16 @@ def step_failure_rows(problem: str, cfg: Any, impl: str, dtype: str, note: str, 
 
 
 def run_config_study(
-    study: Study, cfg: Any, *, nproc: int, results_dir: Any = None, timeout_s: float | None = None
+    study: Study,
+    cfg: Any,
+    *,
+    nproc: int,
+    results_dir: Any = None,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
 ):
     """Driver of a dataclass-configured study; returns the rows of this run (`cfg.run_id`, made here
-    when the config has none)."""
+    when the config has none). `env`: extra environment of the ranks."""
     if not cfg.run_id:
         cfg = replace(cfg, run_id=uuid.uuid4().hex[:8])
     results = None if results_dir is None else str(results_dir)
@@ -307,6 +314,7 @@ def run_config_study(
         nproc=nproc,
         results_dir=results,
         timeout_s=timeout_s,
+        env=env,
     )
     df = load_results(study.problem, results_dir)
     return df[df.config_json.str.contains(cfg.run_id)] if not df.empty else df

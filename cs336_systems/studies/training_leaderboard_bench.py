@@ -1,0 +1,147 @@
+"""The timed part of the training leaderboard (training_leaderboard.py): the protocol's step with its
+phases marked, the "auto" choice of checkpointed blocks, do_bench with OOM retries, one profiled step.
+
+[Note: choosing the checkpointed blocks]
+Only as many blocks are recomputed as memory needs. One step with every block checkpointed is run
+(it also compiles), then a second one whose allocator peak P is read; the last block's forward on a
+random input, outside checkpointing, gives A = the bytes an unchecked block keeps (allocated after
+minus before minus its output). With M the device memory and `margin_gib` left for fragmentation and
+the allocator's workspace, floor((M - margin - P) / A) blocks can keep their activations, so the first
+k = L - that many are checkpointed (the largest k of all ranks). The first blocks are the ones
+recomputed (any choice gives the same peak: every block's activations are alive at the end of forward).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cs336_systems.measure.annotations import annotate
+from cs336_systems.measure.results import capture_failure
+from cs336_systems.measure.timing import do_bench_all_ranks, synchronize
+from cs336_systems.measure.traces import load_trace, save_trace
+from cs336_systems.studies.distributed import trace_plot
+
+PHASES = ("forward", "backward", "optimizer_step")  # the range names trace_plot.compact_trace keeps
+
+
+class ProtocolStep:
+    """The timed step: zero_grad(set_to_none=True), loss, backward, optimizer step; phase marks kept."""
+
+    def __init__(self, step, tokens, targets):
+        self.step, self.tokens, self.targets = step, tokens, targets
+        self.marks: list[list] = []
+
+    def _mark(self, marks: list) -> None:
+        if self.tokens.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append(event)
+        else:
+            marks.append(time.perf_counter())
+
+    def __call__(self) -> None:
+        marks: list = []
+        with self.step.on_stream():
+            self._mark(marks)
+            with annotate("forward"):
+                self.step.optimizer.zero_grad(set_to_none=True)
+                loss = self.step.loss(self.tokens, self.targets)
+            self._mark(marks)
+            with annotate("backward"):
+                loss.backward()
+            self._mark(marks)
+            with annotate("optimizer_step"):
+                self.step.optimizer.step()
+            self._mark(marks)
+        self.marks.append(marks)
+
+    def phase_ms(self, last: int) -> dict[str, list[float]]:
+        """Per phase, the durations (ms) of the last `last` calls."""
+        out: dict[str, list[float]] = {p: [] for p in PHASES}
+        for marks in self.marks[-last:]:
+            for phase, a, b in zip(PHASES, marks, marks[1:]):
+                out[phase].append((b - a) * 1e3 if isinstance(a, float) else a.elapsed_time(b))
+        return out
+
+
+def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, float]:
+    """k for "auto" (module docstring): {"checkpoint_blocks", "peak_all_checkpointed", "block_saved"}."""
+    layers = len(step.model.layers)
+    step.set_checkpoint_blocks(layers)
+    protocol()
+    synchronize(device)
+    if device.type != "cuda":
+        return {"checkpoint_blocks": layers}
+    torch.cuda.reset_peak_memory_stats(device)
+    protocol()
+    synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    block = step.model.layers[-1]
+    shape = (cfg.batch_per_rank, cfg.context_length, block.ln1.weight.shape[0])
+    with step.on_stream():
+        x = torch.randn(shape, device=device, dtype=step.optimizer.compute_dtype, requires_grad=True)
+        synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        y = block(x)
+        synchronize(device)
+        saved = torch.cuda.memory_allocated(device) - before - y.untyped_storage().nbytes()
+        del x, y
+    room = torch.cuda.mem_get_info(device)[1] - cfg.margin_gib * 2**30 - peak
+    unchecked = min(layers, max(0, int(room // max(saved, 1))))
+    k = torch.tensor([layers - unchecked], device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(k, op=dist.ReduceOp.MAX)
+    return {"checkpoint_blocks": int(k), "peak_all_checkpointed": peak, "block_saved": saved}
+
+
+def bench(protocol: ProtocolStep, cfg, device) -> dict[str, Any]:
+    result = do_bench_all_ranks(
+        protocol, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms, estimate_calls=cfg.estimate_calls, device=device
+    )
+    result["phases"] = protocol.phase_ms(result["n_repeat"])
+    return result
+
+
+def bench_ours_fitting(step, protocol, cfg, device, plan: dict) -> tuple[dict, str]:
+    """Bench ours; on one rank, after an OOM retry with 2 more checkpointed blocks (up to 3 times)."""
+    note = ""
+    for attempt in range(4):
+        outcome: dict = {}
+        if dist.get_world_size() > 1:  # a rank cannot leave a collective alone: no retries
+            return bench(protocol, cfg, device), note
+        with capture_failure(outcome):
+            return bench(protocol, cfg, device), note
+        if outcome["note"] != "OOM" or attempt == 3 or step.checkpoint_blocks >= len(step.model.layers):
+            raise RuntimeError(outcome["note"])
+        note += f"OOM with {step.checkpoint_blocks} checkpointed blocks; "
+        step.optimizer.abandon_step()
+        step.set_checkpoint_blocks(step.checkpoint_blocks + 2)
+        plan["checkpoint_blocks"] = step.checkpoint_blocks
+        protocol.marks.clear()
+    raise AssertionError("unreachable")
+
+
+def profile_step(protocol: ProtocolStep, device, path: Path) -> dict[str, float]:
+    """One profiled step on rank 0 (the others run it unprofiled); compact trace saved; comm stats."""
+    if dist.get_rank() != 0:
+        protocol()
+        synchronize(device)
+        return {}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        protocol()
+        synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
+        compact = trace_plot.compact_trace(load_trace(Path(tmp) / "trace.json"))
+    save_trace(compact, path)
+    stats = trace_plot.overlap_stats(trace_plot.trace_frame(compact))
+    return {"comm_ms": stats["comm_ms"], "comm_exposed_ms": stats["exposed_ms"]}

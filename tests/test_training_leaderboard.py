@@ -1,0 +1,266 @@
+"""The leaderboard step (ZeRO-2 over flat units, fused AdamW, chunked loss, partial checkpointing)
+against the plain single-process reference step: same losses and parameters within stated tolerances.
+
+Small config: 2 layers, d_model 128, 4 heads, d_ff 256, vocabulary 1000, context 256; the global
+batch is 2 sequences, one per rank; 3 steps at lr 1e-2. The reference is `cs336_systems.model.AdamW`
+with plain `cross_entropy(model(x), y)` over the whole batch in one process, in the same precision.
+Compared: the loss of every step, and per parameter tensor the relative L2 error of its update after
+the 3 steps, |(p_ours - p_0) - (p_ref - p_0)| / |p_ref - p_0|:
+
+  mode         reference                                   AdamW eps  loss rtol  update error: matrices, gains
+  fp32         fp32 model                                  1.0 (*)    1e-5       3e-5, 3e-5 (measured <= 3.2e-6)
+  bf16         model.to(bfloat16), AdamW on bf16 weights   1e-8       1e-2       0.2, 0.5 (**)
+  fp32_master  fp32 model under bf16 autocast              1e-8       1e-2       0.2, 0.5 (**)
+
+(*) With the default eps Adam's first updates are lr * sign(g): they would not see a gradient that is
+    off by a constant factor (e.g. summed instead of averaged over the ranks), and a rounding
+    difference flips the sign of a near-zero gradient's update. With eps = 1 (>> |g|) the update is
+    proportional to the gradient, so the fp32 comparison checks the synchronised gradients
+    themselves to rounding error.
+(**) Measured on the CPU: at most 0.07 for matrices in bf16, 0.12 for the embedding in fp32_master,
+    0.18 (bf16) and 0.25 (fp32_master) for the 128-element norm gains. With the default eps the
+    update of an element whose gradient is near zero follows its sign, which bf16 rounding flips for
+    some: the bf16 reference rounds every AdamW operation to bf16 (ours updates in float32 and rounds
+    once), and the fp32_master reference keeps an fp32 residual stream under autocast (ours computes
+    in bf16).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cs336_systems.distributed.process_group import spawn
+from cs336_systems.model import AdamW, BasicsTransformerLM, cross_entropy
+from cs336_systems.training import LeaderboardConfig, build_leaderboard_step, transformer_units
+
+SMALL = dict(vocab_size=1000, context_length=256, d_model=128, num_layers=2, num_heads=4, d_ff=256)
+LR, STEPS = 1e-2, 3
+TOLERANCES = {  # mode: (loss rtol, (relative error of a weight matrix's update, of a norm gain's))
+    "fp32": (1e-5, (3e-5, 3e-5)),
+    "bf16": (1e-2, (0.2, 0.5)),
+    "fp32_master": (1e-2, (0.2, 0.5)),
+}
+EPS = {"fp32": 1.0, "bf16": 1e-8, "fp32_master": 1e-8}  # AdamW's eps per mode (see the docstring)
+
+
+def _batch(device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randint(0, SMALL["vocab_size"], (2, SMALL["context_length"]), generator=g)
+    y = torch.randint(0, SMALL["vocab_size"], (2, SMALL["context_length"]), generator=g)
+    return x.to(device), y.to(device)
+
+
+def _reference(model: BasicsTransformerLM, mode: str, x, y) -> list[float]:
+    """The plain step in one process over the whole batch; returns the losses."""
+    if mode == "bf16":
+        model.to(torch.bfloat16)
+    opt = AdamW(model.parameters(), lr=LR, eps=EPS[mode])
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=mode == "fp32_master"):
+            loss = cross_entropy(model(x), y).sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _compare(rank, world_size, device, mode: str, attention: str, compile_blocks: bool) -> None:
+    torch.manual_seed(0)
+    ref = BasicsTransformerLM(**SMALL, attention_impl="sdpa", device=device)
+    ours = copy.deepcopy(ref)
+    init = [p.detach().float().cpu().clone() for p in ref.parameters()]
+    x, y = _batch(device)
+    cfg = LeaderboardConfig(
+        param_mode=mode,
+        attention=attention,
+        compile=compile_blocks,
+        checkpoint_blocks=1,  # one block recomputed, one not
+        loss_chunk=100,  # ragged chunks: 256 = 100 + 100 + 56
+        lr=LR,
+        eps=EPS[mode],
+    )
+    step = build_leaderboard_step(ours, cfg)
+    mine = slice(rank, rank + 1) if world_size > 1 else slice(None)
+    losses = []
+    for _ in range(STEPS):
+        loss = step(x[mine], y[mine])
+        if world_size > 1:
+            dist.all_reduce(loss)
+            loss /= world_size
+        losses.append(loss.item())
+    ref_losses = _reference(ref, mode, x, y)
+    loss_rtol, update_rtol = TOLERANCES[mode]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=0)
+    params = zip(ref.named_parameters(), ours.parameters(), init, strict=True)
+    for (name, p_ref), p_ours, before in params:
+        ours_f, ref_f = p_ours.detach().float().cpu(), p_ref.detach().float().cpu()
+        moved_ref, moved_ours = ref_f - before, ours_f - before
+        error = ((moved_ours - moved_ref).norm() / moved_ref.norm()).item()
+        bound = update_rtol[0] if p_ref.ndim >= 2 else update_rtol[1]
+        assert error <= bound, f"{mode} {name}: update differs from the reference's by {error:.3f} (relative)"
+    assert [n for n, _ in transformer_units(ours)][-1] == "head"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp32_master"])
+def test_leaderboard_step_on_two_ranks_matches_the_single_process_step(mode, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # gloo ranks compute on the CPU, also on a GPU host
+    spawn(_compare, 2, mode, "sdpa", False, timeout_s=200)
+
+
+def test_leaderboard_step_without_a_process_group_matches_too():
+    _compare(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), "fp32", "sdpa", False)
+
+
+def test_leaderboard_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="param_mode"):
+        LeaderboardConfig(param_mode="fp16")
+    with pytest.raises(ValueError, match="checkpoint_blocks"):
+        LeaderboardConfig(checkpoint_blocks=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("attention", ["flash_triton", "sdpa"])
+def test_leaderboard_step_on_one_gpu_compiled_matches_the_reference_gpu(attention):
+    """The real path on one GPU (NCCL, one rank): compiled blocks, our attention, side-stream updates."""
+    spawn(_compare, 1, "bf16", attention, True, backend="nccl", timeout_s=500)
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(600)
+def test_leaderboard_step_on_two_gpus_matches_the_reference_gpu():
+    spawn(_compare, 2, "bf16", "flash_triton", True, backend="nccl", timeout_s=500)
+
+
+# --------------------------------------------------------------------------------------------------
+# The study: timing protocol, memory plan, facts, the quick run
+# --------------------------------------------------------------------------------------------------
+
+
+def test_do_bench_all_ranks_makes_do_bench_calls():
+    from cs336_systems.measure.timing import do_bench_all_ranks
+
+    calls = []
+    result = do_bench_all_ranks(
+        lambda: calls.append(1), warmup_ms=1.0, rep_ms=2.0, estimate_calls=3, device="cpu"
+    )
+    # one first call, 3 to estimate, then max(1, warmup / estimate) and max(1, rep / estimate)
+    assert result["n_warmup"] == max(1, int(1.0 / result["estimate_ms"]))
+    assert result["n_repeat"] == max(1, int(2.0 / result["estimate_ms"]))
+    assert len(calls) == result["calls"] == 1 + 3 + result["n_warmup"] + result["n_repeat"]
+    assert len(result["times_ms"]) == result["n_repeat"] and min(result["times_ms"]) >= 0
+    with pytest.raises(ValueError, match="rep_ms"):
+        do_bench_all_ranks(lambda: None, warmup_ms=1, rep_ms=0)
+
+
+def test_memory_plan_of_the_8b_config():
+    from cs336_systems.model import get_config
+    from cs336_systems.studies import training_leaderboard_memory as memory
+
+    cfg = get_config("8B_leaderboard")
+    plan = memory.memory_plan(cfg, batch=1, world_size=2, loss_chunk=4096)
+    n = cfg.num_params()
+    assert 8.1e9 < plan["params"] == n < 8.2e9
+    assert plan["state_ours_bf16"] == n * (2 + 4 / 2)  # full bf16 weights + half of bf16 m, v
+    assert plan["state_stock_fp32_master"] == n * 16 / 2
+    assert plan["block_inputs"] == 34 * 32768 * 4096 * 2
+    assert plan["logits_bf16"] == 32768 * 151936 * 2  # ~10 GB: never materialised
+    assert 4 * memory.GiB < plan["block_saved"] < 10 * memory.GiB  # q, k, v, o, the SwiGLU hidden, ...
+    one = memory.memory_plan(cfg, batch=1, world_size=1, loss_chunk=4096)
+    h200 = 139.8 * memory.GiB
+    assert memory.skip_note(one, cfg, path="ours", mode="bf16", capacity=h200) is None
+    assert "skipped: needs at least" in memory.skip_note(
+        one, cfg, path="stock", mode="fp32_master", capacity=h200
+    )
+
+
+def _row(
+    impl, metric, value, dtype="bf16", name="8B_leaderboard:34L", x_name="world_size", x_value=2, note=""
+):
+    from cs336_systems.measure.results import make_row
+
+    config = {"batch_per_rank": 1, "rep_ms": 30000.0, "warmup_ms": 10000.0, "bench": {"n_repeat": 5}}
+    return make_row(problem="training_leaderboard", name=name, impl=impl, dtype=dtype, mode="train",
+                    x_name=x_name, x_value=x_value, metric=metric, unit="", value=value, note=note,
+                    config=config)  # fmt: skip
+
+
+def test_facts_say_not_run_without_rows_and_quote_the_latest_run():
+    import pandas as pd
+
+    from cs336_systems.measure.results import COLUMNS
+    from cs336_systems.studies import training_leaderboard_results as results
+
+    assert results.facts(pd.DataFrame(columns=COLUMNS)) == {"status": "not run"}
+    rows = [
+        _row("stock", "step_ms", 6000.0),
+        _row("ours", "step_ms", 4800.0),
+        _row("ours", "mfu_datasheet", 0.5),
+    ]
+    rows += [
+        _row("ours", "peak_memory_gib", g, x_name="rank", x_value=r) for r, g in enumerate((100.0, 101.0))
+    ]
+    rows += [_row("ours", "step_ms", 4000.0, dtype="fp32_master"), _row("stock", "step_ms", math.nan,
+             dtype="fp32_master", note="OOM")]  # fmt: skip
+    rows += [_row("all", "wall_s", 540.0, name="run", note="cold caches")]
+    facts = results.facts(pd.DataFrame(rows))
+    head = facts["headline"]
+    assert head["mode"] == "bf16" and head["ratio"] == pytest.approx(0.8) and facts["meets_goal"]
+    assert head["ours_peak_gib"] == 101.0 and head["ours_mfu"] == 0.5 and head["batch"] == 2
+    assert facts["wall_s"] == 540.0 and facts["wall_cold"] and facts["wall_within_limit"]
+    assert facts["failures"] == [
+        {"config": "8B_leaderboard:34L", "path": "stock", "mode": "fp32_master", "note": "OOM"}
+    ]
+    assert facts["protocol"]["n_repeat"] == 5
+    assert facts["phases"] == {}  # no phase rows in this frame
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
+    from cs336_systems.studies import training_leaderboard, training_leaderboard_results
+
+    df = training_leaderboard.main(["--quick", "--results-dir", str(tmp_path)])
+    step = df[df.metric == "step_ms"]
+    assert sorted(zip(step.impl, step.dtype)) == sorted(
+        (p, m) for p in ("ours", "stock") for m in ("bf16", "fp32_master")
+    )
+    assert (step["mean"] > 0).all() and (step.note == "").all()
+    for metric in (
+        "forward_ms",
+        "backward_ms",
+        "optimizer_step_ms",
+        "tflops",
+        "comm_ms",
+        "checkpoint_blocks",
+    ):
+        assert metric in set(df.metric), metric
+    assert len(list(tmp_path.glob("training_leaderboard__trace_ours-*_ws2.json.gz"))) == 2
+    facts = training_leaderboard_results.facts(df)
+    assert facts["status"] == "quick CPU run" and facts["wall_s"] > 0 and not facts["failures"]
+    assert set(facts["phases"]) == {"forward", "backward", "optimizer_step"}
+    assert all(set(v) == {"ours", "stock"} for v in facts["phases"].values())
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_small_gpu_run_measures_ours_and_stock_in_both_modes_gpu(tmp_path):
+    """The CLI's GPU path on a small config: NCCL on one rank, compiled blocks, FSDP2, auto checkpointing."""
+    from cs336_systems.studies import training_leaderboard
+
+    argv = ["--size", "small", "--layers", "2", "--context-length", "256", "--nproc", "1", "--rep-ms", "50"]
+    argv += ["--warmup-ms", "10", "--estimate-calls", "2", "--param-modes", "bf16", "fp32_master"]
+    df = training_leaderboard.main([*argv, "--results-dir", str(tmp_path)])
+    step = df[df.metric == "step_ms"]
+    assert len(step) == 4 and (step.note == "").all() and (step["mean"] > 0).all(), step
+    assert (df[df.metric == "peak_memory_gib"]["mean"] > 0).all()
+    assert "checkpoint_blocks" in set(df.metric) and "wall_s" in set(df.metric)
