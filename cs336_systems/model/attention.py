@@ -49,6 +49,15 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
+def _sdpa_cudnn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
+    """SDPA pinned to its cuDNN backend (PyTorch's default order tries FlashAttention-2 first; on
+    Hopper cuDNN's kernels are faster at long contexts, see the flash_hopper notebook)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
 def _flash_pytorch(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
     from cs336_systems.attention import FlashAttentionPytorch
 
@@ -64,6 +73,7 @@ def _flash_triton(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
 ATTENTION_IMPLS: dict[str, AttentionFn] = {
     "naive": _naive,
     "sdpa": _sdpa,
+    "sdpa_cudnn": _sdpa_cudnn,
     "flash_pytorch": _flash_pytorch,
     "flash_triton": _flash_triton,
 }

@@ -378,7 +378,10 @@ def _parser():
         "--paths", nargs="+", choices=PATHS, default=list(d.paths), help="ours, the stock FSDP2 step"
     )
     p.add_argument(
-        "--attention", choices=["flash_triton", "sdpa"], default=d.attention, help="attention of ours"
+        "--attention",
+        choices=["flash_triton", "sdpa", "sdpa_cudnn"],
+        default=d.attention,
+        help="attention of ours",
     )
     p.add_argument("--checkpoint-blocks", default=d.checkpoint_blocks, help="ours: 'auto' or how many blocks")
     p.add_argument("--loss-chunk", type=int, default=d.loss_chunk, help="tokens per LM-head + loss chunk")
