@@ -42,11 +42,6 @@ def _last_mean(rows: pd.DataFrame, metric: str) -> float:
     return float(sel.iloc[-1]) if len(sel) else math.nan
 
 
-def _last_mean(rows: pd.DataFrame, metric: str) -> float:
-    sel = rows[rows.metric == metric]["mean"]
-    return float(sel.iloc[-1]) if len(sel) else math.nan
-
-
 def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration: stock and ours mean step (ms), ratio, MFU, peak GiB, notes."""
     d = latest(df)
@@ -66,6 +61,24 @@ def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
             rec[f"{path}_mfu_mm"] = _last_mean(sel, "mfu_measured_peak")
             peaks = sel[sel.metric == "peak_memory_gib"]["mean"]
             rec[f"{path}_peak_gib"] = float(peaks.max()) if len(peaks) else math.nan
+        rec["ratio"] = rec["ours_ms"] / rec["stock_ms"]
+        out.append(rec)
+    return pd.DataFrame(out)
+
+
+def attention_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Every run of each configuration by the attention of ours, with stock from the same run (rows
+    of one invocation share the commit and the resolved configuration, which names the attention)."""
+    steps = df[(df.metric == "step_ms") & (df.x_name == "world_size")].copy()
+    if steps.empty:
+        return pd.DataFrame()
+    steps["attention"] = [_config(r).get("attention", "") for r in steps.itertuples()]
+    out = []
+    keys = ["name", "dtype", "x_value", "git_sha", "attention"]
+    for (name, dtype, world, sha, attention), g in steps.groupby(keys, sort=False):
+        ms = g.groupby("impl")["mean"].last()
+        rec = {"config": name, "mode": dtype, "GPUs": int(world), "attention of ours": attention}
+        rec |= {"ours_ms": ms.get("ours", math.nan), "stock_ms": ms.get("stock", math.nan), "git": sha[:10]}
         rec["ratio"] = rec["ours_ms"] / rec["stock_ms"]
         out.append(rec)
     return pd.DataFrame(out)
@@ -151,6 +164,12 @@ def facts(df: pd.DataFrame) -> dict:
             for m in PHASE_METRICS
             if m in by_path.columns
         }
+    cold = df[(df.metric == "wall_s") & (df.note == "cold caches")]
+    if len(cold):
+        out["cold_wall_s"] = float(cold["mean"].iloc[-1])
+    by_attention = attention_table(df)
+    if len(by_attention):
+        out["by_attention"] = by_attention.to_dict("records")
     wall = d[d.metric == "wall_s"]
     if len(wall):
         last = wall.iloc[-1]
