@@ -35,9 +35,7 @@ nb.md(
     "adapter name of both years onto the package), so they are answered by the tests named, not by a section. "
     "The test counts are the `test_*` functions in each file; the status is read from the committed rows"
     + (
-        " (what the handout asks for that no row covers is named: "
-        + ", ".join(facts["not_run"])
-        + ")."
+        " (what the handout asks for that no row covers is named: " + ", ".join(facts["not_run"]) + ")."
         if facts["not_run"]
         else "."
     )
@@ -51,11 +49,6 @@ show_table(
     caption="Every handout problem: where it is answered, the tests that cover it, its status",
     provenance_from="the index in cs336_systems/studies/problem_index.py; counts and status read from tests/ "
     "and figures/data/ when this document was built",
-    wrap={
-        "problem": 0.2,
-        "answered in": 0.17,
-        "module": 0.15,
-        "tests (count)": 0.17,
-        "status": 0.17,
-    },
+    wrap={"problem": 0.22, "answered in": 0.25, "tests (count)": 0.18, "status": 0.16},
+    breakable=True,
 )

@@ -92,15 +92,17 @@ if measured:
         formats={
             "share": "{:.0%}",
             "calls": "{:.0f}",
-            "(d) matmul infer": "{:.0%}",
-            "matmul train": "{:.0%}",
-            "(e) softmax/mm time": "{:.2f}",
+            "(d) mm infer": "{:.0%}",
+            "mm train": "{:.0%}",
+            "(e) smax/mm t": "{:.2f}",
             "FLOPs": "{:.3f}",
-            "fwd span ms": "{:.1f}",
+            "(a) span ms": "{:.1f}",
             "timer ms": "{:.1f}",
             "bench ms": "{:.1f}",
         },
-        note="xmma_gemm tn 128x128x8 stands for sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_...",
+        note="span: the profiled forward on the GPU; timer: the Python timer of that step; bench: the unprofiled "
+        "benchmark; share: of the forward's kernel time; mm: the matmul share of kernel time; smax/mm: softmax "
+        "over QK^T + PV; xmma_gemm tn 128x128x8 is sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_...",
     )
     save_figure(timing_analysis.plot_class_shares(frame, ctx), "nsys_profile__class_shares")
 

@@ -89,21 +89,21 @@ nb.md(" ".join(answer))
 # %% tags=["remove-input"]
 table = timing_analysis.mixed_table(stats)
 if nb.have_results(stats, "the fp32 vs bf16 timings"):
-    keep = [
-        (p, c) for p in ("forward (no_grad)", "backward", "train step") for c in ("fp32", "bf16", "speed-up")
+    keep = [("train step", "fp32"), ("train step", "bf16")] + [
+        (p, "speed-up") for p in ("forward (no_grad)", "forward", "backward", "optimizer step", "train step")
     ]
     show_table(
         table[keep].reset_index(),
-        caption=f"(c) ms per step, fp32 vs bf16 autocast, and the speed-up (mean of {plan.steps} steps after "
-        f"{plan.warmup} warm-up steps, context {plan.context_length}, batch 4)",
+        caption=f"(c) Training step in ms, fp32 and bf16 autocast, and the speed-up of every phase (mean of "
+        f"{plan.steps} steps after {plan.warmup} warm-up steps, context {plan.context_length}, batch 4)",
         provenance_from=df[df["name"] != "toy_model"],
-        formats={f"{p} speed-up": "{:.2f}x" for p, _ in keep},
-        note="forward (no_grad): --mode forward; backward and train step: --mode train; every phase in the figure. "
-        "fp32 rows are those of the same GPU session, so they can differ slightly from benchmarking_script's",
+        formats={f"{p} {c}": "{:.2f}x" for p, c in keep if c == "speed-up"},
+        note="forward (no_grad): --mode forward; the other phases: --mode train. fp32 rows are those of the same "
+        "GPU session, so they can differ slightly from benchmarking_script's",
     )
     save_figure(timing_analysis.plot_mixed(table), "benchmarking_mixed_precision__speedup")
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 ln = autocast_study.layernorm_frame()
 show_table(
     ln[["dtype", "spread", *[c for c in ln.columns if c not in ("dtype", "spread")]]].rename(

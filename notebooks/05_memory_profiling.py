@@ -77,9 +77,9 @@ if "train_peak_parts" in facts:
 if "state_GiB" in facts and "train_peak_parts" in facts:
     answer.append(
         f"**(b)** The peak grows with the context length (table). At context {ctx} it is made of "
-        f"{parts['allocated before the step, kept']:.1f} GiB allocated before the step, "
+        f"{parts['kept from before the step']:.1f} GiB allocated before the step, "
         f"{parts['activations saved by forward']:.1f} GiB of activations saved by the forward pass, "
-        f"{parts['gradients (allocated in backward, kept)']:.1f} GiB of gradients produced so far and "
+        f"{parts['gradients so far']:.1f} GiB of gradients produced so far and "
         f"{parts['temporaries and outputs']:.1f} GiB of temporaries, {parts['total']:.1f} GiB in the snapshot"
         + (
             f" ({facts['allocator_minus_snapshot_GiB']:.2f} GiB below the allocator's peak)"
@@ -154,7 +154,7 @@ if nb.have_results(breakdown, "memory_profiling"):
         f"was alive at the context-{ctx} peak, read from the allocator snapshots",
         provenance_from=df[df.metric == "peak_memory"],
         formats={c: "{:.2f}" for c in breakdown.columns},
-        wrap={f"GiB, {size}, batch 4": 0.42},
+        wrap={f"GiB, {size}, batch 4": 0.36},
     )
 
 # %% tags=["remove-input"]
@@ -183,7 +183,7 @@ if not timelines:
 # block under `torch.autograd.graph.saved_tensors_hooks` on the meta device and attributes each saved
 # storage to the first forward op that saved it (Nsight Systems is not installed on our GPU hosts).
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 t = max(results_f)
 show_table(
     memory.by_op_frame(results_f[t]),

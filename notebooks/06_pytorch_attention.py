@@ -109,7 +109,7 @@ if nb.have_results(tab, "pytorch_attention"):
 # `torch.cuda.memory_allocated()` is the memory before backward, and 100 backward passes of that graph.
 # T = 32768 was added because the accounting predicted that the whole handout grid fits in 141 GB.
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 if oom is not None:
     show_table(
         attention_results.accounting_table(

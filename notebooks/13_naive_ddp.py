@@ -52,7 +52,7 @@ nb.md(
     f"(`no_sync`), parameters without gradients and 3 ranks."
 )
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "remove-cell"]
 src = inspect.getsource(NaiveDDP.finish_gradient_synchronization)
 nb.md(f"The gradient synchronization of `NaiveDDP`:\n\n```python\n{src}```")
 

@@ -183,7 +183,7 @@ if model is not None:
     )
     nb.md(text)
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 if model is not None:
     show_table(
         model["table"],

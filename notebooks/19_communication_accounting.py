@@ -75,7 +75,7 @@ any activation or the BF16 working copy of the weights is counted."""
 # $$A(T) = T \cdot L \cdot (d_\text{model} + d_\text{ff}) \cdot 2 \text{ bytes for a batch of } T \text{ tokens.}$$
 # The handout gives no batch size, so $A$ is reported per token and for a few example batches.
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 show_table(
     communication_accounting.memory_terms_table(),
     caption=f"communication_accounting (a): memory of the XXL model, P = {facts['params']:,} parameters",
@@ -158,7 +158,7 @@ plt.show()
 # If the two collectives also overlapped each other (compare with the max instead of the sum), the
 # conditions separate into $B/N \ge \alpha/(Y M_X)$ and $F \ge \alpha Y / M_Y$; this gives a lower bound.
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 show_table(
     communication_accounting.tpu_table(tpu),
     caption="communication_accounting (c): TPU v5p, X = 16 (FSDP), Y = 4 (TP), M_X = 2, M_Y = 1, N = 64",

@@ -100,21 +100,25 @@ nb.md(
 # %% tags=["remove-input"]
 if nb.have_results(df, sharding_bench.PROBLEM):
     steady = sharding_analysis.memory_table(df, rank=0).xs("steady:before_step", level="mode")
-    cols = ["params", "grads", "optimizer_state", "expected_optimizer_state", "other", "allocated", "peak",
-            "activations_peak"]  # fmt: skip
+    cols = ["params", "grads", "optimizer_state", "allocated", "peak", "activations_peak"]
     times = sharding_analysis.time_table(df)
-    times = times[[c for c in ("optimizer_time", "step_time") if c in times]]
+    times = times[[c for c in ("step_time",) if c in times]]
     show_table(
         steady[[c for c in cols if c in steady]]
-        .rename(columns={"activations_peak": "peak - start", "expected_optimizer_state": "expected"})
-        .join(times.rename(columns={"optimizer_time": "optimizer ms", "step_time": "step ms"}))
+        .rename(columns={"activations_peak": "peak - start", "optimizer_state": "opt. state"})
+        .join(times.rename(columns={"step_time": "step ms"}))
         .rename_axis("rank 0, steady state")
         .reset_index(),
         caption="(a), (b) GiB allocated on rank 0 right before a steady-state optimizer step, by component; the peak of "
         "that iteration and its rise above the iteration's start; ms per iteration (slowest rank)",
         provenance_from=df,
     )
-    save_figure(sharding_analysis.plot_memory_breakdown(df), f"{sharding_bench.PROBLEM}__memory")
+    save_figure(
+        sharding_analysis.plot_memory_breakdown(
+            df, points=("after_init", "steady:before_step", "steady:after_step")
+        ),
+        f"{sharding_bench.PROBLEM}__memory",
+    )
 
 # %% [markdown]
 # **(c), the volumes.** Per device for fp32 parameters and gradients and AdamW ($\Psi$ parameters, $N$
@@ -130,7 +134,7 @@ if nb.have_results(df, sharding_bench.PROBLEM):
 # `ZeroRedundancyOptimizer(AdamW)`. Memory is `torch.cuda.memory_allocated` per rank; the components are the
 # summed storages of parameters, gradients and optimizer state; "other" is the rest.
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 show_table(
     sharding_analysis.zero1_comparison("xl", 2).reset_index(),
     caption="optimizer_state_sharding_accounting (c): model-state memory and data sent per device per step, XL on "

@@ -116,7 +116,7 @@ if rows:
 if "waterfall" in facts:
     save_figure(train_step_results.plot_waterfall(df), "training_step__waterfall")
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 if "waterfall" in facts:
     show_table(
         train_step_results.waterfall_table(df).reset_index(names="stage"),

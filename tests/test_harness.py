@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cs336_systems.measure import flops
+from cs336_systems.measure.provenance import DIRTY_MARK, dirty_rows, is_dirty_sha, provenance
 from cs336_systems.measure.results import (
     COLUMNS,
     append_rows,
@@ -18,7 +19,6 @@ from cs336_systems.measure.results import (
     make_row,
     summarize,
 )
-from cs336_systems.measure.provenance import DIRTY_MARK, dirty_rows, is_dirty_sha, provenance
 from cs336_systems.measure.timing import PhaseTimer, kernel_time, time_steps
 
 

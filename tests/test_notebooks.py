@@ -398,9 +398,9 @@ def test_merge_places_named_notebooks_and_collects_the_appendix(tmp_path):
     )
     merged = assemble.merge([c, b, a], md)
     text = [c.source.splitlines()[0] for c in merged.cells if c.cell_type == "markdown"]
-    assert text == ["# Front", "# gamma", "# Part one", "# alpha", "# beta", "# Part two", "# Appendix"] + [
-        "## alpha",
-        "raw table",
+    assert text == [
+        *["# Front", "# gamma", "# Part one", "# alpha", "# beta", "# Part two", "# Appendix"],
+        *["## alpha", "raw table"],
     ]
     md.write_text("# Front\n<!-- notebooks -->\n# Appendix\n<!-- appendix -->\n")
     merged = assemble.merge([b], md)  # no appendix cells: neither the heading nor the marker prints

@@ -115,15 +115,15 @@ def test_memory_breakdown_adds_up_to_the_snapshot_peak_and_near_the_allocator_pe
     table = memory_analysis.breakdown_table(df, timelines)
     parts = memory_analysis.peak_parts(timelines["train"])
     col = "train step fp32"
-    part_rows = [r for r in table.index if r.startswith("at the context-512 peak")]
-    assert table.loc[part_rows, col].sum() == pytest.approx(table.loc["snapshot total at its peak", col])
+    part_rows = [r for r in table.index if r.startswith("T = 512 peak") and not r.endswith("snapshot total")]
+    assert table.loc[part_rows, col].sum() == pytest.approx(table.loc["T = 512 peak: snapshot total", col])
     assert parts["total"] == pytest.approx(timelines["train"].total.max() / 2**30)
-    allocator = table.loc["peak at context 512 (allocator)", col]
+    allocator = table.loc["peak, T = 512 (allocator)", col]
     assert 0 <= allocator - parts["total"] < 0.2  # the snapshot sees all but a sliver of the allocator's peak
     # at the peak the parameters and AdamW moments (12 bytes per parameter) are live, not the gradients
     state = 12 * 3406.8e6 / 2**30
-    assert parts["allocated before the step, kept"] == pytest.approx(state, rel=0.01)
-    assert parts["gradients (allocated in backward, kept)"] < 1 and parts["phase"] == "backward"
+    assert parts["kept from before the step"] == pytest.approx(state, rel=0.01)
+    assert parts["gradients so far"] < 1 and parts["phase"] == "backward"
 
 
 def test_layernorm_overflow_is_in_the_squares_not_the_mean():

@@ -70,4 +70,3 @@ def dirty_rows(results_dir_: str | os.PathLike | None = None) -> pd.DataFrame:
         for (sha, gpu), g in bad.groupby(["git_sha", "gpu_name"]):
             rows.append({"file": path.name, "git_sha": sha, "device": gpu, "rows": len(g)})
     return pd.DataFrame(rows, columns=["file", "git_sha", "device", "rows"])
-

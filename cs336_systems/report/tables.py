@@ -213,6 +213,7 @@ def _latex(
     caption: str | None,
     footer: str | None,
     wrap: Mapping[str, float] | None = None,
+    breakable: bool | None = None,
 ) -> str:
     is_numeric = dict(zip(cells.columns, numeric, strict=True))
     blocks = _column_blocks(cells, numeric, wrap)
@@ -220,7 +221,8 @@ def _latex(
     for i, cols in enumerate(blocks):
         spec = "".join(_spec(c, is_numeric[c], wrap) for c in cols)
         cap = caption if i == 0 else (f"{caption} (continued)" if caption else None)
-        render = _long_table if len(cells) > LONG_TABLE_ROWS else _short_table
+        long = len(cells) > LONG_TABLE_ROWS if breakable is None else breakable
+        render = _long_table if long else _short_table
         last = i == len(blocks) - 1
         parts.append(render(cells[cols], spec, cap, numbered=i == 0, footer=footer if last else None))
     body = "\n".join(parts)
@@ -280,6 +282,7 @@ def table(
     formats: Mapping[str, str | Callable[[object], str]] | None = None,
     note: str | None = None,
     wrap: Mapping[str, float] | None = None,
+    breakable: bool | None = None,
 ) -> Table:
     """Build (not display) the table; see `show_table`."""
     if not isinstance(df, pd.DataFrame):
@@ -294,7 +297,7 @@ def table(
     cells, numeric = _format_cells(flat, digits, formats)
     footer = _footer(df, provenance_from, note)
     plain = flat.to_string(index=False) + (f"\n{footer}" if footer else "")
-    latex = _latex(cells, numeric, caption, footer, wrap)
+    latex = _latex(cells, numeric, caption, footer, wrap, breakable)
     return Table(_markdown(cells, numeric, caption, footer), latex, plain)
 
 
@@ -307,6 +310,7 @@ def show_table(
     formats: Mapping[str, str | Callable[[object], str]] | None = None,
     note: str | None = None,
     wrap: Mapping[str, float] | None = None,
+    breakable: bool | None = None,
 ) -> None:
     """Display `df` as a table with an optional caption and a provenance footer.
 
@@ -315,9 +319,20 @@ def show_table(
     the provenance columns, else no footer). `digits`: significant digits of floats; `formats`:
     per-column format strings (`"{:.2f}"`) or callables; `note`: text placed before the provenance
     (e.g. the timing protocol); `wrap`: {column: share of the line width} for text columns whose
-    cells wrap in the PDF instead of widening the table (so it is not split into column blocks).
+    cells wrap in the PDF instead of widening the table (so it is not split into column blocks);
+    `breakable`: True forces a table that may break across pages (a longtable), False one that may not
+    (None: by the number of rows, `LONG_TABLE_ROWS`).
     """
-    t = table(df, caption, provenance_from, digits=digits, formats=formats, note=note, wrap=wrap)
+    t = table(
+        df,
+        caption,
+        provenance_from,
+        digits=digits,
+        formats=formats,
+        note=note,
+        wrap=wrap,
+        breakable=breakable,
+    )
     try:
         from IPython import get_ipython
         from IPython.display import display

@@ -41,9 +41,9 @@ __all__ = ["GPU_BLOCK_METRICS", "breakdown_table", "facts", "gpu_block_rows", "p
 
 # What is alive at a snapshot's peak, grouped from the timeline categories (memory_timeline.CATEGORIES).
 PEAK_PARTS = {
-    "allocated before the step, kept": ("kept",),
+    "kept from before the step": ("kept",),
     "activations saved by forward": ("fwd_saved",),
-    "gradients (allocated in backward, kept)": ("bwd_kept",),
+    "gradients so far": ("bwd_kept",),
     "temporaries and outputs": ("fwd_temp", "fwd_kept", "bwd_temp", "opt", "before_freed"),
 }
 # The snapshots of the notebook (timelines keys) and the peak-table columns they belong to.
@@ -75,11 +75,11 @@ def breakdown_table(df: pd.DataFrame, timelines: Mapping[str, Timeline]) -> pd.D
         return pd.DataFrame()
     cols = [c for c in (("fp32", "forward"), ("fp32", "train step"), ("bf16-autocast", "forward"),
                         ("bf16-autocast", "train step")) if c in num.columns]  # fmt: skip
-    rows = {f"peak at context {int(t)} (allocator)": num.loc[t, cols] for t in num.index}
+    rows = {f"peak, T = {int(t)} (allocator)": num.loc[t, cols] for t in num.index}
     parts = {SNAPSHOT_COLUMNS[k]: peak_parts(tl) for k, tl in timelines.items() if k in SNAPSHOT_COLUMNS}
     ctx = int(max(num.index))
     for part in [*PEAK_PARTS, "total"]:
-        label = f"at the context-{ctx} peak: {part}" if part != "total" else "snapshot total at its peak"
+        label = f"T = {ctx} peak: {part}" if part != "total" else f"T = {ctx} peak: snapshot total"
         rows[label] = pd.Series({c: parts[c][part] if c in parts else float("nan") for c in cols})
     out = pd.DataFrame(rows).T
     out.columns = [f"{step} {prec.replace('-autocast', '')}" for prec, step in cols]

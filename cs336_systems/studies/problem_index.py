@@ -192,18 +192,19 @@ def status(p: Problem, results_dir: Path, notebooks_dir: Path = NOTEBOOKS) -> st
 
 
 def overview(results_dir: str | Path | None = None, notebooks_dir: Path = NOTEBOOKS) -> pd.DataFrame:
-    """The overview table: part, problem, handout section, where it is answered, tests and status."""
+    """The overview table: part, problem, handout section, where it is answered (the notebook, or "code:"
+    for a problem answered by a tested class; then the modules), tests and status."""
     rdir = default_results_dir(results_dir)
     rows = []
     for p in PROBLEMS:
         tests = [f"{t} ({count_tests(t)})" for t in p.tests]
+        where = f"{p.notebook}; " if p.notebook else "code: "
         rows.append(
             {
                 "part": p.part,
                 "problem": p.problem,
                 "handout": p.handout,
-                "answered in": p.notebook or "code and tests",
-                "module": ", ".join(p.modules),
+                "answered in": where + ", ".join(p.modules),
                 "tests (count)": ", ".join(tests),
                 "status": status(p, rdir, notebooks_dir),
             }
@@ -216,7 +217,7 @@ def facts(table: pd.DataFrame) -> dict[str, object]:
     return {
         "problems_2025": int((table.part == "2025").sum()),
         "problems_2026": int((table.part == "2026").sum()),
-        "code_only": int((table["answered in"] == "code and tests").sum()),
+        "code_only": int(table["answered in"].str.startswith("code: ").sum()),
         "not_run": [r.problem for r in table.itertuples() if "not run" in r.status],
         "pending": [
             r.problem for r in table.itertuples() if r.status in ("not written yet", "not measured yet")

@@ -202,15 +202,15 @@ def summary_table(f: pd.DataFrame, bench: pd.DataFrame, context_length: int) -> 
     attn = at(attention_ratio(f, "inference"))
     out = pd.DataFrame(
         {
-            "fwd span ms": fwd["gpu_span_ms"],
+            "(a) span ms": fwd["gpu_span_ms"],
             "timer ms": fwd["python_ms"],
             "bench ms": fwd["benchmark_ms"],
-            "(b) top fwd kernel": top["kernel"].map(gemm_family),
+            "(b) top kernel": top["kernel"].map(gemm_family),
             "calls": top["calls"],
             "share": top["share"],
-            "(d) matmul infer": shares.get("inference/step"),
-            "matmul train": shares.get("train/step"),
-            "(e) softmax/mm time": attn["time_ratio"],
+            "(d) mm infer": shares.get("inference/step"),
+            "mm train": shares.get("train/step"),
+            "(e) smax/mm t": attn["time_ratio"],
             "FLOPs": attn["flop_ratio"],
         }
     )

@@ -300,8 +300,8 @@ def show_measurements(
     nb.md(f"Measured: {describe_setup(df)}.")
     save_figure(plot(summ, variants), figure_name)
     show_table(
-        summary_table(summ, variants),
-        caption="time per training step (ms, mean over timed steps)",
+        summary_table(summ, variants).drop(columns=["vs 1 GPU"]),
+        caption="Time per training step and its phases (ms, mean over the timed steps; slowest rank)",
         provenance_from=df,
     )
 
