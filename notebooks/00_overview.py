@@ -49,6 +49,6 @@ show_table(
     caption="Every handout problem: where it is answered, the tests that cover it, its status",
     provenance_from="the index in cs336_systems/studies/problem_index.py; counts and status read from tests/ "
     "and figures/data/ when this document was built",
-    wrap={"problem": 0.22, "answered in": 0.25, "tests (count)": 0.18, "status": 0.16},
+    wrap={"problem": 0.21, "answered in": 0.25, "tests (count)": 0.17, "status": 0.15},
     breakable=True,
 )

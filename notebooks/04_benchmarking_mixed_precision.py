@@ -92,14 +92,18 @@ if nb.have_results(stats, "the fp32 vs bf16 timings"):
     keep = [("train step", "fp32"), ("train step", "bf16")] + [
         (p, "speed-up") for p in ("forward (no_grad)", "forward", "backward", "optimizer step", "train step")
     ]
+    short = {"forward (no_grad)": "fwd no_grad", "forward": "fwd", "backward": "bwd", "optimizer step": "opt",
+             "train step": "step"}  # fmt: skip
+    shown = table[keep]
+    shown.columns = [f"{short[p]} ms {c}" if c != "speed-up" else f"{short[p]} x" for p, c in keep]
     show_table(
-        table[keep].reset_index(),
-        caption=f"(c) Training step in ms, fp32 and bf16 autocast, and the speed-up of every phase (mean of "
-        f"{plan.steps} steps after {plan.warmup} warm-up steps, context {plan.context_length}, batch 4)",
+        shown.reset_index(),
+        caption=f"(c) Training step (ms) in fp32 and bf16 autocast, and the bf16 speed-up (x) of every phase "
+        f"(mean of {plan.steps} steps after {plan.warmup} warm-up steps, context {plan.context_length}, batch 4)",
         provenance_from=df[df["name"] != "toy_model"],
-        formats={f"{p} {c}": "{:.2f}x" for p, c in keep if c == "speed-up"},
-        note="forward (no_grad): --mode forward; the other phases: --mode train. fp32 rows are those of the same "
-        "GPU session, so they can differ slightly from benchmarking_script's",
+        formats={c: "{:.2f}" for c in shown.columns if c.endswith(" x")},
+        note="fwd no_grad: --mode forward; the other phases: --mode train. fp32 rows are those of the same GPU "
+        "session, so they can differ slightly from benchmarking_script's",
     )
     save_figure(timing_analysis.plot_mixed(table), "benchmarking_mixed_precision__speedup")
 

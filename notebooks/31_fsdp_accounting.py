@@ -115,14 +115,8 @@ if nb.have_results(parity, "the fp32 parity runs"):
     nb.md(fsdp_parity.answer(parity))
 
 # %% tags=["remove-input", "appendix"]
-if len(slack):
-    show_table(
-        slack.reset_index(),
-        caption="fsdp_accounting (b): all-gather waits in one profiled step (rank 0)",
-        provenance_from=df,
-    )
 if len(parity):
-    for table, caption, rows in fsdp_parity.tables(parity):
+    for table, caption, rows in fsdp_parity.tables(parity)[:1]:  # the first device's; the answer quotes all
         show_table(
             table,
             caption=f"fsdp_accounting: {caption}",

@@ -192,7 +192,7 @@ def forward_table(f: pd.DataFrame, bench: pd.DataFrame) -> pd.DataFrame:
 
 def summary_table(f: pd.DataFrame, bench: pd.DataFrame, context_length: int) -> pd.DataFrame:
     """(a)-(e) in one table at one context length, a row per size: forward span (profiler) against the
-    Python timer and the unprofiled benchmark; the forward's top kernel, its launches and share; the
+    Python timer; the forward's top kernel, its launches and share; the
     matmul share of kernel time in inference and in a training step; softmax against the attention
     matmuls, in time and in FLOPs."""
     at = lambda t: t.xs(context_length, level="context_length")
@@ -202,15 +202,14 @@ def summary_table(f: pd.DataFrame, bench: pd.DataFrame, context_length: int) -> 
     attn = at(attention_ratio(f, "inference"))
     out = pd.DataFrame(
         {
-            "(a) span ms": fwd["gpu_span_ms"],
+            "span ms": fwd["gpu_span_ms"],
             "timer ms": fwd["python_ms"],
-            "bench ms": fwd["benchmark_ms"],
-            "(b) top kernel": top["kernel"].map(gemm_family),
+            "top kernel": top["kernel"].map(gemm_family),
             "calls": top["calls"],
             "share": top["share"],
-            "(d) mm infer": shares.get("inference/step"),
+            "mm infer": shares.get("inference/step"),
             "mm train": shares.get("train/step"),
-            "(e) smax/mm t": attn["time_ratio"],
+            "smax t": attn["time_ratio"],
             "FLOPs": attn["flop_ratio"],
         }
     )
