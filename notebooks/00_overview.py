@@ -29,8 +29,8 @@ facts = problem_index.facts(table)
 
 # %% tags=["remove-input"]
 nb.md(
-    f"The table lists the {facts['problems_2025']} problems of the 2025 handout in its order, then the "
-    f"{facts['problems_2026']} 2026 additions answered here. {facts['code_only']} problems are code only: their "
+    f"The table lists the {facts['problems_2025']} problems of the 2025 handout in its order, then "
+    f"{facts['problems_2026']} additions of the 2026 handout. Of these, {facts['code_only']} are code only: their "
     "deliverable is a class that the official tests exercise (`tests/adapters.py` maps every official "
     "adapter name of both years onto the package), so they are answered by the tests named, not by a section. "
     "The test counts are the `test_*` functions in each file; the status is read from the committed rows"

@@ -123,7 +123,7 @@ nb.md(
     )
 )
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "remove-cell"]
 if trace_path.exists():
     fig = profile.plot_timeline(
         profile.load_trace(trace_path),

@@ -52,14 +52,13 @@ if "dtype_of" in facts:
     )
 answer.append(
     ("**(b)** " if answer else "**Answer.** **(b)** ")
-    + "The sensitive parts are the squared deviations and the reductions (mean, variance), then `rsqrt` of a "
-    f"small variance. In fp16 a square overflows once a deviation exceeds "
+    + "The sensitive parts are the squared deviations and the reductions (mean, variance). In fp16 a square overflows once a deviation exceeds "
     f"{facts['fp16_overflow_deviation']:.0f} (largest finite value {facts['fp16_largest_finite']:.0f}): with "
     f"std 300 the variance becomes inf and the output is lost (max error {facts['fp16_output_error_wide']:.1f}). "
     + (
         "torch's fp16 `mean` accumulates in fp32 (checked live: the mean of "
         f"{facts['layernorm_width']} squares of 16 is finite although their sum is not), so here only the squares "
-        "overflow; a kernel that summed in fp16 would overflow already when the squares' RMS exceeded "
+        "overflow; a kernel that summed in fp16 would overflow already when the deviations' RMS exceeded "
         f"{facts['fp16_sum_overflow_rms']:.0f}. "
         if facts["fp16_mean_accumulates_wider"]
         else ""

@@ -166,7 +166,7 @@ for mode, tl in timelines.items():
         tl,
         title=f"(a) {size}, context {ctx}, fp32: {what}",
         above_kept=mode == "forward",
-        figsize=(7.0, 2.2) if mode == "forward" else (7.0, 3.0),
+        figsize=(7.0, 2.4) if mode == "forward" else (7.0, 3.2),
     )
     save_figure(fig, f"memory_profiling__timeline_{mode}")
 if not timelines:

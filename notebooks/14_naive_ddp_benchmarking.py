@@ -58,6 +58,7 @@ if nb.have_results(df, train_bench.PROBLEM) and facts["naive_measured"]:
         ["single", "naive", "flat", "overlap"],
         plot_step_breakdown,
         "naive_ddp_benchmarking__step_breakdown",
+        show_figure=False,
     )
 
 # %% [markdown]

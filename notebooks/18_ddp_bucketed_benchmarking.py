@@ -121,6 +121,9 @@ if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
         provenance_from=df,
         note="the variants without buckets: the naive_ddp_benchmarking table (same run)",
     )
+
+# %% tags=["remove-input", "remove-cell"]
+if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
     save_figure(plot_bucket_sweep(summ), f"{problem}__bucket_sweep")
 
 # %% [markdown]

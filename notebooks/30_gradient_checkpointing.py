@@ -154,7 +154,7 @@ if nb.have_results(meas, "gradient_checkpointing"):
 # adds 16 bytes per parameter of fp32 training state (weights, gradients, AdamW m and v); backward
 # gradient buffers, the embedding and the logits come on top.
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 n = model["num_blocks"]
 sel = cost[(cost.strategy != "block") | cost.group_size.isin([1, 2, 4, 8, 16, n])].reset_index(drop=True)
 show_table(

@@ -84,7 +84,7 @@ if nb.have_results(parts, fsdp_bench.PROBLEM):
         note="start = allocated after the optimizer step minus the gradients, which zero_grad(set_to_none=True) frees",
         formats={c: "{:.2f}" for c in parts.columns},
     )
-_ = fsdp_analysis.render_figures(df, results_dir, show=("__memory", "__timeline_fsdp"))
+_ = fsdp_analysis.render_figures(df, results_dir, show=("__timeline_fsdp",))
 
 # %% [markdown]
 # **Setup.** `python -m cs336_systems.studies.distributed.fsdp_bench`: the 2026 xl model (the 2025 2.7B

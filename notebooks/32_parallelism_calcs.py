@@ -72,12 +72,14 @@ show_table(
 # $T_\text{ring} = 2\frac{N-1}{N}\frac{S}{W}$, so the alternate scheme is $N/2$ times slower: its traffic
 # per device grows linearly with $N$ instead of staying below $2S$.
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "remove-cell"]
 show_table(
     parallelism_calcs.simulation_table(),
     caption="Step-by-step simulation of both all-reduce algorithms (both produce the exact sum)",
     provenance_from=SOURCE,
 )
+
+# %% tags=["remove-input"]
 save_figure(
     parallelism_calcs.plot_all_reduce_times(setting, allreduce_bytes, n_max),
     "alternate_ring_all_reduce__time_vs_n",

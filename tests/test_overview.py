@@ -47,7 +47,7 @@ def test_overview_status_comes_from_the_rows():
     comm = table.set_index("problem").loc["distributed_communication_single_node", "status"]
     assert "not run: nccl at 4, 6 processes" in comm and "at most 2 GPUs" in comm
     code = table[table["answered in"].str.startswith("code: ")]
-    assert (code.status.str.startswith("tested on CPU")).all()
+    assert (code.status.str.startswith("CPU tests")).all()
     facts = pi.facts(table)
     assert facts["not_run"] == ["distributed_communication_single_node"] and facts["pending"] == []
     assert facts["problems_2025"] + facts["problems_2026"] == len(table)

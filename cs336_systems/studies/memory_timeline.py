@@ -287,7 +287,15 @@ def plot_active_memory_timeline(
     if title:
         ax.set_title(title)
     handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    ax.legend(
+        handles[::-1],
+        labels[::-1],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.2),
+        ncol=2,
+        fontsize=7,
+        frameon=False,
+    )
     ax.grid(False)
     return fig
 

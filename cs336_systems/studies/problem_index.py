@@ -171,7 +171,9 @@ def status(p: Problem, results_dir: Path, notebooks_dir: Path = NOTEBOOKS) -> st
     if p.notebook is not None and not (notebooks_dir / f"{p.notebook}.py").exists():
         return "not written yet"
     if p.kind == "code":
-        return "tested on CPU" + (" and GPU" if any("triton" in t or "hopper" in t for t in p.tests) else "")
+        return "CPU tests" + (
+            " (+ GPU-marked tests)" if any("triton" in t or "hopper" in t for t in p.tests) else ""
+        )
     if p.kind == "written":
         return "derived; numbers computed"
     if p.kind == "computed":
