@@ -193,7 +193,7 @@ example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_nu
 # reached at $N_{FSDP} = \frac{BW}{2C}$, $N_{TP} = \frac{3}{4}\frac{D_{FF} W}{C}$: half of each limit of (c), and
 # a quarter of the overlapped maximum.
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "remove-cell"]
 show_table(
     parallelism_calcs.summary_table(setting),
     caption=f"One FFN layer (D = {setting.d_model}, D_FF = {setting.d_ff}, B = {batch_tokens} tokens) "
