@@ -78,6 +78,16 @@ def test_facts_with_graph_rows_use_the_graph_times():
     assert f["dominated_up_to"] == {"flash_triton": 16384, "naive": 2048}
     assert f["overhead_ms"]["flash_triton"] == pytest.approx((0.99 + 1.05) / 2)
     assert math.isnan(f.get("floor_ms", math.nan))  # no sweep rows in this frame
+    table = fo.overhead_table(pd.DataFrame(rows))
+    assert list(table.columns) == [
+        "N",
+        "flash_triton eager",
+        "flash_triton graph",
+        "naive eager",
+        "naive graph",
+    ]
+    assert table.set_index("N").loc[16384, "naive graph"] == "14.8" and len(table.attrs["rows"]) == 12
+    assert fo.overhead_table(load_results("flash_benchmarking", DATA)).empty  # no graph rows committed
 
 
 def test_plot_with_and_without_graph_rows(tmp_path):
