@@ -114,7 +114,7 @@ parity = load_results(fsdp_parity.PROBLEM, results_dir)
 if nb.have_results(parity, "the fp32 parity runs"):
     nb.md(fsdp_parity.answer(parity))
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 if len(parity):
     for table, caption, rows in fsdp_parity.tables(parity)[:1]:  # the first device's; the answer quotes all
         show_table(
