@@ -11,10 +11,9 @@
 # ---
 
 # %% [markdown]
-# # 1.1.5 mixed_precision_accumulation
+# # mixed_precision_accumulation (2025 §1.1.5)
 # Add 0.01 to a scalar one thousand times with four combinations of accumulator and increment
-# precision (fp32/fp32, fp16/fp16, fp32 += fp16, fp32 += fp16 cast to fp32), and comment on the
-# accuracy of each result.
+# precision (fp32/fp32, fp16/fp16, fp32 += fp16, fp32 += fp16 cast to fp32); comment on the accuracy.
 
 # %% tags=["parameters"]
 measure = "auto"  # no GPU needed: the four loops are computed live in every mode

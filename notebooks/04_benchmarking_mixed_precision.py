@@ -11,13 +11,10 @@
 # ---
 
 # %% [markdown]
-# # 1.1.5 benchmarking_mixed_precision
-# (a) Run the toy model (fc1 -> ReLU -> LayerNorm -> fc2, fp32 parameters) under fp16 autocast and
-# give the dtypes of the parameters inside autocast, the fc1 output, the LayerNorm output, the
-# logits, the loss and the gradients. (b) Which parts of LayerNorm are sensitive to mixed precision,
-# and does bf16 still need LayerNorm treated specially? (c) Time the forward and backward passes of
-# all five sizes with and without bf16 mixed precision and comment on how the trend changes with
-# model size.
+# # benchmarking_mixed_precision (2025 §1.1.5)
+# (a) Under fp16 autocast, the dtypes of the toy model's parameters, fc1 output, LayerNorm output,
+# logits, loss and gradients. (b) Which parts of LayerNorm are sensitive to low precision, and does
+# bf16 still need care? (c) Forward and backward times of all sizes with and without bf16 autocast.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when a GPU is present, else render the committed results
@@ -42,103 +39,86 @@ stats = stats[stats.x == plan.context_length]
 facts = autocast_study.facts(df, context_length=plan.context_length)
 
 # %% tags=["remove-input"]
-if nb.have_results(dtypes, "the toy model's dtypes"):
-    show_table(
-        dtypes,
-        caption=f"(a) dtypes observed in one training step of the toy model under {dtypes.attrs['autocast_dtype']} "
-        f"autocast on {dtypes.attrs['gpu_name']}",
-        provenance_from=df[df["name"] == "toy_model"],
-        note="Read off the run: forward hooks (module outputs), a TorchDispatchMode (matmul operands), "
-        "the loss tensor and the parameters' .grad",
-    )
-
-# %% tags=["remove-input"]
+answer = []
 if "dtype_of" in facts:
     dtype_of = facts["dtype_of"]
-    nb.md(
-        f"**(a)** On {facts['gpu_name']} with {facts['autocast_dtype']} autocast: the parameters stay "
-        f"{dtype_of['model parameters (inside autocast)']} inside the autocast region (autocast never changes what "
-        f"is stored; it feeds the matmul {dtype_of[autocast_study.OPERANDS]} copies of the weights and activations); "
-        f"the fc1 output is {dtype_of['fc1 output']}; the LayerNorm output is {dtype_of['LayerNorm output']}; the "
-        f"logits are {dtype_of['logits (fc2 output)']}; the loss is {dtype_of['loss']}; the gradients are "
-        f"{dtype_of['parameter gradients']}, the dtype of the parameters they belong to. "
-        + (
-            "Matmuls run in the low precision, while LayerNorm and the loss (reductions and exponentials) "
-            "are on autocast's fp32 list."
-            if dtype_of["LayerNorm output"] == "float32"
-            else "This is a CPU run: CPU autocast keeps LayerNorm in the low precision, unlike CUDA autocast."
-        )
+    answer.append(
+        f"**Answer.** **(a)** Measured on {facts['gpu_name']} under {facts['autocast_dtype']} autocast: "
+        f"parameters {dtype_of['model parameters (inside autocast)']} (autocast casts copies for the matmuls, "
+        f"{dtype_of[autocast_study.OPERANDS]}; it never changes what is stored), fc1 output "
+        f"{dtype_of['fc1 output']}, LayerNorm output {dtype_of['LayerNorm output']}, logits "
+        f"{dtype_of['logits (fc2 output)']}, loss {dtype_of['loss']}, gradients {dtype_of['parameter gradients']} "
+        "(the parameters' dtype)."
     )
-
-# %% [markdown]
-# **(b) LayerNorm in low precision.** LayerNorm subtracts the row mean, squares the deviations,
-# averages them, takes `rsqrt(var + eps)` and rescales. The table computes all of it in one
-# precision (mean, squares, variance, normalisation) on the same rounded inputs, for activations
-# with a wide spread (std 300) and a narrow one (std 1); errors are against fp64 arithmetic on those
-# inputs. Computed live on the CPU.
+answer.append(
+    ("**(b)** " if answer else "**Answer.** **(b)** ")
+    + "The sensitive parts are the squared deviations and the reductions (mean, variance). In fp16 a square overflows once a deviation exceeds "
+    f"{facts['fp16_overflow_deviation']:.0f} (largest finite value {facts['fp16_largest_finite']:.0f}): with "
+    f"std 300 the variance becomes inf and the output is lost (max error {facts['fp16_output_error_wide']:.1f}). "
+    + (
+        "torch's fp16 `mean` accumulates in fp32 (checked live: the mean of "
+        f"{facts['layernorm_width']} squares of 16 is finite although their sum is not), so here only the squares "
+        "overflow; a kernel that summed in fp16 would overflow already when the deviations' RMS exceeded "
+        f"{facts['fp16_sum_overflow_rms']:.0f}. "
+        if facts["fp16_mean_accumulates_wider"]
+        else ""
+    )
+    + "bf16 has fp32's exponent range, so nothing overflows (variance error "
+    f"{facts['bf16_variance_error_wide']:.1e}), but its 8-bit significand gives output errors of "
+    f"{facts['bf16_output_error_narrow']:.1e} on well-scaled inputs, {facts['bf16_over_fp16_error_narrow']:.0f} "
+    f"times fp16's (fp32: {facts['fp32_output_error_narrow']:.0e}): LayerNorm can run on bf16 data, but its "
+    "statistics should still be accumulated in fp32, as autocast's fp32 list and fused kernels do."
+)
+if "speedup" in facts:
+    speedup = facts["speedup"]
+    first, last = speedup["sizes"][0], speedup["sizes"][-1]
+    answer.append(
+        f"**(c)** bf16 autocast speeds the training step up by {speedup['step_first']:.2f}x ({first}) to "
+        f"{speedup['step_last']:.2f}x ({last}); forward {speedup['forward_min']:.2f}x to "
+        f"{speedup['forward_max']:.2f}x, backward {speedup['backward_min']:.2f}x to {speedup['backward_max']:.2f}x. "
+        "The gain "
+        + ("grows with model size" if speedup["grows_with_size"] else "does not grow with model size")
+        + ": bf16 matmuls run on tensor cores at many times the fp32 rate, and the matmul share of the time "
+        "rises with d_model (matmul FLOPs grow as d_model^2 per token, elementwise work as d_model). The AdamW "
+        f"step, which autocast leaves in fp32, changes by {speedup['optimizer_min']:.2f}x to "
+        f"{speedup['optimizer_max']:.2f}x."
+    )
+nb.md(" ".join(answer))
 
 # %% tags=["remove-input"]
+table = timing_analysis.mixed_table(stats)
+if nb.have_results(stats, "the fp32 vs bf16 timings"):
+    keep = [("train step", "fp32"), ("train step", "bf16")] + [
+        (p, "speed-up") for p in ("forward (no_grad)", "forward", "backward", "optimizer step", "train step")
+    ]
+    short = {"forward (no_grad)": "fwd no_grad", "forward": "fwd", "backward": "bwd", "optimizer step": "opt",
+             "train step": "step"}  # fmt: skip
+    shown = table[keep]
+    shown.columns = [f"{short[p]} ms {c}" if c != "speed-up" else f"{short[p]} x" for p, c in keep]
+    show_table(
+        shown.reset_index(),
+        caption=f"(c) Training step (ms) in fp32 and bf16 autocast, and the bf16 speed-up (x) of every phase "
+        f"(mean of {plan.steps} steps after {plan.warmup} warm-up steps, context {plan.context_length}, batch 4)",
+        provenance_from=df[df["name"] != "toy_model"],
+        formats={c: "{:.2f}" for c in shown.columns if c.endswith(" x")},
+        note="fwd no_grad: --mode forward; the other phases: --mode train. fp32 rows are those of the same GPU "
+        "session, so they can differ slightly from benchmarking_script's",
+    )
+    save_figure(timing_analysis.plot_mixed(table), "benchmarking_mixed_precision__speedup")
+
+# %% tags=["remove-input", "remove-cell"]
 ln = autocast_study.layernorm_frame()
 show_table(
     ln[["dtype", "spread", *[c for c in ln.columns if c not in ("dtype", "spread")]]].rename(
         columns={
             "largest finite value": "largest finite",
-            "squares overflowed": "overflow",
+            "squares overflowed": "squares overflow",
             "variance rel. error": "var. rel. error",
             "output max abs error": "output max error",
         }
     ),
-    caption="(b) LayerNorm computed entirely in each dtype, for inputs of standard deviation 300 and 1 (spread); "
-    "overflow: the squared deviations overflowed; errors against fp64",
+    caption=f"benchmarking_mixed_precision (b): LayerNorm computed entirely in each dtype (rows of "
+    f"{autocast_study.LAYERNORM_WIDTH}), inputs of std 300 and 1; errors against fp64 on the same inputs",
     provenance_from="computed live (CPU)",
     formats={"largest finite": "{:.3g}", "spread": "{:g}"},
 )
-nb.md(
-    "**(b)** The sensitive parts are the reductions and the squares: the sum of squared deviations "
-    f"overflows fp16 (largest finite value {facts['fp16_largest_finite']:.0f}) as soon as deviations "
-    f"exceed about {facts['fp16_overflow_deviation']:.0f}; with std 300 the variance becomes inf and the output "
-    f"collapses (max error {facts['fp16_output_error_wide']:.1f}). Small variances under `rsqrt` and long sums "
-    "that lose small addends add rounding error on top. bf16 has fp32's exponent range, so nothing overflows "
-    f"(variance error {facts['bf16_variance_error_wide']:.1e}), but its 8-bit significand (about 3 "
-    f"significant digits) gives output errors of {facts['bf16_output_error_narrow']:.1e}, "
-    f"{facts['bf16_over_fp16_error_narrow']:.0f} times fp16's on well-scaled inputs "
-    f"(fp32: {facts['fp32_output_error_narrow']:.0e}). So with bf16 the overflow hazard disappears and LayerNorm "
-    "*can* run in bf16, but its statistics should still be accumulated in fp32 (as fused LayerNorm kernels and "
-    "autocast's fp32 list do): that costs nothing measurable for a memory-bound op and keeps the normalisation "
-    "accurate."
-)
-
-# %% tags=["remove-input"]
-table = timing_analysis.mixed_table(stats)
-if nb.have_results(stats, "the fp32 vs bf16 timings"):
-    save_figure(timing_analysis.plot_mixed(table), "benchmarking_mixed_precision__speedup")
-    long = pd.concat(
-        {phase: table[phase] for phase in table.columns.get_level_values(0).unique()}, names=["phase"]
-    )
-    show_table(
-        long.rename(columns={"fp32": "fp32 (ms)", "bf16": "bf16 autocast (ms)"}).reset_index(),
-        caption=f"(c) Milliseconds per step (mean of {plan.steps} after {plan.warmup} warm-up steps, context "
-        f"{plan.context_length}, batch 4): fp32 vs bf16 autocast, and the speed-up",
-        provenance_from=df[df["name"] != "toy_model"],
-        note="fp32 and bf16 come from the same GPU session (the driver reused that session's benchmarking_script "
-        "fp32 measurements; the benchmarking_script section shows its latest run, whose fp32 times can differ "
-        "slightly); forward (no_grad) is --mode forward, the other phases are those of --mode train",
-    )
-
-# %% tags=["remove-input"]
-if "speedup" in facts:
-    speedup = facts["speedup"]
-    first, last = speedup["sizes"][0], speedup["sizes"][-1]
-    nb.md(
-        f"**(c)** bf16 autocast speeds the training step up by {speedup['step_first']:.2f}x for {first} and "
-        f"{speedup['step_last']:.2f}x for {last} (forward {speedup['forward_min']:.2f}x to "
-        f"{speedup['forward_max']:.2f}x, backward {speedup['backward_min']:.2f}x to {speedup['backward_max']:.2f}x). "
-        "The gain "
-        + ("grows with model size" if speedup["grows_with_size"] else "does not grow with model size")
-        + ": bf16 matmuls run on tensor cores at many times the fp32 rate, so the speed-up is bounded by the "
-        "fraction of time spent in matmuls, which rises with d_model (matmul FLOPs grow as d_model^2 per token, "
-        "elementwise work only as d_model). Small models are dominated by memory-bound elementwise kernels, "
-        "launch overhead and the casts autocast inserts, which bf16 barely helps. The optimizer step, which "
-        "autocast does not touch (AdamW updates the fp32 parameters in fp32 either way), runs at "
-        f"{speedup['optimizer_min']:.2f}x to {speedup['optimizer_max']:.2f}x."
-    )

@@ -11,14 +11,12 @@
 # ---
 
 # %% [markdown]
-# # 1.1.6 memory_profiling
-# Profile the memory of the 2.7B model at context lengths 128, 256 and 512, for forward-only
-# inference and for a full training step (forward, backward, AdamW). (a) Show the active-memory
-# timelines of a forward pass and of a training step: can the phases be told apart? (b) Peak memory
-# per context length, forward and training step. (c) The same with bf16 autocast. (d) The size of one
-# fp32 residual-stream activation. (e) The largest allocations of the forward pass and where they come
-# from. (f, 2026) The memory one TransformerBlock saves for backward, its five largest contributing
-# operations, and the gradient memory of one block.
+# # memory_profiling (2025 §1.1.6)
+# Memory of the 2.7B model at contexts 128, 256 and 512, forward-only and a full training step.
+# (a) Active-memory timelines: can the phases be told apart? (b) Peak memory per context length.
+# (c) The same with bf16 autocast. (d) The size of one fp32 residual-stream activation. (e) The
+# largest forward allocations and their source. (f, 2026) One block's saved activations, their five
+# largest contributing operations, and one block's gradient memory.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when a GPU is present, else render the committed results
@@ -45,7 +43,12 @@ if nb.should_measure(measure, gpus=1, quick=quick):
     )
 df = load_results("memory_profiling", results_dir)
 snapshots = {
-    m: snapshot_dir / f"memory_profiling__{size}_{m}_fp32_ctx{ctx}.pickle.gz" for m in ("forward", "train")
+    key: snapshot_dir / f"memory_profiling__{size}_{mode}_{precision}_ctx{ctx}.pickle.gz"
+    for key, mode, precision in (
+        ("forward", "forward", "fp32"),
+        ("train", "train", "fp32"),
+        ("train_bf16", "train", "bf16-autocast"),
+    )
 }
 timelines = {m: memory.parse_timeline(memory.load_snapshot(p)) for m, p in snapshots.items() if p.exists()}
 fsize, fctx = ("debug", [32]) if quick else (block_size, block_context_lengths)
@@ -54,178 +57,138 @@ facts = memory_analysis.facts(
     df, timelines, size=size, ctx=ctx, batch=batch, block_size=fsize, block_results=results_f
 )
 
-# %% [markdown]
-# **Method.** `python -m cs336_systems.studies.memory_attention_gpu_run --parts memory block_saved` (or
-# `capture_step` in `cs336_systems/studies/memory.py`) builds the end-to-end workload of the
-# benchmarking script (batch 4, random tokens, naive attention), runs one untimed warm-up step (so
-# AdamW's state exists), then records one step with
-# `torch.cuda.memory._record_memory_history(stacks="python")` and dumps the allocator snapshot. The
-# timelines below are drawn from those snapshots by our own headless renderer of memory_viz's
-# "Active Memory Timeline" (bands stacked in allocation order; the grey band is memory allocated
-# before the step: parameters, and in training AdamW's two moments). The gzip'd pickles are in
-# `figures/data/memory_profiling/`; `gunzip` one and drop it on pytorch.org/memory_viz to explore it.
+# %% tags=["remove-input"]
+answer = []
+if "train_peak_parts" in facts:
+    parts = facts["train_peak_parts"]
+    answer.append(
+        f"**Answer.** **(a)** Yes (figures below): a training step starts at {facts['train_start_GiB']:.1f} GiB "
+        "(parameters and AdamW's moments; gradients are freed at the end of every step), climbs through the "
+        "forward pass as each block's activations are kept, peaks in the "
+        f"**{facts['train_peak_phase']}** phase, then falls in a staircase as backward releases the activations "
+        "and allocates gradients; the optimizer step adds only short-lived temporaries"
+        + (
+            f". The inference forward never rises more than {facts['forward_peak_GiB'] - facts['params_GiB']:.1f} "
+            "GiB above the parameters: one spike per block, freed as soon as consumed."
+            if "forward_peak_GiB" in facts and "params_GiB" in facts
+            else "."
+        )
+    )
+if "state_GiB" in facts and "train_peak_parts" in facts:
+    answer.append(
+        f"**(b)** The peak grows with the context length (table). At context {ctx} it is made of "
+        f"{parts['kept from before the step']:.1f} GiB allocated before the step, "
+        f"{parts['activations saved by forward']:.1f} GiB of activations saved by the forward pass, "
+        f"{parts['gradients so far']:.1f} GiB of gradients produced so far and "
+        f"{parts['temporaries and outputs']:.1f} GiB of temporaries, {parts['total']:.1f} GiB in the snapshot"
+        + (
+            f" ({facts['allocator_minus_snapshot_GiB']:.2f} GiB below the allocator's peak)"
+            if "allocator_minus_snapshot_GiB" in facts
+            else ""
+        )
+        + f": not the {facts['state_GiB']:.1f} GiB of parameters, gradients and AdamW state plus activations, "
+        f"because the gradients do not exist yet when the activations peak. At the shorter contexts the peak, "
+        f"{facts['train_min_GiB']:.1f} GiB at the least, sits just above that {facts['state_GiB']:.1f} GiB, "
+        "as it would if it came once all gradients exist and the smaller activations are gone (there is no "
+        "snapshot at those lengths to show it). Inference needs "
+        f"{facts['forward_min_GiB']:.1f} to {facts['forward_max_GiB']:.1f} GiB, the {facts['params_GiB']:.1f} "
+        "GiB of parameters and one block's temporaries. "
+        f"**(c)** bf16 autocast changes the training peak by a factor {facts['bf16_train_ratio_min']:.2f} to "
+        f"{facts['bf16_train_ratio_max']:.2f} and the forward peak by {facts['bf16_forward_ratio_min']:.2f} to "
+        f"{facts['bf16_forward_ratio_max']:.2f}: it keeps fp32 weights and optimizer state, and shrinks only the "
+        "saved activations"
+        + (
+            f" ({facts['bf16_peak_parts']['activations saved by forward']:.1f} against "
+            f"{parts['activations saved by forward']:.1f} GiB at context {ctx}: matmul outputs are bf16, softmax "
+            "and normalisation stay fp32)."
+            if "bf16_peak_parts" in facts
+            else "."
+        )
+    )
+answer.append(
+    f"**(d)** A (batch, T, d_model) fp32 residual-stream tensor is 4 x T x {facts['d_model']} x 4 bytes: "
+    + ", ".join(f"{mib:.0f} MiB at T = {t}" for t, mib in facts["residual_MiB"].items())
+    + (
+        f"; the forward snapshot at context {ctx} holds {facts['residual_seen']} allocations of exactly "
+        f"{facts['snapshot_residual_MiB']:.0f} MiB."
+        if facts.get("residual_seen")
+        else "."
+    )
+)
+if "largest_MiB" in facts:
+    answer.append(
+        f"**(e)** The largest forward allocations are {facts['largest_MiB']:.0f} MiB ({facts['largest_count']} "
+        f"of them) from `{facts['largest_source']}`"
+        + (
+            ": the batch x heads x T x T scores and probabilities of the naive attention"
+            if facts["largest_in_attention"]
+            else ""
+        )
+        + "; next come "
+        + "; ".join(f"{mib:.0f} MiB ({count}x) at `{source}`" for mib, count, source in facts["next_largest"])
+        + "."
+    )
+answer.append(
+    f"**(f)** At T = {facts['block_T']} one {fsize} block saves {facts['block_saved_MiB']:,.0f} MiB for backward "
+    f"({facts['block_saved_over_input']:.0f} times its input); the five largest contributors are "
+    + ", ".join(f"{op} ({percent:.0f}%)" for op, percent in facts["block_top_ops"])
+    + f", and the three (batch, heads, T, T) fp32 tensors of the naive softmax alone are "
+    f"{facts['softmax_share']:.0%}. Its parameter gradients should take {facts['expected_grad_MiB']:.1f} MiB"
+    + (
+        f"; on the GPU the backward changes allocated memory by {facts['gpu_backward_delta_MiB']:+,.1f} MiB "
+        f"(activations released, gradients allocated), which gives {facts['gpu_grad_measured_MiB']:.1f} MiB of "
+        f"gradients, and the allocator's {facts['gpu_saved_allocator_MiB']:,.1f} MiB retained by the forward "
+        f"matches the hooks' {facts['gpu_saved_hooks_MiB']:,.1f} MiB."
+        if "gpu_grad_measured_MiB" in facts
+        else " (the GPU check is not measured yet)."
+    )
+)
+nb.md(" ".join(answer))
+
+# %% tags=["remove-input"]
+breakdown = memory_analysis.breakdown_table(df, timelines)
+if nb.have_results(breakdown, "memory_profiling"):
+    show_table(
+        breakdown.rename_axis(f"GiB, {size}, batch 4").reset_index(),
+        caption="(b), (c) Peak allocated memory per context length (torch.cuda.max_memory_allocated), and what "
+        f"was alive at the context-{ctx} peak, read from the allocator snapshots",
+        provenance_from=df[df.metric == "peak_memory"],
+        formats={c: "{:.2f}" for c in breakdown.columns},
+        wrap={f"GiB, {size}, batch 4": 0.36},
+    )
 
 # %% tags=["remove-input"]
 for mode, tl in timelines.items():
-    what = "forward pass (inference)" if mode == "forward" else "training step"
-    fig = memory.plot_active_memory_timeline(tl, title=f"{size}, context {ctx}, fp32: {what}")
+    if mode == "train_bf16":
+        continue
+    what = "inference forward pass" if mode == "forward" else "training step"
+    fig = memory.plot_active_memory_timeline(
+        tl,
+        title=f"(a) {size}, context {ctx}, fp32: {what}",
+        above_kept=mode == "forward",
+        figsize=(7.0, 2.4) if mode == "forward" else (7.0, 3.2),
+    )
     save_figure(fig, f"memory_profiling__timeline_{mode}")
 if not timelines:
     nb.have_results(pd.DataFrame(), "the memory snapshots")
 
-# %% tags=["remove-input"]
-if "train_peak_GiB" in facts:
-    nb.md(
-        f"**(a)** Yes. In the training step memory starts at {facts['train_start_GiB']:.1f} GiB "
-        f"(parameters and AdamW state), climbs steadily through the forward pass as every block's activations "
-        f"are kept for backward, peaks at {facts['train_peak_GiB']:.1f} GiB of active memory in the "
-        f"**{facts['train_peak_phase']}** phase, then falls "
-        f"in a staircase through the backward pass as each block's saved activations are released (gradient "
-        f"buffers appear as the activations go), and the optimizer step shows only small, short-lived "
-        f"temporaries on a flat base ({facts['optimizer_peak_GiB']:.1f} GiB at most)."
-        + (
-            f" The inference forward pass stays low ({facts['forward_peak_GiB']:.1f} GiB): without autograd "
-            "each block's intermediates are freed as soon as the next op has consumed them, so the timeline is "
-            "a row of identical spikes, one per block (the attention scores), on top of the parameters."
-            if "forward_peak_GiB" in facts
-            else ""
-        )
-    )
-
 # %% [markdown]
-# **(b), (c)** Peak allocated memory of the recorded step (`torch.cuda.max_memory_allocated` after
-# `reset_peak_memory_stats` at the start of the step), GiB.
+# **Method.** `python -m cs336_systems.studies.memory_attention_gpu_run --parts memory block_saved` runs
+# the benchmarking script's workload (batch 4, random tokens, naive attention), one untimed warm-up
+# step (so AdamW's state exists), then records one step with
+# `torch.cuda.memory._record_memory_history(stacks="python")` and dumps the allocator snapshot. The
+# timelines are drawn from those snapshots as memory_viz draws them, each allocation coloured by when it
+# was made and freed (`memory_timeline.category`); the gzip'd pickles are in
+# `figures/data/memory_profiling/` for pytorch.org/memory_viz. For (f), `block_saved_memory` runs one
+# block under `torch.autograd.graph.saved_tensors_hooks` on the meta device and attributes each saved
+# storage to the first forward op that saved it (Nsight Systems is not installed on our GPU hosts).
 
-# %% tags=["remove-input"]
-peak = memory.peak_table(df)
-if nb.have_results(peak, "memory_profiling"):
-    show_table(
-        peak,
-        caption=f"Peak memory (GiB) of {size}, batch 4: forward-only and full training step, fp32 and bf16 autocast",
-        provenance_from=df[df.metric == "peak_memory"],
-    )
-
-# %% tags=["remove-input"]
-if "state_GiB" in facts:
-    nb.md(
-        f"**(b)** Training needs {facts['train_min_GiB']:.1f} to {facts['train_max_GiB']:.1f} GiB: "
-        f"{facts['state_GiB']:.1f} GiB of fp32 parameters, gradients and AdamW moments (16 bytes per parameter) plus the "
-        "activations saved for backward, which grow with the context length (the attention scores "
-        f"quadratically). Inference needs {facts['forward_min_GiB']:.1f} to {facts['forward_max_GiB']:.1f} "
-        f"GiB, little beyond the {facts['params_GiB']:.1f} GiB of parameters. "
-        f"**(c)** With bf16 autocast the training peak changes by a factor {facts['bf16_train_ratio_min']:.2f} to "
-        f"{facts['bf16_train_ratio_max']:.2f} and the forward peak by {facts['bf16_forward_ratio_min']:.2f} to "
-        f"{facts['bf16_forward_ratio_max']:.2f}: not much, because autocast keeps the "
-        "fp32 master weights, gradients and optimizer state and adds bf16 copies of the weights for the "
-        "matmuls; only the saved activations shrink (matmul outputs are bf16, while softmax, normalisation and "
-        "the loss still run in fp32), and at these context lengths they are the smaller part of the peak."
-    )
-
-# %% tags=["remove-input"]
-nb.md(
-    f"**(d)** One residual-stream activation of the 2.7B model is a (batch, T, d_model) fp32 tensor: "
-    f"4 x T x {facts['d_model']} x 4 bytes, i.e. "
-    + ", ".join(f"{mib:.0f} MiB at T = {t}" for t, mib in facts["residual_MiB"].items())
-    + f" (bytes / 1024^2; {facts['residual_MiB'][512]:.0f} MiB at the reference context 512)."
-    + (
-        f" The forward snapshot at context {ctx} contains {facts['residual_seen']} allocations of exactly that size "
-        f"({facts['snapshot_residual_MiB']:.2f} MiB)."
-        if facts.get("residual_seen")
-        else ""
-    )
-)
-
-# %% tags=["remove-input"]
-if "forward" in timelines:
-    big = memory.largest_allocations(timelines["forward"], top=8)
-    shown = big.assign(
-        source=big["source"].str.replace("model/", "", regex=False),
-        **{
-            "called from": big["stack"]
-            .str.split(" <- ")
-            .str[1]
-            .fillna("")
-            .str.replace("model/", "", regex=False)
-        },
-    ).drop(columns="stack")
-    if shown["phase"].nunique() == 1:
-        shown = shown.drop(columns="phase")
-    show_table(
-        shown,
-        caption=f"Largest allocations of the forward pass ({size}, context {ctx}, fp32), grouped by size and source "
-        "(the allocating line and its caller, files under cs336_systems/model/)",
-        provenance_from=df[df.metric == "peak_memory"],
-        formats={"size_MiB": "{:.2f}"},
-    )
-    nb.md(
-        f"**(e)** The largest allocations of the forward pass are {facts['largest_MiB']:.0f} MiB "
-        f"({facts['largest_count']} of them), allocated at `{facts['largest_source']}` "
-        f"(stack: `{facts['largest_stack']}`)"
-        + (
-            f": in the naive attention these are the {batch} x heads x T x T score and probability tensors. "
-            if facts["largest_in_attention"]
-            else ". "
-        )
-        + "Next in the list are "
-        + "; ".join(f"{mib:.0f} MiB ({count}x) at `{source}`" for mib, count, source in facts["next_largest"])
-        + "."
-    )
-
-# %% [markdown]
-# **(f) One block's saved activations.** `block_saved_memory` runs one TransformerBlock forward under
-# `torch.autograd.graph.saved_tensors_hooks` (we answer with PyTorch's tools; Nsight Systems is not
-# installed on our GPU hosts), counts every distinct storage autograd keeps for backward, and walks
-# the autograd graph to attribute each storage to the first forward op that saved it. This needs no
-# memory (it runs on the "meta" device), so it is computed here for the full-size block; on a GPU the
-# driver also checks it against the allocator and measures the block's gradient memory.
-
-# %% tags=["remove-input"]
-for t, res in results_f.items():
-    show_table(
-        memory.by_op_frame(res),
-        caption=f"Top-5 operations by bytes saved for backward, one {fsize} block, batch {batch}, T = {t} "
-        f"(total {res['saved']['activation'] / 2**20:,.0f} MiB)",
-        provenance_from=f"computed live with saved-tensor hooks on the meta device, torch {torch.__version__}",
-        formats={"MiB": "{:,.1f}", "percent": "{:.1f}"},
-    )
-
-# %% tags=["remove-input"]
-gpu_f = memory_analysis.gpu_block_rows(df)
-BLOCK_COLUMNS = {
-    "block_saved_activation_allocator": "saved (allocator)",
-    "block_saved_activation_hooks": "saved (hooks)",
-    "block_backward_memory_delta": "backward change",
-    "block_param_grad_expected": "grads expected",
-    "block_param_grad_measured": "grads measured",
-}
-if "block_param_grad_measured" in set(gpu_f.metric):
-    show_table(
-        gpu_f.pivot_table(index="x_value", columns="metric", values="mean")
-        .rename(columns=lambda c: BLOCK_COLUMNS.get(c, c))
-        .rename_axis("context length"),
-        caption="One block on the GPU (MiB): activations saved for backward, counted by the allocator and by the "
-        "hooks; change of allocated memory over the block's backward; parameter gradients, expected and measured",
-        provenance_from=gpu_f,
-    )
-
-# %% tags=["remove-input"]
-nb.md(
-    f"At T = {facts['block_T']} one block saves {facts['block_saved_MiB']:,.0f} MiB of activations "
-    f"({facts['block_saved_over_input']:.0f} times its input), "
-    f"plus references to its parameters and input. The five largest contributors are "
-    + ", ".join(f"{op} ({percent:.0f}%)" for op, percent in facts["block_top_ops"])
-    + f". The three (batch, heads, T, T) fp32 tensors of the naive softmax (the masked scores kept by `amax`, "
-    f"`exp`'s output, and the probabilities kept by the P V matmul) alone are {facts['softmax_share']:.0%} "
-    "of it; the d_ff-wide SwiGLU intermediates and the inputs of the projections make up most of the rest. "
-    f"The block's parameter gradients should take as much memory as its parameters, "
-    f"{facts['expected_grad_MiB']:.1f} MiB (fp32)"
-    + (
-        f"; on the GPU the allocated memory changes by {facts['gpu_backward_delta_MiB']:+,.1f} MiB over the "
-        f"block's backward (saved activations released, gradients allocated), which gives "
-        f"{facts['gpu_grad_measured_MiB']:.1f} MiB of gradients, and the allocator sees "
-        f"{facts['gpu_saved_allocator_MiB']:,.1f} MiB retained by the forward pass against "
-        f"{facts['gpu_saved_hooks_MiB']:,.1f} MiB counted by the hooks."
-        if "gpu_grad_measured_MiB" in facts
-        else "; the GPU check of that number is not measured yet."
-    )
+# %% tags=["remove-input", "remove-cell"]
+t = max(results_f)
+show_table(
+    memory.by_op_frame(results_f[t]),
+    caption=f"memory_profiling (f): top-5 operations by bytes saved for backward, one {fsize} block, batch {batch}, "
+    f"T = {t} (total {results_f[t]['saved']['activation'] / 2**20:,.0f} MiB)",
+    provenance_from=f"computed live with saved-tensor hooks on the meta device, torch {torch.__version__}",
+    formats={"MiB": "{:,.1f}", "percent": "{:.1f}"},
 )

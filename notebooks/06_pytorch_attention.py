@@ -11,12 +11,11 @@
 # ---
 
 # %% [markdown]
-# # 1.2.1 pytorch_attention
-# Benchmark attention at batch 8 without a head dimension, for head sizes d in {16, 32, 64, 128} and
-# sequence lengths T in {256, 1024, 4096, 8192, 16384}: time 100 forward and 100 backward passes and
-# record the memory in use before the backward pass. Report the timings (OOM cells marked), the
-# memory accounting of the smallest configuration that runs out of memory, how the memory saved for
-# backward scales with T, and how that cost could be removed.
+# # pytorch_attention (2025 §1.2.1)
+# Time 100 forward and 100 backward passes of attention at batch 8 without a head dimension, for
+# d in {16, 32, 64, 128} and T in {256, 1024, 4096, 8192, 16384}, and record the memory in use before
+# backward. Account for the memory of the smallest configuration that runs out of memory; how does the
+# memory saved for backward scale with T, and how can that cost be removed?
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when a GPU is present, else render the committed results
@@ -45,71 +44,79 @@ df = latest_run(load_results("pytorch_attention", results_dir), keys=("name", "i
 df = df[df.impl == "naive"]
 facts = attention_results.facts(df)
 
-# %% [markdown]
-# **Method.** `cs336_systems.studies.pytorch_attention` times the model's own causal naive
-# attention (`get_attention("naive")`: softmax(Q K^T / sqrt(d)) V with the T x T scores materialised
-# and a causal mask applied with `torch.where`), in float32, on random Q, K, V of shape (8, T, d).
-# After 3 warm-up forward+backward passes it times 100 forward passes (`timeit.default_timer()`
-# around each call plus `torch.cuda.synchronize()`), builds one more graph and records
-# `torch.cuda.memory_allocated()` before the backward pass (the table), then times 100 backward
-# passes of that graph (`retain_graph=True`; input gradients reset to `None` between passes). The
-# figure's memory panel shows the increase of allocated memory over that last forward pass: the
-# output plus everything autograd saved. The handout grid is extended by one longer sequence
-# (d = 16, T = 32768), because the accounting below predicts that the whole grid fits in the 141 GB
-# of our H200; the extra point shows where the naive implementation stops fitting.
+# %% tags=["remove-input"]
+oom, scaling = facts["oom"], facts.get("scaling")
+if oom is not None:
+    fits = facts["device_bytes"] and oom["forward_peak_GiB"] * 2**30 < facts["device_bytes"]
+    grid_ok = (df[df.x_value.astype(float) <= max(seq_lens)].note.astype(str) == "").all()
+    nb.md(
+        "**Answer.** "
+        + (f"Every configuration of the handout grid runs on the {df.gpu_name.iloc[0]}; " if grid_ok else "")
+        + f"the smallest configuration that runs out of memory is **d = {oom['d']}, T = {oom['T']}**"
+        + (" (beyond the grid)" if oom["T"] > max(seq_lens) else "")
+        + ", and it fails in the "
+        + f"**{oom['phase']}** pass"
+        + (
+            f": its first forward pass completed ({oom['first_forward_ms']:.0f} ms) and its backward did not"
+            if oom["phase"] == "backward" and oom["first_forward_ms"] is not None
+            else ""
+        )
+        + f". Each (8, T, T) fp32 tensor is 8 x {oom['T']}^2 x 4 bytes = {oom['probabilities_GiB']:.0f} GiB; "
+        f"autograd keeps three (the masked scores for `amax`, `exp`'s output, the probabilities for P V) plus the "
+        f"boolean mask, {oom['saved_for_backward_GiB']:.1f} GiB against {oom['inputs_MiB']:.0f} MiB of inputs. The "
+        f"forward peaks near {oom['forward_peak_GiB']:.0f} GiB"
+        + (f" (below the {facts['device_bytes'] / 2**30:.0f} GiB of the GPU)" if fits else "")
+        + f"; backward adds three T x T gradient buffers, about {oom['backward_peak_GiB']:.0f} GiB"
+        + (", more than the GPU has." if facts["device_bytes"] else ".")
+        + (
+            f" **Scaling:** what the forward leaves for backward grows as T^{scaling['exponent_min']:.2f} to "
+            f"T^{scaling['exponent_max']:.2f} (slopes over T >= 1024) and hardly with d: it is the three saved "
+            f"T x T tensors ({scaling['saved_T2_MiB_max']:,.0f} MiB at T = {scaling['T_max']}), which the "
+            "accounting predicts "
+            + (
+                f"to within {scaling['max_relative_error']:.2%}. "
+                if scaling["max_relative_error"] > 0
+                else "exactly. "
+            )
+            if scaling
+            else " "
+        )
+        + "**Removing it:** never materialise the T x T matrices. FlashAttention computes the softmax online "
+        "over tiles of K and V held on chip, saves only O and the per-row log-sum-exp L, and recomputes the score "
+        "tiles in backward, so the memory saved for backward is O(T d) instead of O(T^2)."
+    )
+elif len(df):
+    nb.md("**Answer.** No configuration ran out of memory.")
 
 # %% tags=["remove-input"]
-tab = attention_results.results_table(df)
+tab = attention_results.grid_table(df)
 if nb.have_results(tab, "pytorch_attention"):
     show_table(
         tab.reset_index(),
-        caption="Naive causal attention, batch 8, fp32: mean ms per pass (100 passes) and MiB allocated before backward",
+        caption="Naive causal attention, batch 8, fp32: mean ms per forward and backward pass (100 passes each) "
+        "and MiB allocated before backward",
         provenance_from=df,
+        note="T = 32768 is beyond the handout grid, run at d = 16 only; '1 pass': the first forward pass, the "
+        "one that completed before the out-of-memory error",
     )
     save_figure(attention_results.plot_scaling(df), "pytorch_attention__scaling")
 
-# %% tags=["remove-input"]
-oom = facts["oom"]
+# %% [markdown]
+# **Method.** `cs336_systems.studies.pytorch_attention` times the model's own naive causal attention
+# (softmax(Q K^T / sqrt(d)) V with the T x T scores materialised and a `torch.where` mask) on random
+# Q, K, V of shape (8, T, d): 3 warm-up forward+backward passes, then 100 forward passes
+# (`timeit.default_timer()` around each call plus `torch.cuda.synchronize()`), one more forward whose
+# `torch.cuda.memory_allocated()` is the memory before backward, and 100 backward passes of that graph.
+# T = 32768 was added because the accounting predicted that the whole handout grid fits in 141 GB.
+
+# %% tags=["remove-input", "remove-cell"]
 if oom is not None:
     show_table(
         attention_results.accounting_table(
             pytorch_attention.BATCH_SIZE, oom["T"], oom["d"], device_bytes=facts["device_bytes"]
         ),
-        caption=f"Memory accounting of the smallest OOM configuration (batch 8, d = {oom['d']}, T = {oom['T']}, fp32)",
+        caption=f"pytorch_attention: memory accounting of the smallest OOM configuration (batch 8, d = {oom['d']}, "
+        f"T = {oom['T']}, fp32)",
         formats={"bytes": "{:,.0f}", "MiB": "{:,.1f}", "GiB": "{:,.2f}"},
         provenance_from=f"computed from the shapes; device capacity from the measured rows ({df.gpu_name.iloc[0]})",
-    )
-    nb.md(
-        f"**Smallest OOM configuration: d = {oom['d']}, T = {oom['T']}** (it fails in the {oom['phase']} phase). "
-        f"Each of the (8, T, T) fp32 tensors takes 8 x {oom['T']}^2 x 4 bytes = {oom['probabilities_GiB']:.0f} GiB. "
-        f"Autograd keeps three of them for backward (the masked scores for `amax`, `exp`'s output, and the "
-        f"probabilities P for P V) plus the boolean mask, {oom['saved_for_backward_GiB']:.1f} GiB in all, "
-        f"against {oom['inputs_MiB']:.0f} MiB of inputs. The forward pass needs about "
-        f"{oom['forward_peak_GiB']:.0f} GiB at its peak (S' - max is alive while exp and P are computed) and "
-        f"the backward pass about {oom['backward_peak_GiB']:.0f} GiB (the saved tensors plus three "
-        "T x T gradient buffers)"
-        + (
-            f", more than the {facts['device_bytes'] / 2**30:.0f} GiB of the GPU."
-            if facts["device_bytes"]
-            else "."
-        )
-    )
-elif len(df):
-    nb.md("No configuration ran out of memory.")
-
-# %% tags=["remove-input"]
-if "scaling" in facts:
-    scaling = facts["scaling"]
-    err = scaling["max_relative_error"]
-    nb.md(
-        "**Scaling.** The memory the forward pass leaves allocated for backward (the output plus every tensor "
-        f"autograd saved) grows as T^{scaling['exponent_min']:.2f} to T^{scaling['exponent_max']:.2f} "
-        f"(least-squares slopes over T >= 1024, per d) and barely depends on d: it is dominated by the three "
-        f"saved (8, T, T) tensors, 3 x 8 x T^2 x 4 bytes ({scaling['saved_T2_MiB_max']:,.0f} MiB at "
-        f"T = {scaling['T_max']}), while Q, K, V and O grow only linearly. The accounting predicts every measured "
-        + (f"value to within {err:.2%}. " if err > 0 else "value exactly (to the allocator's byte count). ")
-        + "**Removing the cost:** never materialise the T x T matrices. FlashAttention tiles Q, K and V into blocks "
-        "that fit in on-chip SRAM, computes the softmax online (a running row maximum and row sum per query "
-        "block), saves only O and the per-row log-sum-exp L (8 x T floats), and recomputes the score tiles from "
-        "Q, K and L during the backward pass, so the memory saved for backward becomes O(T d) instead of O(T^2)."
     )

@@ -11,11 +11,10 @@
 # ---
 
 # %% [markdown]
-# # 1.3 torch_compile
-# (a) Add a `torch.compile`d version of the attention to the pytorch_attention sweep and compare its
-# forward and backward timings with the uncompiled one. (b) Compile the whole Transformer in the
-# end-to-end benchmark and compare it with the eager model for the forward pass and for a full
-# training step (forward, backward, optimizer step).
+# # torch_compile (2025 §1.3)
+# (a) A `torch.compile`d attention in the pytorch_attention sweep: forward and backward against the
+# uncompiled one. (b) The whole Transformer compiled in the end-to-end benchmark: forward pass and full
+# training step against the eager model.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when a GPU is present, else render the committed results
@@ -36,108 +35,84 @@ attn_c = compiled[compiled.x_name == "seq_len"]
 model = compiled[compiled.x_name == "context_length"]
 facts = compile_study.facts(compiled, eager_attn[eager_attn.impl == "naive"])
 
-# %% [markdown]
-# **(a) Method.** The same protocol as pytorch_attention (batch 8, fp32, causal, 3 warm-up passes,
-# then 100 timed forward and 100 timed backward passes), on
-# `torch.compile(naive_attention, dynamic=True)`: one compilation with symbolic shapes serves the
-# whole grid (static shapes would compile twenty times). Inductor fuses the masking, the softmax and
-# their backward into a few kernels, so the T x T intermediates are read and written fewer times.
-
 # %% tags=["remove-input"]
-tab = facts["attention_table"]
-if nb.have_results(tab, "compiled attention (and its eager baseline)"):
-    show_table(
-        tab.reset_index(),
-        caption="Attention, batch 8, fp32: ms per pass, eager vs torch.compile, and the speedup",
-        provenance_from=attn_c,
-    )
-
-# %% tags=["remove-input"]
+answer = []
 if "attention" in facts:
     attention = facts["attention"]
-    nb.md(
-        f"**(a)** The compiled attention's forward pass is {attention['forward_min']:.2f}x to "
-        f"{attention['forward_max']:.2f}x as fast as the eager one and its backward pass {attention['backward_min']:.2f}x "
-        f"to {attention['backward_max']:.2f}x across the configurations both ran ({attention['forward_at_longest']:.2f}x "
-        f"and {attention['backward_at_longest']:.2f}x on average at T = {attention['longest_T']}). The gain comes from "
-        "fusion: the naive implementation launches one kernel per elementwise step and round-trips every T x T "
-        "intermediate through GPU memory, while the compiled graph fuses scale, mask, max, exp, sum and "
-        "normalisation; the two matmuls stay cuBLAS calls either way, so the gain "
-        + ("shrinks" if attention["shrinks_with_d"] else "should shrink")
-        + " as d grows (more matmul work per "
-        f"T x T element): at T = {attention['longest_T']} the forward speedup is "
-        + ", ".join(f"{v:.2f}x for d = {d}" for d, v in attention["forward_at_longest_by_d"])
-        + "."
+    speeds = (
+        facts["attention_table"]
+        .xs("speedup", axis=1, level=1)
+        .map(lambda v: float(str(v).rstrip("x") or "nan"))
+    )
+    slower_up_to = max((t for (_d, t), r in speeds.iterrows() if (r < 1).any()), default=None)
+    answer.append(
+        f"**Answer.** **(a)** Compiled attention runs the forward pass {attention['forward_min']:.2f}x to "
+        f"{attention['forward_max']:.2f}x and the backward {attention['backward_min']:.2f}x to "
+        f"{attention['backward_max']:.2f}x as fast as eager ({attention['forward_at_longest']:.2f}x and "
+        f"{attention['backward_at_longest']:.2f}x on average at T = {attention['longest_T']}"
+        + (f"; slower than eager only at T <= {slower_up_to}" if slower_up_to else "")
+        + "). Inductor generates fused kernels for the scale, mask and softmax steps and their backward, so the "
+        "T x T intermediates make fewer round trips to memory; the two matmuls stay cuBLAS calls, so the gain "
+        + ("shrinks" if attention["shrinks_with_d"] else "does not shrink")
+        + f" as d grows (forward at T = {attention['longest_T']}: "
+        + ", ".join(f"{v:.2f}x at d = {d}" for d, v in attention["forward_at_longest_by_d"])
+        + ")."
         + "".join(
-            f" At d = {d}, T = {t} the eager attention failed ({eager}) while the compiled one "
-            f"ran ({forward} ms forward, {backward} ms backward): with fewer "
-            "T x T intermediates alive it fits where the eager one does not."
-            for d, t, eager, forward, backward in attention["only_compiled_ran"]
-        )
-        + (
-            f" The one-off compilation took {attention['compile_s']:.1f} s (the first call)."
-            if attention["compile_s"] is not None
-            else ""
+            f" At d = {d}, T = {t} only the compiled attention fits ({forward} ms forward, {backward} ms backward)."
+            for d, t, _eager, forward, backward in attention["only_compiled_ran"]
         )
     )
-
-# %% tags=["remove-input"]
-wm = facts["model_table"]
-nb.md(
-    "**(b) Method.** `end_to_end.run_one` with `compile=True` wraps the model in `torch.compile` (whole model, "
-    "default Inductor backend); compilation happens in the untimed warm-up, so the timed steps are steady state. "
-    f"Batch 4, fp32, naive attention, AdamW for the training step; {facts['protocol']}. "
-    '"compile (s)" is Dynamo\'s own account of the time spent compiling (forward and backward graphs).'
-    + (
-        ' Cells that did not fit in the time budget of the GPU session are marked "skipped".'
-        if facts["any_skipped"]
-        else ""
-    )
-)
-
-# %% tags=["remove-input"]
-if nb.have_results(wm, "the whole-model compile study"):
-    show_table(
-        wm,
-        caption="Whole model, eager vs torch.compile: ms per step (mean of the timed steps)",
-        provenance_from=model,
-    )
-
-# %% tags=["remove-input"]
 if "model" in facts:
     whole = facts["model"]
-    near = whole["attention_forward_near_context"]
-    nb.md(
-        "**(b)** "
+    answer.append(
+        ("**(b)** " if answer else "**Answer.** **(b)** ")
         + " ".join(
-            f"For {'inference (forward only)' if m == 'forward' else 'a full training step'} the compiled model is "
-            f"{lo:.2f}x to {hi:.2f}x as fast as the eager one."
+            f"{'Forward only' if m == 'forward' else 'A training step'}: {lo:.2f}x to {hi:.2f}x as fast as eager."
             for m, lo, hi in whole["speedup_by_mode"]
         )
         + (
-            " The gain shrinks as the model grows ("
+            " The gain shrinks with model size ("
             + "; ".join(
-                f"{m}: {x_first:.2f}x for {first}, {x_last:.2f}x for {last}"
+                f"{m} {x_first:.2f}x for {first}, {x_last:.2f}x for {last}"
                 for m, x_first, first, x_last, last in whole["smallest_and_largest"]
             )
-            + "): the matmul work grows with d_model squared, the elementwise work only with d_model."
+            + "): compilation removes elementwise traffic and launch overhead, while the projection and MLP "
+            "matmuls it leaves to cuBLAS grow with d_model squared."
             if whole["shrinks_with_size"]
             else ""
         )
         + (
-            f" Attention alone gains {near[0]:.2f}x to {near[1]:.2f}x in the forward pass at the "
-            f"lengths of (a) around context {whole['context_length']} "
-            f"(T = {' and '.join(map(str, whole['attention_T_near_context']))}), and up to "
-            f"{whole['attention_forward_max']:.2f}x at long sequences, where the T x T traffic dominates: in"
-            if near
-            else " In"
-        )
-        + " a whole model most of the time is in the projection and MLP matmuls, "
-        "which compilation leaves to cuBLAS; what it removes is the elementwise and normalisation traffic "
-        "(RMSNorm, SwiGLU, RoPE, softmax) and kernel-launch overhead."
-        + (
-            f" Not measured within the GPU session's time budget: {', '.join(whole['skipped'])}."
+            f" Not measured within the session's budget: {', '.join(whole['skipped'])}."
             if whole["skipped"]
             else ""
         )
     )
+nb.md(" ".join(answer))
+
+# %% tags=["remove-input"]
+grid = compile_study.speedup_grid(facts["attention_table"])
+if nb.have_results(grid, "compiled attention (and its eager baseline)"):
+    show_table(
+        grid.reset_index(),
+        caption="(a) torch.compile'd attention, batch 8, fp32: ms per pass (speedup over eager)",
+        provenance_from=attn_c,
+        note="eager times: the pytorch_attention table; T = 32768: eager ran out of memory, so no speedup",
+    )
+
+# %% tags=["remove-input"]
+wm = facts["model_table"]
+if nb.have_results(wm, "the whole-model compile study"):
+    show_table(
+        wm,
+        caption="(b) Whole model, eager vs torch.compile: ms per step (mean of the timed steps), batch 4, fp32, "
+        "context 512",
+        provenance_from=model,
+        note=f"{facts['protocol']}; compile (s): Dynamo's own account of the compile time of the forward and "
+        "backward graphs",
+    )
+
+# %% [markdown]
+# **Method.** (a) The pytorch_attention protocol on `torch.compile(naive_attention, dynamic=True)`: one
+# compilation with symbolic shapes serves the whole grid. (b) `end_to_end.run_one(compile=True)` wraps the
+# whole model in `torch.compile` (Inductor); compilation happens in the untimed warm-up, so the timed
+# steps are steady state; naive attention, AdamW for the training step.

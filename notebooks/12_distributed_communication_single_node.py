@@ -11,19 +11,9 @@
 # ---
 
 # %% [markdown]
-# # 2.1 distributed_communication_single_node
-# Benchmark the all-reduce of float32 tensors of 1 MB, 10 MB, 100 MB and 1 GB on one node, with Gloo on
-# CPU and NCCL on GPUs, for 2, 4 and 6 processes; plot or tabulate the results and comment in 2-3
-# sentences on how backend, tensor size and number of processes interact.
-#
-# **Setup.** `python -m cs336_systems.studies.distributed.comm_bench --grid` (module docstring): one `torchrun`
-# job per backend and process count; 5 warm-up all-reduces, then a barrier, `torch.cuda.synchronize()`,
-# the timed SUM all-reduce and another synchronize, repeated (at least 3, at most 20 times, within a
-# 10 s budget per size). Per-rank times are gathered with `all_gather_object`; a call's time is the
-# slowest rank's. MB = 2^20 bytes, so "1 GB" is 1024 MB; bandwidths in GB/s = 1e9 bytes/s. Bus
-# bandwidth = size / time x 2(n-1)/n, the bytes each rank moves in a ring all-reduce, which makes
-# different process counts comparable. Gloo runs on the CPU cores of the GPU host; NCCL uses one
-# process per GPU, and only as many GPUs as were lent (2): the 4- and 6-GPU NCCL runs could not be made.
+# # distributed_communication_single_node (2025 §2.1)
+# All-reduce of float32 tensors of 1 MB, 10 MB, 100 MB and 1 GB on one node, Gloo on CPU and NCCL on
+# GPUs, 2, 4 and 6 processes: how do backend, tensor size and number of processes interact?
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when 2 GPUs are present, else render the committed results
@@ -33,6 +23,8 @@ sizes_mb = [1, 10, 100, 1024]
 gloo_max_mb = 1024  # largest gloo tensor (CPU memory and time)
 
 # %% tags=["remove-input"]
+import pandas as pd
+
 from cs336_systems.report import load_results, nb, save_figure, show_table
 from cs336_systems.studies.distributed import comm_bench
 from cs336_systems.studies.distributed.plots import plot_all_reduce
@@ -55,20 +47,6 @@ if nb.should_measure(measure, gpus=2, quick=quick):
         )
 df = load_results(comm_bench.PROBLEM, results_dir)
 facts = comm_bench.facts(df)
-
-# %% tags=["remove-input"]
-if nb.have_results(df, comm_bench.PROBLEM):
-    save_figure(plot_all_reduce(df), f"{comm_bench.PROBLEM}__all_reduce")
-    show_table(
-        comm_bench.summary_table(df).reset_index(),
-        caption="all-reduce time (ms, median over calls)",
-        provenance_from=df,
-    )
-    show_table(
-        comm_bench.summary_table(df, "busbw").reset_index(),
-        caption="bus bandwidth (GB/s, median)",
-        provenance_from=df,
-    )
 
 # %% tags=["remove-input"]
 if nb.have_results(df, comm_bench.PROBLEM):
@@ -99,19 +77,43 @@ if nb.have_results(df, comm_bench.PROBLEM):
             f"More processes cost more: at {big:g} MB a Gloo all-reduce takes {lo['big_ms']:.1f} ms "
             f"with {lo['world']} processes and {hi['big_ms']:.1f} ms with {hi['world']}, although the bytes each "
             f"rank moves only grow from {lo['ring_factor']:.2f}x to {hi['ring_factor']:.2f}x the tensor: a ring "
-            f"all-reduce has 2(n-1) latency-bound steps, and the CPU ranks share the host's memory bandwidth."
+            f"all-reduce has 2(n-1) steps, each with its own latency."
         )
     parts.append(
-        "NCCL moves data over NVLink between GPU memories with dedicated kernels, while Gloo copies through host "
-        "memory and the TCP loopback, so the backend matters most for large tensors."
+        "NCCL reduces in GPU kernels over the GPUs' interconnect, while Gloo goes through host memory and TCP "
+        "sockets: the backend matters most for large tensors."
     )
     if not nccl_worlds:
         parts.append("There are no NCCL rows here (no GPU run).")
     elif facts["nccl_not_run"]:
+        lent = int(df[df.impl.astype(str).str.startswith("nccl")].num_gpus.max())
         parts.append(
-            f"NCCL with {' and '.join(map(str, facts['nccl_not_run']))} GPUs was not measured: the lent machines "
-            f"had {max(nccl_worlds, default=0)} GPUs."
+            f"**NCCL with {' and '.join(map(str, facts['nccl_not_run']))} GPUs was not measured:** every machine "
+            f"this benchmark ran on had {lent} GPUs (the rows' num_gpus), and NCCL needs one GPU per process."
         )
     if facts["missing"]:
         parts.append("Not measured: " + "; ".join(facts["missing"]) + ".")
     nb.md(" ".join(parts))
+
+# %% tags=["remove-input"]
+if nb.have_results(df, comm_bench.PROBLEM):
+    both = pd.concat(
+        {
+            "time (ms)": comm_bench.summary_table(df),
+            "bus bandwidth (GB/s)": comm_bench.summary_table(df, "busbw"),
+        },
+        names=["quantity"],
+    )
+    show_table(
+        both.reset_index(),
+        caption="All-reduce of float32 tensors (MB = 2^20 bytes): median time and bus bandwidth",
+        provenance_from=df,
+        note="bus bandwidth = size / time x 2(n-1)/n, the bytes a rank moves in a ring all-reduce",
+    )
+    save_figure(plot_all_reduce(df), f"{comm_bench.PROBLEM}__all_reduce")
+
+# %% [markdown]
+# **Setup.** `python -m cs336_systems.studies.distributed.comm_bench --grid`: one `torchrun` job per backend
+# and process count; 5 warm-up all-reduces, then per call a barrier, `torch.cuda.synchronize()`, the timed
+# SUM all-reduce and another synchronize (3 to 20 calls within 10 s per size); a call's time is the slowest
+# rank's. Gloo runs on the CPU cores of the GPU host, NCCL with one process per GPU.

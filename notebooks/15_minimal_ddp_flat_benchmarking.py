@@ -11,16 +11,9 @@
 # ---
 
 # %% [markdown]
-# # 2.3.1 minimal_ddp_flat_benchmarking
-# Modify the minimal DDP implementation to communicate a single tensor holding all gradients
-# (`torch._utils._flatten_dense_tensors` / `_unflatten_dense_tensors`), then compare its time per iteration
-# and communication time with the per-parameter all-reduce of naive DDP under the same setup (1 node x 2 GPUs,
-# XL model), in 1-2 sentences.
-#
-# **Setup**: as in naive_ddp_benchmarking (XL, fp32, AdamW, context 512, 4 sequences per GPU on 2 GPUs with
-# NCCL; step = wall time; phases from CUDA events). `FlatDDP.finish_gradient_synchronization()` flattens all
-# gradients into one buffer, runs one blocking all-reduce, divides by the world size and copies the result
-# back; its "grad sync" time includes the two copies.
+# # minimal_ddp_flat_benchmarking (2025 §2.3.1)
+# Communicate all gradients as one flattened tensor and compare time per step and communication time
+# with naive DDP's per-parameter all-reduce, same setup, in 1-2 sentences.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when 2 GPUs are present, else render the committed results
@@ -37,12 +30,6 @@ results_dir, df = ddp_analysis.measure_or_load(measure, variants, quick=quick, o
 facts = ddp_analysis.facts(df)
 
 # %% tags=["remove-input"]
-if nb.have_results(df, train_bench.PROBLEM) and facts["flat_measured"]:
-    ddp_analysis.show_measurements(
-        df, variants, plot_step_breakdown, "minimal_ddp_flat_benchmarking__step_breakdown"
-    )
-
-# %% tags=["remove-input"]
 if facts["naive_ok"] and facts["flat_ok"]:
     faster = facts["flat_faster"]
     nb.md(
@@ -53,12 +40,12 @@ if facts["naive_ok"] and facts["flat_ok"]:
         f"{'flattening saves' if faster else 'flattening costs'} {facts['flat_comm_saving_ms']:.0f} ms of "
         f"communication per step ({facts['flat_step_saving_ms']:.0f} ms of step time). "
         + (
-            "A single large call pays the fixed per-call cost (launch, synchronisation, ring set-up) once instead of "
-            "once per tensor and runs at full bandwidth, which outweighs the extra copies into and out of the flat "
-            "buffer; but it still starts only after backward, so nothing is overlapped."
+            "One large call pays the fixed per-call cost once instead of once per tensor, which outweighs the "
+            "copies into and out of the flat buffer (they are inside the measured sync time); it still starts only "
+            "after backward, so nothing is overlapped. (Times: the table of naive_ddp_benchmarking, same run.)"
             if faster
-            else "Here the copies into and out of the flat buffer (and its transient memory) outweigh the saved "
-            "per-call costs; either way the communication only starts after backward, so nothing is overlapped."
+            else "Here the copies into and out of the flat buffer outweigh the saved per-call costs; either way the "
+            "communication only starts after backward. (Times: the table of naive_ddp_benchmarking, same run.)"
         )
     )
 elif facts["flat_measured"] and facts["flat_note"]:

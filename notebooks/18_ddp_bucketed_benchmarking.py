@@ -11,23 +11,12 @@
 # ---
 
 # %% [markdown]
-# # 2.3.3 ddp_bucketed_benchmarking
-# (a) Benchmark the bucketed DDP implementation on 1 node x 2 GPUs with the XL model, with maximum bucket
-# sizes of 1, 10, 100 and 1000 MB, and compare with the earlier variants without bucketing. Do the results
-# match expectations? If not, why not (use the profiler), and what change to the setup would make them match?
-# (b) Assume that computing the gradients of a bucket takes as long as communicating it. Write the DDP
-# overhead (time after the backward pass ends) as a function of the total parameter size s (bytes), the
-# all-reduce algorithm bandwidth w, the per-call overhead o (seconds) and the number of buckets n_b; then
-# give the optimal bucket size.
-#
-# **Setup**: as in naive_ddp_benchmarking (XL, fp32, AdamW, context 512, 4 sequences per GPU on 2 GPUs with
-# NCCL; step = wall time; phases from CUDA events). `DDPBucketed(module, bucket_size_mb)` fills buckets in
-# reverse `parameters()` order with at most `bucket_size_mb` MB (MB = 2^20 bytes, like PyTorch DDP's
-# `bucket_cap_mb`; a tensor larger than the limit gets its own bucket) and launches one asynchronous
-# all-reduce per bucket as soon as all its gradients are ready. Its "grad sync" time is the exposed
-# communication after backward. PyTorch's `DistributedDataParallel` with the same `bucket_cap_mb` (and its
-# default, 25 MB) is the reference implementation; it waits for its buckets inside `backward()`, so it is
-# compared on step time. The project's goal: bucketed step time <= 1.02 x PyTorch DDP at the same bucket size.
+# # ddp_bucketed_benchmarking (2025 §2.3.3)
+# (a) Bucketed DDP with maximum bucket sizes of 1, 10, 100 and 1000 MB against the variants without
+# buckets (XL, 2 GPUs): do the results match expectations, and if not, why, and what setup would make
+# them match? (b) If computing a bucket's gradients takes as long as communicating it, write the DDP
+# overhead (time after backward) as a function of the parameter bytes s, the all-reduce bandwidth w, the
+# per-call overhead o and the number of buckets n_b, and give the optimal bucket size.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when 2 GPUs are present, else render the committed results
@@ -39,7 +28,7 @@ only_missing = True  # the DDP notebooks share ddp_training.csv: measure only va
 # %% tags=["remove-input"]
 from cs336_systems.report import load_results, nb, save_figure, show_table
 from cs336_systems.studies.distributed import comm_bench, ddp_analysis, train_bench
-from cs336_systems.studies.distributed.plots import plot_bucket_model, plot_bucket_sweep, plot_ddp_timelines
+from cs336_systems.studies.distributed.plots import plot_bucket_model, plot_bucket_sweep
 
 problem = "ddp_bucketed_benchmarking"
 results_dir = nb.setup(quick)
@@ -72,23 +61,10 @@ summ = ddp_analysis.summary(df)
 facts = ddp_analysis.facts(df)
 
 # %% tags=["remove-input"]
-if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
-    nb.md(f"Measured: {ddp_analysis.describe_setup(df)}.")
-    save_figure(plot_bucket_sweep(summ), f"{problem}__bucket_sweep")
-    show_table(
-        ddp_analysis.bucket_table(summ),
-        caption="time per training step (ms, mean) by maximum bucket size",
-        provenance_from=df,
-    )
-    others = summ[summ.kind.isin(["single", "naive", "flat", "overlap"])]
-    show_table(
-        ddp_analysis.summary_table(others), caption="the variants without buckets (ms)", provenance_from=df
-    )
-
-# %% tags=["remove-input"]
 if facts["bucketed_count"]:
     parts = [
-        f"**(a)** The best bucket size is {facts['bucket_best']}: {facts['bucket_best_step_ms']:.0f} ms per step "
+        f"**Answer.** **(a)** `DDPBucketed` fills buckets in reverse parameter order and all-reduces a bucket as "
+        f"soon as its gradients are ready. The best bucket size is {facts['bucket_best']}: {facts['bucket_best_step_ms']:.0f} ms per step "
         f"with {facts['bucket_best_comm_ms']:.0f} ms of communication exposed after backward; the worst, "
         f"{facts['bucket_worst']}, takes {facts['bucket_worst_step_ms']:.0f} ms."
     ]
@@ -113,8 +89,8 @@ if facts["bucketed_count"]:
             f"({facts['bucket_comm_min_ms']:.1f} to {facts['bucket_comm_max_ms']:.1f} ms exposed after backward). "
             "The step times differ mostly through the backward pass itself: with all-reduces running beside it, "
             f"it takes {facts['bucket_backward_min_ms']:.0f} to {facts['bucket_backward_max_ms']:.0f} ms against "
-            f"{facts['single_backward_ms']:.0f} ms without communication (NCCL kernels share the SMs and memory "
-            f"bandwidth with the compute kernels), and the least with {facts['bucket_fastest_backward']} buckets, "
+            f"{facts['single_backward_ms']:.0f} ms without communication (NCCL kernels run beside the backward "
+            f"kernels on the same GPU), and the least with {facts['bucket_fastest_backward']} buckets, "
             "the fewest all-reduce calls."
             if facts["bucket_spread_small"]
             else "large enough that the bucket size matters; the profile below shows where the exposed time goes."
@@ -124,20 +100,31 @@ if facts["bucketed_count"]:
 # %% tags=["remove-input"]
 stats = ddp_analysis.trace_facts(results_dir, trace_labels)
 if stats:
-    save_figure(plot_ddp_timelines(results_dir, list(stats)), f"{problem}__timeline")
     nb.md(
-        "Profiler traces (one step each, rank 0): "
+        "**Why (profiler, one traced step each, rank 0):** "
         + "; ".join(
             f"{t}: {st['comm_ms']:.1f} ms of all-reduce kernels, {100 * st['hidden_fraction']:.0f} % overlapped "
             f"with compute, {st['comm_after_backward_ms']:.1f} ms after the last backward kernel"
             for t, st in stats.items()
         )
-        + ". What remains after backward is the all-reduce of the last bucket(s): the gradients that are ready "
-        "last (first blocks, the token embedding) have no compute left to hide behind. A setup where buckets "
-        "matter more -- and that would show the U shape of (b) -- is one where communication is expensive "
-        "relative to compute: mixed precision (bf16 matmuls are several times faster than fp32, the gradients "
-        "stay the same size), a slower interconnect (PCIe or several nodes), or more GPUs."
+        + ". Only the last bucket's all-reduce is left after backward, whatever the bucket size. A setup where "
+        "communication is expensive relative to compute would show the U shape of (b): bf16 compute (the "
+        "benchmarking_mixed_precision section measured bf16 backward several times faster, with gradients of "
+        "the same size), a slower interconnect (PCIe, several nodes) or more GPUs."
     )
+
+# %% tags=["remove-input"]
+if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
+    show_table(
+        ddp_analysis.bucket_table(summ),
+        caption="(a) Time per training step (ms, mean) by maximum bucket size: ours and PyTorch DDP",
+        provenance_from=df,
+        note="the variants without buckets: the naive_ddp_benchmarking table (same run)",
+    )
+
+# %% tags=["remove-input", "remove-cell"]
+if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
+    save_figure(plot_bucket_sweep(summ), f"{problem}__bucket_sweep")
 
 # %% [markdown]
 # **(b)** Model (assumptions): the s bytes of gradients are split into n_b equal buckets of s/n_b bytes; the
@@ -165,11 +152,6 @@ except ValueError as exc:  # no all-reduce rows to fit o and w from
     nb.md(f"*The overhead model needs the all-reduce benchmark of the same backend: {exc}.*")
 if model is not None:
     save_figure(plot_bucket_model(model), f"{problem}__overhead_model")
-    show_table(
-        model["table"],
-        caption="predicted vs measured time after backward (ms) per maximum bucket size",
-        provenance_from=df,
-    )
     mf = ddp_analysis.model_facts(model)
     text = (
         f"Fitting $t = o + \\text{{bytes}}/w$ to the {mf['impl']} all-reduce times with {mf['world_size']} ranks "
@@ -203,3 +185,18 @@ if model is not None:
         )
     )
     nb.md(text)
+
+# %% tags=["remove-input", "remove-cell"]
+if model is not None:
+    show_table(
+        model["table"],
+        caption="ddp_bucketed_benchmarking (b): predicted vs measured time after backward (ms) per maximum bucket size",
+        provenance_from=df,
+    )
+
+# %% [markdown]
+# **Setup** as in naive_ddp_benchmarking. Buckets hold at most `bucket_size_mb` MB (2^20 bytes, like
+# PyTorch DDP's `bucket_cap_mb`; a larger tensor gets its own bucket); the "grad sync" time is the exposed
+# communication after backward. PyTorch's `DistributedDataParallel` with the same `bucket_cap_mb` (and its
+# default, 25 MB) is the reference; it waits for its buckets inside `backward()`, so it is compared on step
+# time. The project's goal: bucketed step time at most 1.02 x PyTorch DDP's at the same bucket size.

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 2.4 communication_accounting
+# # communication_accounting (2025 §2.4)
 # A written problem about the "XXL" model: $L = 126$ blocks, each two linears
 # $d_\text{model} \to d_\text{ff} \to d_\text{model}$ with $d_\text{model} = 16384$ and
 # $d_\text{ff} = 53248$ (no attention, embeddings, output layer or activation function, no activation
@@ -24,11 +24,9 @@
 # $C = 4.6 \cdot 10^{14}$ FLOP/s, $M_X = 2$, $M_Y = 1$, $X = 16$, $Y = 4$), at what batch per device does
 # the model become compute-bound, and what is the global batch? (d) Which tricks lower that batch?
 #
-# Everything below is computed by `cs336_systems.accounting` (tested in
-# `tests/test_accounting.py`); nothing is measured. **Units:** memory is counted in bytes and printed in
-# decimal GB ($10^9$ B), as the handout's "80GB" and "95 GB" device sizes are; GiB ($2^{30}$ B) are
-# given where they differ in an interesting way. A token is one row of the activations (the handout's
-# "batch" $B$ counts tokens).
+# Every number is computed by `cs336_systems.accounting` (tested in `tests/test_accounting.py`); nothing
+# is measured. Memory is in decimal GB ($10^9$ B), as the handout's device sizes are; a token is one row of
+# the activations (the handout's "batch" $B$ counts tokens).
 
 # %% tags=["parameters"]
 measure = "auto"  # unused: this problem is pure computation (kept for a uniform notebook interface)
@@ -48,31 +46,6 @@ facts = communication_accounting.facts(token_counts)
 
 # %% [markdown]
 # ## (a) Memory on one device
-#
-# Each block holds $W_\text{in} \in \mathbb{R}^{d_\text{model} \times d_\text{ff}}$ and
-# $W_\text{out} \in \mathbb{R}^{d_\text{ff} \times d_\text{model}}$, so
-# $$P = L \cdot 2\, d_\text{model}\, d_\text{ff}.$$
-# FP32 master weights, FP32 accumulated gradients and AdamW's two FP32 moments $m, v$ cost
-# $4 + 4 + 4 + 4 = 16$ bytes per parameter:
-# $$M_\text{state} = \underbrace{4P}_\text{master} + \underbrace{4P}_\text{grad} + \underbrace{8P}_{m,\,v} = 16P .$$
-# For backward, a linear $y = xW$ needs its input $x$ (for $\partial W = x^\top \partial y$; the input
-# gradient $\partial x = \partial y\, W^\top$ needs only $W$, which is state). With no activation function
-# the hidden $h = x W_\text{in}$ is itself the saved input of $W_\text{out}$, so each block keeps
-# $d_\text{model} + d_\text{ff}$ BF16 values per token:
-# $$A(T) = T \cdot L \cdot (d_\text{model} + d_\text{ff}) \cdot 2 \text{ bytes for a batch of } T \text{ tokens.}$$
-# The handout gives no batch size, so $A$ is reported per token and for a few example batches.
-
-# %% tags=["remove-input"]
-show_table(
-    communication_accounting.memory_terms_table(),
-    caption=f"XXL model: P = {facts['params']:,} parameters",
-    provenance_from=SOURCE,
-)
-show_table(
-    communication_accounting.activation_table(token_counts),
-    caption="Saved activations and the H100 count for example batches",
-    provenance_from=SOURCE,
-)
 
 # %% tags=["remove-input"]
 nb.md(
@@ -89,26 +62,28 @@ any activation or the BF16 working copy of the weights is counted."""
 )
 
 # %% [markdown]
-# ## (b) Sharding over $N_\text{FSDP}$ devices
-#
-# Sharding the master weights, gradients and optimizer state, and half of the activations (every other
-# layer's), over $N = N_\text{FSDP}$ devices while the other half stays whole on every device gives
-# $$M_\text{device}(N) = \frac{16P + A/2}{N} + \frac{A}{2}.$$
-# Fitting a TPU v5p needs $M_\text{device}(N) \le 95\,\text{GB}$, i.e.
-# $$N \ge \frac{16P + A/2}{95\,\text{GB} - A/2}, \qquad \text{possible only while } A/2 < 95\,\text{GB}.$$
-# Ignoring activations ($A \to 0$) this is $N \ge 16P / 95\,\text{GB}$.
+# Each block holds $W_\text{in} \in \mathbb{R}^{d_\text{model} \times d_\text{ff}}$ and
+# $W_\text{out} \in \mathbb{R}^{d_\text{ff} \times d_\text{model}}$, so
+# $$P = L \cdot 2\, d_\text{model}\, d_\text{ff}.$$
+# FP32 master weights, FP32 accumulated gradients and AdamW's two FP32 moments $m, v$ cost
+# $4 + 4 + 4 + 4 = 16$ bytes per parameter:
+# $$M_\text{state} = \underbrace{4P}_\text{master} + \underbrace{4P}_\text{grad} + \underbrace{8P}_{m,\,v} = 16P .$$
+# For backward, a linear $y = xW$ needs its input $x$ (for $\partial W = x^\top \partial y$; the input
+# gradient $\partial x = \partial y\, W^\top$ needs only $W$, which is state). With no activation function
+# the hidden $h = x W_\text{in}$ is itself the saved input of $W_\text{out}$, so each block keeps
+# $d_\text{model} + d_\text{ff}$ BF16 values per token:
+# $$A(T) = T \cdot L \cdot (d_\text{model} + d_\text{ff}) \cdot 2 \text{ bytes for a batch of } T \text{ tokens.}$$
+# The handout gives no batch size, so $A$ is reported per token and for a few example batches.
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "remove-cell"]
 show_table(
-    communication_accounting.fsdp_fit_table(token_counts),
-    caption="Smallest N_FSDP under 95 GB per device",
+    communication_accounting.memory_terms_table(),
+    caption=f"communication_accounting (a): memory of the XXL model, P = {facts['params']:,} parameters",
     provenance_from=SOURCE,
 )
-save_figure(
-    communication_accounting.plot_memory_vs_n_fsdp(token_counts, n_fsdp_max),
-    "communication_accounting__memory_vs_n_fsdp",
-)
-plt.show()
+
+# %% [markdown]
+# ## (b) Sharding over $N_\text{FSDP}$ devices
 
 # %% tags=["remove-input"]
 nb.md(
@@ -122,8 +97,46 @@ once $A/2 \\ge 95$ GB, i.e. for batches beyond about {facts["max_tokens_any_fsdp
 )
 
 # %% [markdown]
+# Sharding the master weights, gradients and optimizer state, and half of the activations (every other
+# layer's), over $N = N_\text{FSDP}$ devices while the other half stays whole on every device gives
+# $$M_\text{device}(N) = \frac{16P + A/2}{N} + \frac{A}{2}.$$
+# Fitting a TPU v5p needs $M_\text{device}(N) \le 95\,\text{GB}$, i.e.
+# $$N \ge \frac{16P + A/2}{95\,\text{GB} - A/2}, \qquad \text{possible only while } A/2 < 95\,\text{GB}.$$
+# Ignoring activations ($A \to 0$) this is $N \ge 16P / 95\,\text{GB}$.
+
+# %% tags=["remove-input", "remove-cell"]
+show_table(
+    communication_accounting.fsdp_fit_table(token_counts),
+    caption="Smallest N_FSDP under 95 GB per device",
+    provenance_from=SOURCE,
+)
+save_figure(
+    communication_accounting.plot_memory_vs_n_fsdp(token_counts, n_fsdp_max),
+    "communication_accounting__memory_vs_n_fsdp",
+)
+plt.show()
+
+# %% [markdown]
 # ## (c) When is the TPU v5p forward compute-bound?
-#
+
+# %% tags=["remove-input"]
+nb.md(
+    f"""**Answer (c).** $\\alpha = 4.6 \\cdot 10^{{14}} / (1.8 \\cdot 10^{{11}}) = {latex_number(facts["alpha"], ",.1f")}$ FLOP/B. On its own the TP
+term is hidden, since $F = 53248 \\ge \\alpha Y / M_Y = {latex_number(facts["tp_hidden_min_d_ff"])}$, but it still uses
+$\\alpha Y / (M_Y F) = {facts["tp_fraction"]:.3f}$ of the math time, leaving the rest for the weight all-gathers. With the
+Scaling Book's criterion $T_\\text{{FSDP}} + T_\\text{{TP}} \\le T_\\text{{math}}$ **the forward is compute-bound at
+$B/N \\ge {facts["min_batch_sum_per_device"]:.1f}$ tokens per device, i.e. a global batch of at least ${facts["chips"]:.0f} \\times {facts["min_batch_sum_per_device"]:.1f}
+\\approx {latex_number(facts["min_batch_sum"])}$ tokens** (each TP group of $Y = 4$ chips, one FSDP shard, processes $B/X \\ge {latex_number(facts["min_batch_sum_per_fsdp_shard"])}$ tokens). If the
+FSDP and TP collectives could also overlap each other, only $T_\\text{{FSDP}} \\le T_\\text{{math}}$ would bind, giving
+$B/N \\ge \\alpha/(Y M_X) = {facts["min_batch_max_per_device"]:.1f}$ tokens per device and $B \\ge {latex_number(facts["min_batch_max"])}$ tokens."""
+)
+
+# %% tags=["remove-input"]
+tpu = communication_accounting.tpu_setting()
+save_figure(communication_accounting.plot_tpu_times(tpu), "communication_accounting__tpu_times_vs_batch")
+plt.show()
+
+# %% [markdown]
 # The Scaling Book (Austin et al. 2025, Part 5, "Mixed FSDP and Tensor Parallelism") shards a block as
 # $\text{In}[B_X, D_Y] \cdot_D W_\text{in}[D_X, F_Y] \cdot_F W_\text{out}[F_Y, D_X] \to \text{Out}[B_X, D_Y]$
 # on an $X \times Y$ mesh, $N = XY$: the FSDP axis $X$ all-gathers the weights, the TP axis $Y$ all-gathers
@@ -145,37 +158,15 @@ once $A/2 \\ge 95$ GB, i.e. for batches beyond about {facts["max_tokens_any_fsdp
 # If the two collectives also overlapped each other (compare with the max instead of the sum), the
 # conditions separate into $B/N \ge \alpha/(Y M_X)$ and $F \ge \alpha Y / M_Y$; this gives a lower bound.
 
-# %% tags=["remove-input"]
-tpu = communication_accounting.tpu_setting()
+# %% tags=["remove-input", "remove-cell"]
 show_table(
     communication_accounting.tpu_table(tpu),
-    caption="TPU v5p, X = 16 (FSDP), Y = 4 (TP), M_X = 2, M_Y = 1, N = 64",
+    caption="communication_accounting (c): TPU v5p, X = 16 (FSDP), Y = 4 (TP), M_X = 2, M_Y = 1, N = 64",
     provenance_from=SOURCE,
-)
-save_figure(communication_accounting.plot_tpu_times(tpu), "communication_accounting__tpu_times_vs_batch")
-plt.show()
-
-# %% tags=["remove-input"]
-nb.md(
-    f"""**Answer (c).** $\\alpha = 4.6 \\cdot 10^{{14}} / (1.8 \\cdot 10^{{11}}) = {latex_number(facts["alpha"], ",.1f")}$ FLOP/B. On its own the TP
-term is hidden, since $F = 53248 \\ge \\alpha Y / M_Y = {latex_number(facts["tp_hidden_min_d_ff"])}$, but it still uses
-$\\alpha Y / (M_Y F) = {facts["tp_fraction"]:.3f}$ of the math time, leaving the rest for the weight all-gathers. With the
-Scaling Book's criterion $T_\\text{{FSDP}} + T_\\text{{TP}} \\le T_\\text{{math}}$ **the forward is compute-bound at
-$B/N \\ge {facts["min_batch_sum_per_device"]:.1f}$ tokens per device, i.e. a global batch of at least ${facts["chips"]:.0f} \\times {facts["min_batch_sum_per_device"]:.1f}
-\\approx {latex_number(facts["min_batch_sum"])}$ tokens** (each TP group of $Y = 4$ chips, one FSDP shard, processes $B/X \\ge {latex_number(facts["min_batch_sum_per_fsdp_shard"])}$ tokens). If the
-FSDP and TP collectives could also overlap each other, only $T_\\text{{FSDP}} \\le T_\\text{{math}}$ would bind, giving
-$B/N \\ge \\alpha/(Y M_X) = {facts["min_batch_max_per_device"]:.1f}$ tokens per device and $B \\ge {latex_number(facts["min_batch_max"])}$ tokens."""
 )
 
 # %% [markdown]
 # ## (d) Shrinking the batch while staying compute-bound
-
-# %% tags=["remove-input"]
-show_table(
-    communication_accounting.layout_table(),
-    caption="Minimum global batch (book criterion, forward) for other layouts of the 64 chips",
-    provenance_from=SOURCE,
-)
 
 # %% tags=["remove-input"]
 nb.md(
@@ -196,6 +187,13 @@ a faster interconnect lowers the effective $\\alpha$, and prefetching layer $\\e
 $\\ell$ (as ZeRO-3 / FSDP do, Rajbhandari et al. 2020) while running both axes concurrently replaces the sum by a max
 ({facts["min_batch_max"]:,.0f} tokens). Sequence or context parallelism does not change the token count $B$ that the bound is about; it
 only lets fewer, longer sequences make up the batch."""
+)
+
+# %% tags=["remove-input"]
+show_table(
+    communication_accounting.layout_table(),
+    caption="Minimum global batch (book criterion, forward) for other layouts of the 64 chips",
+    provenance_from=SOURCE,
 )
 
 # %% [markdown]

@@ -11,23 +11,12 @@
 # ---
 
 # %% [markdown]
-# # 3 optimizer_state_sharding_accounting
-# (2025 handout.) On one node with 2 GPUs and the XL model, (a) profile the peak memory with and without
-# optimizer-state sharding after model initialization, directly before the optimizer step and directly
-# after it; do the numbers match expectations, broken down into parameters, gradients, optimizer state
-# and activations? (b) How does sharding change the time per training iteration? (c) How does our
-# approach differ from ZeRO stage 1 (ZeRO-DP $P_{os}$, Rajbhandari et al. 2020), in memory and in
+# # optimizer_state_sharding_accounting (2025 §3)
+# XL model, 2 GPUs: (a) peak memory with and without optimizer-state sharding after initialisation,
+# directly before and after the optimizer step, broken down into parameters, gradients, optimizer state
+# and activations: does it match expectations? (b) How does sharding change the time per iteration?
+# (c) How does our approach differ from ZeRO stage 1 (Rajbhandari et al. 2020) in memory and in
 # communication volume?
-#
-# **Setup.** `python -m cs336_systems.studies.distributed.sharding_bench` (see its module docstring): the 2025
-# XL model (d_model 1600, 48 layers, 2.0B parameters) in fp32 with the project's AdamW (lr 1e-4, weight
-# decay 0.01), data parallel over 2 GPUs with 4 sequences of 512 tokens per GPU (global batch 8, the
-# setting of our DDP benchmarks), naive attention. Gradients are averaged by the same bucketed flat
-# all-reduce after backward in every variant, so only the optimizer differs: plain AdamW
-# (`unsharded`), our `ShardedOptimizer(AdamW)`, and PyTorch's `ZeroRedundancyOptimizer(AdamW)`.
-# Memory is `torch.cuda.memory_allocated` per rank at each point; the components are the summed
-# storages of the parameters, their gradients and the optimizer's state tensors; "other" is the rest.
-# "first" is the first iteration (AdamW creates its state lazily during that step), "steady" the last.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when 2 GPUs are present, else render the committed results
@@ -52,28 +41,19 @@ def gib(x):
 
 # %% tags=["remove-input"]
 if nb.have_results(df, sharding_bench.PROBLEM):
-    save_figure(sharding_analysis.plot_memory_breakdown(df), f"{sharding_bench.PROBLEM}__memory")
-    show_table(
-        sharding_analysis.memory_table(df, rank=0).reset_index(),
-        caption="GiB allocated on rank 0 at each point: measured components next to their expectation",
-        provenance_from=df,
-        note="peak = max allocated since the previous point; activations_peak = before_step peak minus "
-        "allocated at the start of the iteration",
-    )
-
-# %% tags=["remove-input"]
-if nb.have_results(df, sharding_bench.PROBLEM):
     facts = sharding_analysis.facts(df)
     nb.md(
-        f"**(a)** After initialisation every variant holds only the weights: "
+        f"**Answer.** **(a)** After initialisation every variant holds only the weights: "
         f"{gib(facts['unsharded_allocated_after_init'])} GiB allocated, of which {gib(facts['unsharded_params_after_init'])} GiB "
         f"parameters (4 bytes x {facts['num_params_b']:.2f}B = {gib(facts['unsharded_expected_params_after_init'])} GiB); "
         f"AdamW has no state yet. Right before a steady-state step the unsharded rank holds "
         f"{gib(facts['unsharded_params_steady:before_step'])} GiB parameters + {gib(facts['unsharded_grads_steady:before_step'])} GiB "
         f"gradients + {gib(facts['unsharded_state_r0'])} GiB AdamW m and v + {gib(facts['unsharded_other_steady:before_step'])} GiB other = "
-        f"{gib(facts['unsharded_allocated_steady:before_step'])} GiB; the forward and backward pass peaked at "
-        f"{gib(facts['unsharded_peak_steady:before_step'])} GiB, i.e. {gib(facts['unsharded_activations_peak_steady:before_step'])} GiB "
-        f"of activations on top. With our sharded optimizer the state is {gib(facts['sharded_state_r0'])} GiB on rank 0 and "
+        f"{gib(facts['unsharded_allocated_steady:before_step'])} GiB; forward and backward peaked at "
+        f"{gib(facts['unsharded_peak_steady:before_step'])} GiB, "
+        f"{gib(facts['unsharded_activations_peak_steady:before_step'])} GiB above the iteration's start (whose "
+        "gradients were freed): the saved activations plus the gradients and temporaries alive at that peak, the "
+        f"same in every variant. With our sharded optimizer the state is {gib(facts['sharded_state_r0'])} GiB on rank 0 and "
         f"{gib(facts['sharded_state_r1'])} GiB on rank 1 (expected from the whole-tensor partition: {gib(facts['sharded_expected_state_r0'])} / {gib(facts['sharded_expected_state_r1'])}; "
         f"an exact half would be {gib(facts['exact_half_state'])}), so rank 0 allocates "
         f"{gib(facts['sharded_allocated_steady:before_step'])} GiB before the step, "
@@ -89,12 +69,6 @@ if nb.have_results(df, sharding_bench.PROBLEM):
 
 # %% tags=["remove-input"]
 if nb.have_results(df[df.unit == "ms"], "the step timings"):
-    save_figure(sharding_analysis.plot_step_time(df), f"{sharding_bench.PROBLEM}__step_time")
-    show_table(
-        sharding_analysis.time_table(df).reset_index(),
-        caption="ms per iteration (slowest rank), mean +- std",
-        provenance_from=df,
-    )
     facts = sharding_analysis.facts(df)
     nb.md(
         f"**(b)** An iteration takes {gib(facts['unsharded_step_ms'])} ms unsharded, {gib(facts['sharded_step_ms'])} ms with our sharded optimizer "
@@ -108,20 +82,7 @@ if nb.have_results(df[df.unit == "ms"], "the step timings"):
         f"the step; the point of sharding is the memory of (a), not speed."
     )
 
-# %% [markdown]
-# **(c) Our approach versus ZeRO stage 1.** Computed per device for fp32 parameters and gradients and
-# AdamW ($\Psi$ parameters, $N$ devices, ring collectives): plain data parallelism all-reduces the
-# gradients ($2\frac{N-1}{N}\Psi$ elements sent per device); ZeRO-1 reduce-scatters them (each rank only
-# needs its partition's averaged gradients) and all-gathers the updated parameters, together the
-# volume of one all-reduce; ours keeps the full gradient all-reduce and adds the parameter broadcasts,
-# one more all-gather's worth.
-
 # %% tags=["remove-input"]
-show_table(
-    sharding_analysis.zero1_comparison("xl", 2).reset_index(),
-    caption="Model-state memory and data sent per device per step, XL on 2 GPUs (computed)",
-    provenance_from="computed by sharding_analysis.zero1_comparison (cs336_systems.accounting)",
-)
 zero1 = sharding_analysis.zero1_facts("xl", 2)
 nb.md(
     f"**(c)** In memory the two are the same scheme: both keep full fp32 parameters and gradients on every rank "
@@ -134,4 +95,49 @@ nb.md(
     f"{zero1['sent_ratio']:.1f}x as much. ZeRO also overlaps its collectives "
     f"with computation and lets stage 2 free the gradient memory its reduce-scatter makes redundant; our "
     f"broadcasts run after the step, on the critical path."
+)
+
+# %% tags=["remove-input"]
+if nb.have_results(df, sharding_bench.PROBLEM):
+    steady = sharding_analysis.memory_table(df, rank=0).xs("steady:before_step", level="mode")
+    cols = ["params", "grads", "optimizer_state", "allocated", "peak", "activations_peak"]
+    times = sharding_analysis.time_table(df)
+    times = times[[c for c in ("step_time",) if c in times]]
+    show_table(
+        steady[[c for c in cols if c in steady]]
+        .rename(columns={"activations_peak": "peak - start", "optimizer_state": "opt. state"})
+        .join(times.rename(columns={"step_time": "step ms"}))
+        .rename_axis("rank 0, steady state")
+        .reset_index(),
+        caption="(a), (b) GiB allocated on rank 0 right before a steady-state optimizer step, by component; the peak of "
+        "that iteration and its rise above the iteration's start; ms per iteration (slowest rank)",
+        provenance_from=df,
+    )
+    save_figure(
+        sharding_analysis.plot_memory_breakdown(
+            df, points=("after_init", "steady:before_step", "steady:after_step")
+        ),
+        f"{sharding_bench.PROBLEM}__memory",
+    )
+
+# %% [markdown]
+# **(c), the volumes.** Per device for fp32 parameters and gradients and AdamW ($\Psi$ parameters, $N$
+# devices, ring collectives): plain data parallelism all-reduces the gradients ($2\frac{N-1}{N}\Psi$ elements
+# sent per device); ZeRO-1 reduce-scatters them and all-gathers the updated parameters, together the volume of
+# one all-reduce; ours keeps the full gradient all-reduce and adds the parameter broadcasts, one more
+# all-gather's worth.
+#
+# **Setup.** `python -m cs336_systems.studies.distributed.sharding_bench`: 2025 XL in fp32 with the
+# project's AdamW (lr 1e-4, weight decay 0.01) on 2 GPUs, 4 sequences of 512 tokens per GPU, naive
+# attention; gradients averaged by the same bucketed flat all-reduce in every variant, so only the
+# optimizer differs: AdamW (`unsharded`), our `ShardedOptimizer(AdamW)`, PyTorch's
+# `ZeroRedundancyOptimizer(AdamW)`. Memory is `torch.cuda.memory_allocated` per rank; the components are the
+# summed storages of parameters, gradients and optimizer state; "other" is the rest.
+
+# %% tags=["remove-input", "remove-cell"]
+show_table(
+    sharding_analysis.zero1_comparison("xl", 2).reset_index(),
+    caption="optimizer_state_sharding_accounting (c): model-state memory and data sent per device per step, XL on "
+    "2 GPUs (computed)",
+    provenance_from="computed by sharding_analysis.zero1_comparison (cs336_systems.accounting)",
 )

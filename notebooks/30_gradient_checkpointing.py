@@ -11,8 +11,8 @@
 # ---
 
 # %% [markdown]
-# # 3 gradient_checkpointing
-# (2026 handout, section 3.) (a) For a stack of N identical blocks, with any nesting of
+# # gradient_checkpointing (2026 §3)
+# (a) For a stack of N identical blocks, with any nesting of
 # `torch.utils.checkpoint` allowed and compute ignored, which arrangement minimises the peak
 # activation memory? Give a code sketch and the peak memory and compute as functions of N. (b) For
 # the xl model (batch 4, context 2048) with one level of checkpointing only, which block size
@@ -51,27 +51,7 @@ facts = checkpointing_study.facts(df, cost)
 model = facts["model"]
 
 # %% [markdown]
-# **Cost model.** c is one block input (a checkpoint), r what one block saves for backward, counted
-# with saved-tensor hooks on the meta device for our eager block (naive attention, 32 heads; the
-# handout's compiled 16-head block saves 3651 MiB). With k blocks per checkpoint the peak activation
-# memory is about ceil(N/k) c + k r (all checkpoints, plus one group's recomputed residuals); the
-# recursive scheme keeps ceil(log2 N) checkpoints plus one block's residuals. "Predicted total"
-# adds 16 bytes per parameter of fp32 training state (weights, gradients, AdamW m and v); backward
-# gradient buffers, the embedding and the logits come on top.
-
-# %% tags=["remove-input"]
-n = model["num_blocks"]
-sel = cost[(cost.strategy != "block") | cost.group_size.isin([1, 2, 4, 8, 16, n])].reset_index(drop=True)
-show_table(
-    sel,
-    caption=f"Predicted peak for {size} (N = {n} blocks), batch {batch_size}, T = {context_length}, fp32: "
-    f"c = {model['c_MiB']:.0f} MiB, r = {model['r_MiB']:,.0f} MiB per block",
-    formats={"peak_activation_GiB": "{:,.2f}", "predicted_total_GiB": "{:,.1f}", "forward_passes": "{:.0f}"},
-    provenance_from=f"computed live (saved-tensor hooks on the meta device), torch {torch.__version__}",
-)
-
-# %% [markdown]
-# **(a) Arrangement: recursive bisection.** Checkpoint both halves of the stack, and inside each
+# **Answer.** **(a) Recursive bisection.** Checkpoint both halves of the stack, and inside each
 # half checkpoint both of its halves again, down to single blocks
 # (`cs336_systems.model.checkpointing.checkpoint_recursive`):
 #
@@ -85,6 +65,7 @@ show_table(
 # ```
 
 # %% tags=["remove-input"]
+n = model["num_blocks"]
 nb.md(
     "The forward pass stores only the two half-inputs at the top level. Backward recomputes one half at a "
     "time, which again stores only its two quarter-inputs, and so on: at any moment one checkpoint per level "
@@ -97,20 +78,6 @@ nb.md(
     f"{model['one_level_GiB']:.1f} GiB for the best one-level grouping (k = {model['optimal_group']}) and "
     f"{model['none_GiB']:,.0f} GiB without checkpointing."
 )
-
-# %% tags=["remove-input"]
-meas = checkpointing_study.measured_table(df)
-if nb.have_results(meas, "gradient_checkpointing"):
-    show_table(
-        meas,
-        caption=f"Measured: {size}, batch {batch_size}, T = {context_length}, fp32, AdamW training step "
-        "(peak allocated memory of the timed step; 0.5 = attention and MLP halves checkpointed separately)",
-        provenance_from=df,
-    )
-    save_figure(
-        checkpointing_study.plot_cost_model(cost[cost.group_size <= 16], df),
-        "gradient_checkpointing__peak_vs_group",
-    )
 
 # %% tags=["remove-input"]
 if "measured" in facts:
@@ -132,8 +99,8 @@ if "measured" in facts:
                 f"bisection at {measured['recursive_GiB']:.1f} GiB): at this granularity the peak is no longer set by "
                 "the checkpointed residuals (the model predicts "
                 f"{model['one_level_GiB']:.1f}, {model['sub_block_GiB']:.1f} and {model['recursive_GiB']:.1f} GiB of "
-                "activations for the three, which would differ by more) but elsewhere in the step, by what the cost "
-                f"model leaves out (gradient buffers, embedding, logits); k = {best:g} is the coarsest arrangement "
+                "activations for the three, which would differ by more) but elsewhere in the step (the cost model leaves "
+                f"out gradient buffers, the embedding and the logits); k = {best:g} is the coarsest arrangement "
                 "that reaches this floor. "
                 if measured["sub_block_at_floor"]
                 else "GiB. "
@@ -164,3 +131,36 @@ if "measured" in facts:
             else ""
         )
     )
+# %% tags=["remove-input"]
+meas = checkpointing_study.measured_table(df)
+if nb.have_results(meas, "gradient_checkpointing"):
+    show_table(
+        meas,
+        caption=f"Measured: {size}, batch {batch_size}, T = {context_length}, fp32, AdamW training step "
+        "(peak allocated memory of the timed step; 0.5 = attention and MLP halves checkpointed separately)",
+        provenance_from=df,
+    )
+    save_figure(
+        checkpointing_study.plot_cost_model(cost[cost.group_size <= 16], df),
+        "gradient_checkpointing__peak_vs_group",
+    )
+
+# %% [markdown]
+# **Cost model.** c is one block input (a checkpoint), r what one block saves for backward, counted
+# with saved-tensor hooks on the meta device for our eager block (naive attention, 32 heads; the
+# handout's compiled 16-head block saves 3651 MiB). With k blocks per checkpoint the peak activation
+# memory is about ceil(N/k) c + k r (all checkpoints, plus one group's recomputed residuals); the
+# recursive scheme keeps ceil(log2 N) checkpoints plus one block's residuals. "Predicted total"
+# adds 16 bytes per parameter of fp32 training state (weights, gradients, AdamW m and v); backward
+# gradient buffers, the embedding and the logits come on top.
+
+# %% tags=["remove-input", "remove-cell"]
+n = model["num_blocks"]
+sel = cost[(cost.strategy != "block") | cost.group_size.isin([1, 2, 4, 8, 16, n])].reset_index(drop=True)
+show_table(
+    sel,
+    caption=f"gradient_checkpointing: predicted peak for {size} (N = {n} blocks), batch {batch_size}, T = {context_length}, fp32: "
+    f"c = {model['c_MiB']:.0f} MiB, r = {model['r_MiB']:,.0f} MiB per block",
+    formats={"peak_activation_GiB": "{:,.2f}", "predicted_total_GiB": "{:,.1f}", "forward_passes": "{:.0f}"},
+    provenance_from=f"computed live (saved-tensor hooks on the meta device), torch {torch.__version__}",
+)

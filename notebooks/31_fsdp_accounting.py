@@ -11,23 +11,10 @@
 # ---
 
 # %% [markdown]
-# # 7 fsdp_accounting
-# (2026 handout.) (a) Building on the optimizer-state sharding analysis, how much peak memory should
-# FSDP save (ignoring the pre-allocated all-gather buffers)? (b) Profile the xl model on two GPUs and
-# look at the weight all-gathers: do they finish before the forward pass needs them?
-#
-# **Setup.** `python -m cs336_systems.studies.distributed.fsdp_bench` (see its module docstring): the 2026 xl
-# model (the 2025 "2.7B": d_model 2560, 32 layers, 3.4B parameters) on 2 GPUs with 2 sequences of 512
-# tokens per GPU (the handout's batch of 4, split), naive attention, the project's AdamW. Variants:
-# `replicated` (every rank holds the whole model, its gradients and AdamW state; gradients averaged by a
-# bucketed flat all-reduce), `fsdp` (our `FSDP(model)`, fp32 everywhere) and `fsdp_bf16`
-# (`FSDP(model, compute_dtype=torch.bfloat16)`: weights cast to bf16 before the all-gather, fp32 master
-# weights, gradients and optimizer). Our FSDP shards every Linear and Embedding weight over the ranks and
-# replicates the RMSNorm gains; it gathers a layer's weight just before its forward, prefetching one layer
-# ahead (a gather starts only after the layer two positions earlier has finished, the handout's rule),
-# frees it after use, gathers it again for backward and reduce-scatters its gradient. The GPU hosts have
-# no Nsight Systems, so the "screenshots" are timelines drawn from a torch.profiler (CUPTI) trace of one
-# step on rank 0, which is committed gzip'd next to the results (open it in Perfetto).
+# # fsdp_accounting (2026 §7)
+# (a) Building on the optimizer-state sharding analysis, how much peak memory should FSDP save
+# (ignoring the pre-allocated all-gather buffers)? (b) Profile the xl model on two GPUs: do the weight
+# all-gathers finish before the forward pass needs them?
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when 2 GPUs are present, else render the committed results
@@ -51,84 +38,72 @@ def gib(x):
     return "n/a" if math.isnan(x) else f"{x:.2f}"
 
 
-# %% [markdown]
-# **(a) Expectation.** Per rank, data parallelism keeps the whole training state: 16 bytes per parameter
-# (fp32 weight 4, gradient 4, AdamW m and v 8). Optimizer-state sharding divides only the 8 bytes of
-# AdamW state by $N$; FSDP divides all 16 (weights, gradients and state of the sharded Linear and
-# Embedding weights; the RMSNorm gains, 0.004 % of the parameters, stay replicated). Activations are
-# unchanged, since every rank still runs the whole model on its own data. So the saving is
-# $16\Psi(1 - 1/N)$, i.e. half of the model state for $N = 2$, against $8\Psi(1 - 1/N)$ for
-# optimizer-state sharding. What FSDP adds back is its working set: two gathered full weights and a few
-# full-weight gradients on their way to reduce-scatters (what "ignore the all-gather buffers" sets aside).
-
-# %% tags=["remove-input"]
-show_table(
-    fsdp_analysis.expected_table(size, 2).rename_axis("per rank").reset_index(),
-    caption=f"Expected per-rank training state, {size} on 2 GPUs (computed from the model's parameter shapes)",
-    provenance_from="computed by fsdp_bench.expected_state_bytes",
-)
-
-# %% tags=["remove-input"]
-if nb.have_results(df, fsdp_bench.PROBLEM):
-    show_table(
-        fsdp_analysis.memory_table(df).reset_index(),
-        caption="Measured GiB on rank 0 (allocated at each point; iteration_peak over a whole steady iteration)",
-        provenance_from=df,
-    )
-    fsdp_analysis.render_figures(df, results_dir)
-
 # %% tags=["remove-input"]
 facts = fsdp_analysis.facts(df, size, 2)
-nb.md(
-    f"**(a)** For {size} ({facts['num_params_b']:.2f}B parameters) on 2 GPUs we expect FSDP to "
-    f"save {gib(facts['expected_saving'])} GiB per rank: {gib(facts['replicated_state'])} GiB "
-    f"of weights, gradients and AdamW state shrink to {gib(facts['fsdp_state'])} GiB "
-    f"(optimizer-state sharding alone would save {gib(facts['optimizer_sharding_saving'])} GiB). "
-    f"The working set it adds back is about {gib(facts['working_set_fp32'])} GiB in fp32 (two gathered copies of the largest weight, "
-    f"its full gradient and two full gradients in flight in reduce-scatters). Measured, the peak of a steady fp32 iteration is "
-    f"{gib(facts['replicated_peak'])} GiB replicated and {gib(facts['fsdp_peak'])} "
-    f"GiB with FSDP: a saving of {gib(facts['measured_saving'])} GiB"
-    + (
-        f", {facts['saving_share']:.0%} of the expectation. The shortfall, "
-        f"{gib(facts['shortfall'])} GiB, is far more than the expected working set of "
-        f"{gib(facts['working_set_fp32'])} GiB: an fp32 FSDP iteration rises {gib(facts['fsdp_transient'])} GiB above its steady state "
-        f"(allocated before the step), the replicated one {gib(facts['replicated_transient'])} GiB (its activations). "
-        "Our accounting does not explain the difference, and the committed measurements (allocator readings "
-        "at the step boundaries and the iteration peak) do not show which tensors are alive at the peak. "
-        f"With bf16 compute the peak is {gib(facts['fsdp_bf16_peak'])} GiB: it rises only "
-        f"{gib(facts['fsdp_bf16_transient'])} GiB above the steady state, but that state holds "
-        f"{gib(facts['fsdp_bf16_other'])} GiB of memory outside the parameters, gradients and "
-        f"optimizer state from initialisation on (fp32 FSDP: {gib(facts['fsdp_other'])} GiB), "
-        'the "other" column above.'
-        if not math.isnan(facts["measured_saving"])
-        else " (not measured in this run: the allocator statistics need GPUs)."
+if not math.isnan(facts["measured_saving"]):
+    nb.md(
+        f"**Answer.** **(a)** Data parallelism keeps 16 bytes of training state per parameter on every rank (fp32 "
+        "weight, gradient, AdamW m and v); FSDP shards all of it for the Linear and Embedding weights, so the state "
+        f"of {size} ({facts['num_params_b']:.2f}B parameters) on 2 GPUs shrinks from {gib(facts['replicated_state'])} "
+        f"to {gib(facts['fsdp_state'])} GiB, {gib(facts['expected_saving'])} GiB saved (optimizer-state sharding "
+        f"alone: {gib(facts['optimizer_sharding_saving'])} GiB). **The peak saves less:** the peak of a steady fp32 "
+        f"iteration is {gib(facts['replicated_peak'])} GiB replicated and {gib(facts['fsdp_peak'])} GiB with FSDP, "
+        f"{gib(facts['measured_saving'])} GiB saved. The missing {gib(facts['shortfall'])} GiB is the gradient "
+        f"saving the expectation counted ({gib(facts['expected_grads_saving'])} GiB): every step ends with `zero_grad(set_to_none=True)`, so no "
+        "variant holds a full set of gradients at its peak, and what FSDP saves there is its parameters and "
+        f"optimizer state, {gib(facts['expected_saving_at_peak'])} GiB expected. Measured at the start of an "
+        f"iteration that saving is {gib(facts['measured_start_saving'])} GiB; what forward and backward then add up "
+        f"to the peak is {gib(facts['replicated_rise_to_the_peak'])} GiB replicated and "
+        f"{gib(facts['fsdp_rise_to_the_peak'])} GiB with FSDP (activations, the gradients and buffers alive at "
+        f"the peak): FSDP's rise is {gib(facts['rise_difference'])} GiB larger, within the "
+        f"{gib(facts['working_set_fp32'])} GiB its working set (gathered weights, gradients in flight) can reach. With bf16 compute the rise is "
+        f"{gib(facts['fsdp_bf16_rise_to_the_peak'])} GiB, but that variant holds {gib(facts['fsdp_bf16_other'])} GiB "
+        "outside its parameters, gradients and optimizer state from initialisation on (fp32 FSDP: "
+        f"{gib(facts['fsdp_other'])} GiB), which the rows do not explain, so its peak is "
+        f"{gib(facts['fsdp_bf16_peak'])} GiB."
     )
-)
-
-# %% [markdown]
-# **(b) Timing of the all-gathers.** In the profiled step, for every wait on a weight's all-gather we
-# compare the end of the all-gather kernel (NCCL stream) with the moment the compute stream finished its
-# previous kernel and could have used the weight: *slack* = (compute stream free) $-$ (all-gather done).
-# A non-negative slack means the weight was already there (communication hidden); a negative slack is
-# time the compute stream sat idle waiting. The first gather of each pass cannot be hidden (nothing runs
-# before it), and backward waits include the gathers queued behind gradient reduce-scatters on the same
-# NCCL stream.
+else:
+    nb.md(
+        f"**Answer.** **(a)** FSDP should save {gib(facts['expected_saving'])} GiB of training state per rank "
+        "(not measured in this run: the allocator statistics need GPUs)."
+    )
 
 # %% tags=["remove-input"]
 slack = fsdp_analysis.slack_table(df)
-if nb.have_results(slack, "the all-gather timing (profiled step)"):
-    show_table(
-        slack.reset_index(), caption="All-gather waits in one profiled step (rank 0)", provenance_from=df
-    )
-    save_figure(fsdp_analysis.plot_slack(df), f"{fsdp_bench.PROBLEM}__slack")
+if len(slack):
     nb.md(fsdp_analysis.allgather_answer(df))
+
+# %% tags=["remove-input"]
+parts = fsdp_analysis.peak_breakdown(df)
+if nb.have_results(parts, fsdp_bench.PROBLEM):
+    show_table(
+        parts.reset_index(),
+        caption=f"(a) The peak of a steady iteration on rank 0 (GiB), {size} on 2 GPUs: what was allocated at the "
+        "iteration's start, and what forward and backward added up to the peak",
+        provenance_from=df,
+        note="start = allocated after the optimizer step minus the gradients, which zero_grad(set_to_none=True) frees",
+        formats={c: "{:.2f}" for c in parts.columns},
+    )
+_ = fsdp_analysis.render_figures(df, results_dir, show=("__timeline_fsdp",))
+
+# %% [markdown]
+# **Setup.** `python -m cs336_systems.studies.distributed.fsdp_bench`: the 2026 xl model (the 2025 2.7B
+# shape) on 2 GPUs, 2 sequences of 512 tokens per GPU, naive attention, the project's AdamW. Variants:
+# `replicated` (whole model, gradients and AdamW state on every rank; gradients averaged by a bucketed
+# all-reduce), `fsdp` (our `FSDP(model)`, fp32) and `fsdp_bf16` (`compute_dtype=torch.bfloat16`: weights
+# cast to bf16 before the all-gather, fp32 masters, gradients and optimizer). Our FSDP shards every Linear
+# and Embedding weight and replicates the RMSNorm gains; it gathers a layer's weight just before its forward,
+# prefetching one layer ahead (a gather starts only after the layer two positions earlier has finished),
+# frees it after use, gathers it again for backward and reduce-scatters its gradient. For (b), every wait on
+# an all-gather in one profiled step (torch.profiler CUPTI trace on rank 0, drawn above; Nsight Systems is
+# not installed) is compared with the moment the compute stream could have used the weight: *slack* =
+# (compute stream free) - (all-gather done); negative slack is time the compute stream waited.
 
 # %% [markdown]
 # **Is FSDP bit-exact in fp32?** `python -m cs336_systems.studies.distributed.fsdp_parity` trains the official
-# toy model (Embedding, RMSNorm, Linear, ReLU, RMSNorm, Linear, LM head) with SGD for 3 steps on a batch
-# of 20 sequences split 10/10 over 2 ranks (loss on the last position, batch reshuffled between steps),
-# with our FSDP, torch's FSDP2 (`fully_shard`) and `DistributedDataParallel`, and compares every
-# parameter with one process training on the whole batch, counting differences in fp32 ulps.
+# toy model with SGD for 3 steps on 20 sequences split 10/10 over 2 ranks, with our FSDP, torch's FSDP2 and
+# `DistributedDataParallel`, and compares every parameter with one process training on the whole batch, in
+# fp32 ulps.
 
 # %% tags=["remove-input"]
 if quick:
@@ -137,6 +112,14 @@ elif nb.should_measure(measure, gpus=1):
     fsdp_parity.run("cuda", results_dir)
 parity = load_results(fsdp_parity.PROBLEM, results_dir)
 if nb.have_results(parity, "the fp32 parity runs"):
-    for table, caption, rows in fsdp_parity.tables(parity):
-        show_table(table, caption=caption, provenance_from=rows, formats={"max |difference|": "{:.1e}"})
     nb.md(fsdp_parity.answer(parity))
+
+# %% tags=["remove-input", "remove-cell"]
+if len(parity):
+    for table, caption, rows in fsdp_parity.tables(parity)[:1]:  # the first device's; the answer quotes all
+        show_table(
+            table,
+            caption=f"fsdp_accounting: {caption}",
+            provenance_from=rows,
+            formats={"max |difference|": "{:.1e}"},
+        )

@@ -11,8 +11,8 @@
 # ---
 
 # %% [markdown]
-# # 8 Parallelism calculations (2026): alternate_ring_all_reduce, data_parallel_calcs, fsdp_calcs, tp_calcs, fsdp_tp_calcs
-# Five written problems of the 2026 handout's section 8 about one FFN layer spread over $N$ devices: how
+# # parallelism_calcs (2026 §8)
+# alternate_ring_all_reduce, data_parallel_calcs, fsdp_calcs, tp_calcs and fsdp_tp_calcs: five written problems of the 2026 handout's section 8 about one FFN layer spread over $N$ devices: how
 # long a naive ring all-reduce takes, and for data parallelism (DP), fully sharded data parallelism
 # (FSDP), tensor parallelism (TP) and a 2D FSDP $\times$ TP grid, the FLOPs and communication time of the
 # forward and backward passes and the largest device count before communication dominates.
@@ -60,7 +60,7 @@ show_table(
 )
 
 # %% [markdown]
-# ## 8.1 alternate_ring_all_reduce
+# ## alternate_ring_all_reduce
 # *Device $i$ starts with $y = x^{(i)}$; for $t = 1, \dots, N-1$ it sends $x^{((i-t+1) \bmod N)}$ to device
 # $i+1$, receives $x^{((i-t) \bmod N)}$ from device $i-1$ and adds it to $y$. How long does this take?*
 #
@@ -72,12 +72,14 @@ show_table(
 # $T_\text{ring} = 2\frac{N-1}{N}\frac{S}{W}$, so the alternate scheme is $N/2$ times slower: its traffic
 # per device grows linearly with $N$ instead of staying below $2S$.
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "remove-cell"]
 show_table(
     parallelism_calcs.simulation_table(),
     caption="Step-by-step simulation of both all-reduce algorithms (both produce the exact sum)",
     provenance_from=SOURCE,
 )
+
+# %% tags=["remove-input"]
 save_figure(
     parallelism_calcs.plot_all_reduce_times(setting, allreduce_bytes, n_max),
     "alternate_ring_all_reduce__time_vs_n",
@@ -93,7 +95,7 @@ example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_nu
 )
 
 # %% [markdown]
-# ## 8.2 data_parallel_calcs
+# ## data_parallel_calcs
 # Each of the $N_{DP}$ devices holds all weights and a batch shard $x^{(i)} \in \mathbb{R}^{(B/N_{DP}) \times D}$;
 # the forward needs no communication and the weight gradients are all-reduced in the backward.
 #
@@ -112,7 +114,7 @@ example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_nu
 # compute.
 
 # %% [markdown]
-# ## 8.3 fsdp_calcs
+# ## fsdp_calcs
 # Each device holds $1/N_{FSDP}$ of every weight ($D D_{FF} / N_{FSDP}$ values) and a batch shard. The forward
 # all-gathers $W_1, W_2, W_3$; the backward all-gathers them again and reduce-scatters their gradients.
 #
@@ -130,7 +132,7 @@ example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_nu
 # all-gather) and saves memory in exchange for the forward's extra all-gather, which its extra compute covers.
 
 # %% [markdown]
-# ## 8.4 tp_calcs
+# ## tp_calcs
 # $W_1, W_2$ are split by columns and $W_3$ by rows: device $i$ holds
 # $W_1^{(i)}, W_2^{(i)} \in \mathbb{R}^{D \times D_{FF}/N_{TP}}$ and $W_3^{(i)} \in \mathbb{R}^{D_{FF}/N_{TP} \times D}$,
 # sees the whole batch $x \in \mathbb{R}^{B \times D}$, and computes
@@ -161,7 +163,7 @@ example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_nu
 # The forward binds first (the same traffic as the backward for half the FLOPs).
 
 # %% [markdown]
-# ## 8.5 fsdp_tp_calcs
+# ## fsdp_tp_calcs
 # On an $N_{TP} \times N_{FSDP}$ grid, device $(i, j)$ holds $W_1^{(i,j)}, W_2^{(i,j)} \in \mathbb{R}^{D/N_{FSDP} \times D_{FF}/N_{TP}}$,
 # $W_3^{(i,j)} \in \mathbb{R}^{D_{FF}/N_{TP} \times D/N_{FSDP}}$ and $x^{(j)} \in \mathbb{R}^{B/N_{FSDP} \times D}$. The forward
 # all-gathers every weight over the FSDP axis into $W^{(i)}$, computes $x^{(j)} W_1^{(i)}$, $x^{(j)} W_2^{(i)}$,
@@ -191,7 +193,7 @@ example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_nu
 # reached at $N_{FSDP} = \frac{BW}{2C}$, $N_{TP} = \frac{3}{4}\frac{D_{FF} W}{C}$: half of each limit of (c), and
 # a quarter of the overlapped maximum.
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "remove-cell"]
 show_table(
     parallelism_calcs.summary_table(setting),
     caption=f"One FFN layer (D = {setting.d_model}, D_FF = {setting.d_ff}, B = {batch_tokens} tokens) "

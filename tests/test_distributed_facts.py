@@ -104,6 +104,29 @@ def test_fsdp_facts_match_the_rows(fsdp_rows):
         measured = facts["replicated_peak"] - facts["fsdp_peak"]
         assert facts["measured_saving"] == pytest.approx(measured, rel=1e-3)
         assert facts["shortfall"] == pytest.approx(facts["expected_saving"] - facts["measured_saving"])
+        # the shortfall is the gradient shard: at the peak no variant holds last step's gradients, and the
+        # saving there is the parameters' and the optimizer state's, as measured at an iteration's start
+        assert facts["shortfall"] == pytest.approx(facts["expected_grads_saving"], abs=0.02)
+        assert facts["measured_saving"] == pytest.approx(facts["expected_saving_at_peak"], abs=0.02)
+
+
+def test_fsdp_peak_breakdown_adds_up_to_the_measured_peak(fsdp_rows):
+    parts = fsdp_analysis.peak_breakdown(fsdp_rows)
+    assert set(parts.index) == set(fsdp_analysis.VARIANTS)
+    for impl, row in parts.iterrows():
+        start = value(fsdp_rows, impl, "allocated", "steady:after_step", 0) - value(
+            fsdp_rows, impl, "grads", "steady:after_step", 0
+        )
+        assert row["iteration start"] == pytest.approx(start)
+        assert row[["params", "optimizer_state", "other"]].sum() == pytest.approx(start, abs=1e-6)
+        assert row["iteration start"] + row["rise to the peak"] == pytest.approx(row["iteration peak"])
+    # the fp32 variants run the same model on the same data: their rises differ by FSDP's working set only
+    rise = parts["rise to the peak"]
+    assert (
+        0
+        <= rise["fsdp"] - rise["replicated"]
+        < fsdp_analysis.expected_working_set_bytes("xl_2026", 4) / 2**30
+    )
 
 
 def test_fsdp_allgather_answer_quotes_the_slack_table(fsdp_rows):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cs336_systems.measure import flops
+from cs336_systems.measure.provenance import DIRTY_MARK, dirty_rows, is_dirty_sha, provenance
 from cs336_systems.measure.results import (
     COLUMNS,
     append_rows,
@@ -16,7 +17,6 @@ from cs336_systems.measure.results import (
     latest_run,
     load_results,
     make_row,
-    provenance,
     summarize,
 )
 from cs336_systems.measure.timing import PhaseTimer, kernel_time, time_steps
@@ -85,6 +85,29 @@ def test_rows_round_trip_with_provenance(tmp_path):
     latest = latest_run(df)
     assert len(latest) == 2 and latest[latest.name == "small"]["mean"].item() == 5.0
     assert "torch" in provenance(df) and "device" in provenance(df)
+
+
+def test_dirty_shas_are_marked_in_the_provenance_line_and_listed(tmp_path):
+    clean = make_row(problem="demo", name="a", metric="m", unit="ms", value=1.0)
+    rows = [dict(clean, git_sha="abc1234567"), dict(clean, git_sha="def7654321-dirty")]
+    append_rows("demo", rows, tmp_path)
+    df = load_results("demo", tmp_path)
+    line = provenance(df)
+    assert f"def7654321-dirty{DIRTY_MARK}" in line and f"abc1234567{DIRTY_MARK}" not in line
+    assert "1 of 2 rows were measured from uncommitted code" in line
+    assert DIRTY_MARK not in provenance(df[df.git_sha == "abc1234567"])
+    listed = dirty_rows(tmp_path)
+    assert listed.to_dict("records") == [
+        {"file": "demo.csv", "git_sha": "def7654321-dirty", "device": clean["gpu_name"], "rows": 1}
+    ]
+    assert is_dirty_sha("x-dirty") and not is_dirty_sha("dirtyx")
+
+
+def test_results_and_figures_written_by_earlier_runs_do_not_make_the_sha_dirty():
+    from cs336_systems.measure import results
+
+    specs = results._OUTPUT_PATHSPECS
+    assert ":(exclude)figures" in specs and ":(exclude)writeup.pdf" in specs
 
 
 def test_schema_is_enforced(tmp_path):

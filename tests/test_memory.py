@@ -100,23 +100,38 @@ def test_parse_timeline_elements_phases_and_total():
     assert tl.phase_of(0) == "forward" and tl.phase_of(4) == "backward"
 
 
-@pytest.mark.parametrize("max_drawn", [1, 2, 100])
-def test_layout_stack_top_equals_total(max_drawn):
+def test_categories_follow_the_lifetime_of_each_allocation():
     tl = mem.parse_timeline(synthetic_snapshot())
-    polys, ids, drawn_top, summarized, base = memory_timeline._layout(tl, max_drawn)
-    assert base == MIB  # the persistent block is the bottom band
-    assert len(ids) == min(max_drawn, 4)
-    np.testing.assert_allclose(drawn_top + summarized, tl.total)
-    for poly in polys:  # every band is a closed outline of a positive height
-        assert poly.shape[1] == 2 and np.ptp(poly[:, 1]) > 0
+    # A: forward -> forward, B: forward -> backward, C: before -> backward, D: backward -> backward, kept block
+    assert list(mem.category(tl)) == ["fwd_temp", "fwd_saved", "before_freed", "bwd_temp", "kept"]
+    totals = mem.category_totals(tl)
+    np.testing.assert_allclose(totals.sum(axis=1), tl.total)  # the stacked bands add up to the total
+    peak = mem.peak_breakdown(tl) * 2**30 / MIB
+    assert peak.name == "backward" and peak.sum() == 5.0
+    assert peak[mem.CATEGORIES["bwd_temp"][0]] == 3.0 and peak[mem.CATEGORIES["fwd_saved"][0]] == 1.0
+
+
+def test_timeline_times_come_from_the_events():
+    snap = synthetic_snapshot()
+    for k, e in enumerate(snap["device_traces"][0]):
+        e["time_us"] = 1000 + 500 * k
+    tl = mem.parse_timeline(snap)
+    assert tl.time_ms is not None and tl.time_ms[0] == 0 and len(tl.time_ms) == tl.num_steps + 1
+    assert np.all(np.diff(tl.time_ms[1:]) > 0)
+    assert mem.parse_timeline(synthetic_snapshot()).time_ms is None  # no times recorded: event order
 
 
 def test_plot_active_memory_timeline_renders(tmp_path):
-    fig = mem.plot_active_memory_timeline(synthetic_snapshot(), title="synthetic", unit="MiB", max_drawn=2)
+    fig = mem.plot_active_memory_timeline(synthetic_snapshot(), title="synthetic", unit="MiB")
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
     assert ax.get_ylim()[1] >= 5.0  # peak 5 MiB
-    assert {t.get_text().strip() for t in ax.texts} == {"forward", "backward"}
+    texts = {t.get_text().strip() for t in ax.texts}
+    assert {"forward", "backward"} <= texts and "peak 5.0 MiB (backward)" in texts
+    labels = ax.get_legend_handles_labels()[1]
+    assert mem.CATEGORIES["fwd_saved"][0] in labels and mem.CATEGORIES["kept"][0] in labels
+    above = mem.plot_active_memory_timeline(synthetic_snapshot(), unit="MiB", above_kept=True)
+    assert above.axes[0].get_ylabel().startswith("above the 1.0 MiB kept")
     fig.savefig(tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 0
     with pytest.raises(ValueError, match="unit"):

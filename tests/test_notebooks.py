@@ -4,7 +4,7 @@
   writeup): it must finish without an error, execute every code cell, write nothing to stderr except
   known harmless noise, and leave the committed `figures/` untouched. Parametrised by file name, so a
   new notebook is picked up without editing this file. A static check enforces the convention
-  (heading `# <handout number> <problem_id>` matching the file name; a `parameters` cell with
+  (heading `# <problem_id> (<year> §<section>)` matching the file name; a `parameters` cell with
   `measure` and `quick`).
 * The report helpers: `nb.should_measure`, quick-mode directories, `save_figure`, `show_table`'s
   markdown/LaTeX, `impl_color`.
@@ -127,9 +127,11 @@ def test_notebook_convention(name):
     first = next((c for c in notebook.cells if c.cell_type == "markdown"), None)
     assert first is not None, f"{name} has no markdown header cell"
     heading = first.source.strip().splitlines()[0]
-    # '# 1.1.5 mixed_precision_accumulation'; notebooks grouping several problems may add words
-    m = re.match(r"^# (\d+(?:\.\d+)*) (\S.*)$", heading)
-    assert m, f"{name}: the first line must be '# <handout section number> <problem_id>', got {heading!r}"
+    # '# mixed_precision_accumulation (2025 §1.1.5)': the problem id, then the handout section in words
+    # (the PDF numbers sections itself, so a heading carries no second number)
+    m = re.match(HEADING, heading)
+    assert m, f"{name}: the first line must be '# <problem_id> (<year> §<section>)', got {heading!r}"
+    assert problem in m["title"], f"{name}: the heading {heading!r} must name the problem {problem!r}"
     assert re.fullmatch(r"\w+", problem), f"{name}: the file name must be NN_<problem_id>.py"
     params = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1, f"{name} needs exactly one cell tagged 'parameters'"
@@ -140,6 +142,9 @@ def test_notebook_convention(name):
     assert notebook.metadata.get("kernelspec", {}).get("name") == "python3", (
         f"{name}: kernelspec must be python3"
     )
+
+
+HEADING = r"^# (?P<title>\S.*?) \((?P<ref>(?:2025|2026) §\d+(?:\.\d+)*|beyond the handouts|both handouts)\)$"
 
 
 def test_stderr_allow_list():
@@ -377,6 +382,32 @@ def test_merge_two_notebooks_and_markdown(tmp_path):
     out = tmp_path / "merged.ipynb"
     nbformat.write(merged, out)
     nbformat.validate(nbformat.read(out, as_version=4))
+
+
+def test_merge_places_named_notebooks_and_collects_the_appendix(tmp_path):
+    a = _tiny_executed_notebook(tmp_path / "01_alpha.ipynb", "alpha")
+    b = _tiny_executed_notebook(tmp_path / "02_beta.ipynb", "beta")
+    c = _tiny_executed_notebook(tmp_path / "40_gamma.ipynb", "gamma")
+    nb_a = nbformat.read(a, as_version=4)
+    nb_a.cells.append(nbformat.v4.new_markdown_cell("raw table", metadata={"tags": ["appendix"]}))
+    nbformat.write(nb_a, a)
+    md = tmp_path / "writeup.md"
+    md.write_text(
+        "# Front\n<!-- notebook 40_gamma -->\n# Part one\n<!-- notebooks up to 39 -->\n"
+        "# Part two\n<!-- notebook 41_not_written_yet -->\n<!-- notebooks -->\n# Appendix\n<!-- appendix -->\n"
+    )
+    merged = assemble.merge([c, b, a], md)
+    text = [c.source.splitlines()[0] for c in merged.cells if c.cell_type == "markdown"]
+    assert text == [
+        *["# Front", "# gamma", "# Part one", "# alpha", "# beta", "# Part two", "# Appendix"],
+        *["## alpha", "raw table"],
+    ]
+    md.write_text("# Front\n<!-- notebooks -->\n# Appendix\n<!-- appendix -->\n")
+    merged = assemble.merge([b], md)  # no appendix cells: neither the heading nor the marker prints
+    assert [c.source.splitlines()[0] for c in merged.cells if c.cell_type == "markdown"] == [
+        "# Front",
+        "# beta",
+    ]
 
 
 def test_merge_refuses_failed_and_quick_notebooks(tmp_path):

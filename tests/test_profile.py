@@ -411,6 +411,11 @@ def test_facts_on_the_committed_results():
     assert low <= facts["softmax_per_flop_min"] <= facts["softmax_per_flop_max"] <= high
     with pytest.raises(ValueError, match="no profiled configuration"):
         P.facts(frame, bench, 12345)
+    summary = P.summary_table(frame, bench, 512)
+    assert list(summary.index) == facts["sizes"]
+    assert summary["span ms"].tolist() == fwd.gpu_span_ms.reindex(facts["sizes"]).tolist()
+    assert summary["share"].tolist() == [k["share"] for k in facts["top_forward"]]
+    assert (summary["mm train"] < summary["mm infer"]).all()
 
 
 def test_gemm_family_names():

@@ -82,7 +82,13 @@ def test_pytorch_attention_facts_on_the_committed_run():
     facts = attention_results.facts(df[df.impl == "naive"])
     oom = facts["oom"]
     # the extra point d = 16, T = 32768 is the only one past the H200's 141 GB
-    assert (oom["d"], oom["T"], oom["phase"]) == (16, 32768, "forward")
+    # its first forward pass completed (a first_forward_time row) and no first backward did: the backward
+    # ran out of memory first, although the note of the row forward_time says OOM (a later forward)
+    rows = df[(df.impl == "naive") & (df.name == "d16") & (df.x_value == 32768)].set_index("metric")
+    assert rows.loc["first_forward_time", "note"] == "" and "first_backward_time" not in rows.index
+    assert (oom["d"], oom["T"], oom["phase"]) == (16, 32768, "backward")
+    assert oom["first_forward_ms"] == pytest.approx(rows.loc["first_forward_time", "mean"])
+    assert oom["forward_peak_GiB"] * 2**30 < facts["device_bytes"]  # the accounting agrees: forward fits
     assert oom["probabilities_GiB"] == 8 * 32768**2 * 4 / 2**30  # one (8, T, T) fp32 tensor
     assert oom["inputs_MiB"] == 3 * 8 * 32768 * 16 * 4 / 2**20
     assert oom["saved_for_backward_GiB"] == pytest.approx(
@@ -93,6 +99,40 @@ def test_pytorch_attention_facts_on_the_committed_run():
     assert 1.95 < scaling["exponent_min"] <= scaling["exponent_max"] < 2.05  # quadratic in T
     assert scaling["saved_T2_MiB_max"] == 3 * 8 * scaling["T_max"] ** 2 * 4 / 2**20
     assert scaling["max_relative_error"] < 0.01
+
+
+def test_memory_breakdown_adds_up_to_the_snapshot_peak_and_near_the_allocator_peak():
+    from cs336_systems.studies import memory, memory_analysis
+
+    df = committed("memory_profiling")
+    timelines = {
+        "train": memory.parse_timeline(
+            memory.load_snapshot(
+                memory.COMMITTED_SNAPSHOT_DIR / "memory_profiling__2.7B_train_fp32_ctx512.pickle.gz"
+            )
+        )
+    }
+    table = memory_analysis.breakdown_table(df, timelines)
+    parts = memory_analysis.peak_parts(timelines["train"])
+    col = "train step fp32"
+    part_rows = [r for r in table.index if r.startswith("T = 512 peak") and not r.endswith("snapshot total")]
+    assert table.loc[part_rows, col].sum() == pytest.approx(table.loc["T = 512 peak: snapshot total", col])
+    assert parts["total"] == pytest.approx(timelines["train"].total.max() / 2**30)
+    allocator = table.loc["peak, T = 512 (allocator)", col]
+    assert 0 <= allocator - parts["total"] < 0.2  # the snapshot sees all but a sliver of the allocator's peak
+    # at the peak the parameters and AdamW moments (12 bytes per parameter) are live, not the gradients
+    state = 12 * 3406.8e6 / 2**30
+    assert parts["kept from before the step"] == pytest.approx(state, rel=0.01)
+    assert parts["gradients so far"] < 1 and parts["phase"] == "backward"
+
+
+def test_layernorm_overflow_is_in_the_squares_not_the_mean():
+    from cs336_systems.studies import autocast_study
+
+    facts = autocast_study.facts(committed("benchmarking_mixed_precision"), context_length=512)
+    assert facts["fp16_mean_accumulates_wider"] is True  # torch's fp16 mean does not overflow on the sum
+    assert facts["fp16_overflow_deviation"] == pytest.approx(255.9, abs=0.1)
+    assert facts["fp16_sum_overflow_rms"] == pytest.approx((65504 / 1024) ** 0.5)
 
 
 def test_gradient_checkpointing_facts_on_the_committed_run():
@@ -143,6 +183,11 @@ def test_torch_compile_facts_on_the_committed_runs():
     assert [(d, t, eager_note) for d, t, eager_note, *_ in attention["only_compiled_ran"]] == [
         (16, 32768, "OOM")
     ]
+    grid = compile_study.speedup_grid(facts["attention_table"])
+    assert grid.loc[(16, "fwd"), "T=32768"] == "70.3"  # compiled only: no speedup over a failed eager run
+    assert grid.loc[(16, "fwd"), f"T={longest}"].endswith(
+        f"({dict(attention['forward_at_longest_by_d'])[16]:.2f}x)"
+    )
     model = facts["model"]
     assert model["context_length"] == 512 and model["attention_T_near_context"] == [256, 1024]
     assert {mode for mode, *_ in model["speedup_by_mode"]} == {"forward", "train"}

@@ -96,6 +96,10 @@ def results_path(problem: str, results_dir_: str | os.PathLike | None = None) ->
     return results_dir(results_dir_) / f"{problem}.csv"
 
 
+_OUTPUT_PATHSPECS = (":(exclude)figures", ":(exclude)writeup.pdf", ":(exclude)README.md")
+DIRTY_SUFFIX = "-dirty"  # see measure.provenance
+
+
 @functools.cache
 def _git_sha() -> str:
     """The commit measured. CS336_GIT_SHA, when set, wins: a launcher that ships a copy of the tree
@@ -110,12 +114,14 @@ def _git_sha() -> str:
 
     try:
         sha = git("rev-parse", "--short=10", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        # Uncommitted changes to code make the sha a lie ("-dirty"); results, figures and the PDF that
+        # earlier runs (re)wrote are outputs, not code, and do not.
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", *_OUTPUT_PATHSPECS)
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("CS336_GIT_SHA", "unknown")
     if not sha:  # a copy of the tree without .git (e.g. on a device host): the launcher passes it in
         return os.environ.get("CS336_GIT_SHA", "unknown")
-    return sha + ("-dirty" if dirty else "")
+    return sha + (DIRTY_SUFFIX if dirty else "")
 
 
 def device_name(device: torch.device | str | None = None) -> str:
@@ -424,28 +430,6 @@ def latest_run(
         return df
     keys = [k for k in keys if k in df.columns]
     return df.sort_values("timestamp").drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
-
-
-def provenance(df: pd.DataFrame) -> str:
-    """One line naming the hardware, versions, commit and date range of the rows."""
-    if df.empty:
-        return "no results recorded"
-    parts = []
-    for col, label in [
-        ("gpu_name", "device"),
-        ("torch_version", "torch"),
-        ("triton_version", "triton"),
-        ("git_sha", "git"),
-    ]:
-        vals = sorted({str(v) for v in df[col].dropna().unique()})
-        parts.append(f"{label}: {', '.join(vals)}")
-    ts = df["timestamp"].dropna().sort_values()
-    if len(ts):
-        parts.append(
-            f"measured {ts.iloc[0][:10]}"
-            + (f" to {ts.iloc[-1][:10]}" if ts.iloc[-1][:10] != ts.iloc[0][:10] else "")
-        )
-    return "; ".join(parts)
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -7,13 +7,19 @@ Order. The front matter of `writeup.md` comes first, then the executed notebooks
 (`NN_<problem_id>.ipynb`, i.e. handout order). `writeup.md` may place prose between notebooks with
 markers on lines of their own:
     <!-- notebooks up to NN -->   insert the not-yet-inserted notebooks whose prefix is <= NN here
+    <!-- notebook NN_name -->     insert that one notebook here (if it exists: a slot for a section that
+                                  is still being written costs nothing and prints nothing); a notebook
+                                  named by such a marker is never picked up by the two other markers
     <!-- notebooks -->            insert all remaining notebooks here
+    <!-- appendix -->             the appendix: every cell tagged `appendix`, in notebook order, under a
+                                  heading per notebook (nothing at all when no cell carries the tag)
 Notebooks not placed by a marker follow the end of writeup.md. A YAML header (`---` ... `---`) at the
 top of writeup.md gives `title`, `author` and `date` (`date: auto` = date of the last git commit).
 
 Clean-up of the merged notebook:
 * cells tagged `parameters`, `injected-parameters` or `remove-cell` are dropped, and outputs of cells
-  tagged `remove-output`; code input is hidden in the PDF altogether (`exclude_input`);
+  tagged `remove-output`; cells tagged `appendix` move to the appendix marker (dropped without one);
+  code input is hidden in the PDF altogether (`exclude_input`);
 * stderr streams (warnings, progress bars, torch log lines) and widget outputs are dropped: the
   notebook test gate (tests/test_notebooks.py) is where unexpected stderr fails, not the PDF;
 * an executed notebook that contains an error output is refused (a failed notebook must not be
@@ -46,7 +52,10 @@ from cs336_systems.measure.results import REPO_ROOT
 TEMPLATE = Path(__file__).resolve().parent / "latex" / "writeup.tex.j2"
 DROP_CELL_TAGS = {"parameters", "injected-parameters", "remove-cell"}
 DROP_OUTPUT_MIMES = {"application/vnd.jupyter.widget-view+json"}
-_MARKER = re.compile(r"^\s*<!--\s*notebooks(?:\s+up\s+to\s+(\d+))?\s*-->\s*$", re.MULTILINE)
+_MARKER = re.compile(
+    r"^\s*<!--\s*(?:(notebooks)(?:\s+up\s+to\s+(\d+))?|notebook\s+(\w+)|(appendix))\s*-->\s*$", re.MULTILINE
+)
+APPENDIX_TAG = "appendix"
 _PREFIX = re.compile(r"^(\d+)_")
 DEFAULT_TITLE = "CS336 Assignment 2 (Systems): implementation and measurements"
 
@@ -132,6 +141,16 @@ def _errors(nb: nbformat.NotebookNode) -> list[str]:
     return msgs
 
 
+def notebook_title(nb: nbformat.NotebookNode) -> str:
+    """The text of a notebook's first markdown heading (its section title)."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return ""
+
+
 def merge(
     notebooks: Sequence[Path],
     writeup: Path | None = None,
@@ -147,31 +166,59 @@ def merge(
         meta, body = split_front_matter(Path(writeup).read_text(encoding="utf-8"))
 
     merged = nbformat.v4.new_notebook()
-    remaining = list(notebooks)
+    named = {m.group(3) for m in _MARKER.finditer(body) if m.group(3)}
+    remaining = [p for p in notebooks if p.stem not in named]
+    appendix: list[tuple[str, list[nbformat.NotebookNode]]] = []  # (notebook title, its appendix cells)
 
     def add_markdown(text: str) -> None:
         if text.strip():
             merged.cells.append(nbformat.v4.new_markdown_cell(text.strip("\n")))
 
-    def add_notebooks(up_to: int | None) -> None:
-        nonlocal remaining
-        take = [p for p in remaining if up_to is None or (_notebook_prefix(p) or 0) <= up_to]
-        remaining = [p for p in remaining if p not in take]
-        for path in take:
+    def add(paths: Sequence[Path]) -> None:
+        for path in paths:
             nb = nbformat.read(path, as_version=4)
             errs = _errors(nb)
             if errs and not allow_errors:
                 raise AssembleError(f"{path} contains error outputs (did the notebook fail?): {errs[0]}")
+            extra = []
             for cell in nb.cells:
                 cleaned = _clean_cell(cell)
-                if cleaned is not None:
+                if cleaned is None:
+                    continue
+                if APPENDIX_TAG in cell.get("metadata", {}).get("tags", []):
+                    extra.append(cleaned)
+                else:
                     merged.cells.append(cleaned)
+            if extra:
+                appendix.append((notebook_title(nb), extra))
+
+    def add_notebooks(up_to: int | None) -> None:
+        nonlocal remaining
+        take = [p for p in remaining if up_to is None or (_notebook_prefix(p) or 0) <= up_to]
+        remaining = [p for p in remaining if p not in take]
+        add(take)
+
+    def add_appendix() -> None:
+        for heading, cells in appendix:
+            merged.cells.append(nbformat.v4.new_markdown_cell(f"## {heading}"))
+            merged.cells.extend(cells)
+        appendix.clear()
 
     pos = 0
     for m in _MARKER.finditer(body):
-        add_markdown(body[pos : m.start()])
-        add_notebooks(int(m.group(1)) if m.group(1) else None)
+        text = body[pos : m.start()]
         pos = m.end()
+        if m.group(4):  # the appendix: its heading (the text before the marker) only if it has cells
+            add_notebooks(None)
+            if appendix:
+                add_markdown(text)
+                add_appendix()
+            continue
+        add_markdown(text)
+        if m.group(3):
+            add([p for p in notebooks if p.stem == m.group(3)])
+        else:
+            add_notebooks(int(m.group(2)) if m.group(2) else None)
     add_markdown(body[pos:])
     add_notebooks(None)
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 import pandas as pd
 
-from cs336_systems.measure.results import provenance
+from cs336_systems.measure.provenance import provenance
 
 LONG_TABLE_ROWS = 40  # more rows: a longtable that breaks across pages
 MAX_LINE_CHARS = 118  # estimated characters per line of a \small table at the text width
@@ -122,16 +122,21 @@ def _isnan(v: object) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def _width(cells: pd.DataFrame, col: str) -> int:
-    """Estimated printed width of a column in characters (bold header, cells, column separation)."""
+def _width(cells: pd.DataFrame, col: str, wrap: Mapping[str, float] | None = None) -> int:
+    """Estimated printed width of a column in characters (bold header, cells, column separation);
+    a wrapped column takes its given share of the line."""
+    if wrap and col in wrap:
+        return int(wrap[col] * MAX_LINE_CHARS) + 2
     longest = max((len(v) for v in cells[col]), default=0)
     return max(int(len(col) * 1.15) + 1, longest) + 2
 
 
-def _column_blocks(cells: pd.DataFrame, numeric: list[bool]) -> list[list[str]]:
+def _column_blocks(
+    cells: pd.DataFrame, numeric: list[bool], wrap: Mapping[str, float] | None = None
+) -> list[list[str]]:
     """Split the columns into blocks that fit the page width; leading label columns repeat in each."""
     cols = list(cells.columns)
-    widths = {c: _width(cells, c) for c in cols}
+    widths = {c: _width(cells, c, wrap) for c in cols}
     if sum(widths.values()) <= MAX_LINE_CHARS:
         return [cols]
     keys = []
@@ -196,14 +201,28 @@ def _long_table(
     return "\n".join(lines)
 
 
-def _latex(cells: pd.DataFrame, numeric: list[bool], caption: str | None, footer: str | None) -> str:
+def _spec(col: str, is_numeric: bool, wrap: Mapping[str, float] | None) -> str:
+    if wrap and col in wrap:
+        return r">{\raggedright\arraybackslash}p{" + f"{wrap[col]:.3f}" + r"\linewidth}"
+    return "r" if is_numeric else "l"
+
+
+def _latex(
+    cells: pd.DataFrame,
+    numeric: list[bool],
+    caption: str | None,
+    footer: str | None,
+    wrap: Mapping[str, float] | None = None,
+    breakable: bool | None = None,
+) -> str:
     is_numeric = dict(zip(cells.columns, numeric, strict=True))
-    blocks = _column_blocks(cells, numeric)
+    blocks = _column_blocks(cells, numeric, wrap)
     parts = []
     for i, cols in enumerate(blocks):
-        spec = "".join("r" if is_numeric[c] else "l" for c in cols)
+        spec = "".join(_spec(c, is_numeric[c], wrap) for c in cols)
         cap = caption if i == 0 else (f"{caption} (continued)" if caption else None)
-        render = _long_table if len(cells) > LONG_TABLE_ROWS else _short_table
+        long = len(cells) > LONG_TABLE_ROWS if breakable is None else breakable
+        render = _long_table if long else _short_table
         last = i == len(blocks) - 1
         parts.append(render(cells[cols], spec, cap, numbered=i == 0, footer=footer if last else None))
     body = "\n".join(parts)
@@ -262,6 +281,8 @@ def table(
     digits: int = 4,
     formats: Mapping[str, str | Callable[[object], str]] | None = None,
     note: str | None = None,
+    wrap: Mapping[str, float] | None = None,
+    breakable: bool | None = None,
 ) -> Table:
     """Build (not display) the table; see `show_table`."""
     if not isinstance(df, pd.DataFrame):
@@ -269,14 +290,15 @@ def table(
     if not isinstance(digits, int) or digits < 1:
         raise ValueError(f"digits must be a positive int, got {digits!r}")
     flat = _flatten(df)
-    if formats:
-        unknown = set(formats) - set(flat.columns)
+    for what, named in (("formats", formats), ("wrap", wrap)):
+        unknown = set(named or ()) - set(flat.columns)
         if unknown:
-            raise ValueError(f"formats names columns not in the table: {sorted(unknown)}")
+            raise ValueError(f"{what} names columns not in the table: {sorted(unknown)}")
     cells, numeric = _format_cells(flat, digits, formats)
     footer = _footer(df, provenance_from, note)
     plain = flat.to_string(index=False) + (f"\n{footer}" if footer else "")
-    return Table(_markdown(cells, numeric, caption, footer), _latex(cells, numeric, caption, footer), plain)
+    latex = _latex(cells, numeric, caption, footer, wrap, breakable)
+    return Table(_markdown(cells, numeric, caption, footer), latex, plain)
 
 
 def show_table(
@@ -287,6 +309,8 @@ def show_table(
     digits: int = 4,
     formats: Mapping[str, str | Callable[[object], str]] | None = None,
     note: str | None = None,
+    wrap: Mapping[str, float] | None = None,
+    breakable: bool | None = None,
 ) -> None:
     """Display `df` as a table with an optional caption and a provenance footer.
 
@@ -294,9 +318,21 @@ def show_table(
     and dates form the footer), a literal footer string, or None (use `df` itself when it still has
     the provenance columns, else no footer). `digits`: significant digits of floats; `formats`:
     per-column format strings (`"{:.2f}"`) or callables; `note`: text placed before the provenance
-    (e.g. the timing protocol).
+    (e.g. the timing protocol); `wrap`: {column: share of the line width} for text columns whose
+    cells wrap in the PDF instead of widening the table (so it is not split into column blocks);
+    `breakable`: True forces a table that may break across pages (a longtable), False one that may not
+    (None: by the number of rows, `LONG_TABLE_ROWS`).
     """
-    t = table(df, caption, provenance_from, digits=digits, formats=formats, note=note)
+    t = table(
+        df,
+        caption,
+        provenance_from,
+        digits=digits,
+        formats=formats,
+        note=note,
+        wrap=wrap,
+        breakable=breakable,
+    )
     try:
         from IPython import get_ipython
         from IPython.display import display

@@ -25,6 +25,24 @@ def smallest_oom(df: pd.DataFrame) -> tuple[int, int] | None:
     return min(pts, key=lambda p: (p[0] * p[1], p[1], p[0]))
 
 
+def oom_phase(df: pd.DataFrame, d: int, seq_len: int) -> dict[str, Any]:
+    """Where configuration (d, seq_len) ran out of memory, as its rows say: {"phase", "first_forward_ms"}.
+
+    The protocol's first warm-up pass records `first_forward_time` once the forward completes and
+    `first_backward_time` once its backward does. A first forward with a time and no first backward
+    means the backward ran out of memory first, even when the rows' notes name a later forward (after a
+    failed backward the sweep stops in the next forward). Without a first forward the forward failed.
+    """
+    rows = df[(df.name == f"d{d}") & (df.x_value.astype(float) == seq_len)]
+    done = rows[(rows.note.astype(str) == "") & rows["mean"].notna()].set_index("metric")["mean"]
+    first_fwd = done.get("first_forward_time")
+    if first_fwd is not None and "first_backward_time" not in done:
+        return {"phase": "backward", "first_forward_ms": float(first_fwd)}
+    notes = rows.set_index("metric")["note"].astype(str)
+    phase = "forward" if notes.get("forward_time", "").startswith("OOM") else "backward"
+    return {"phase": phase, "first_forward_ms": None if first_fwd is None else float(first_fwd)}
+
+
 def accounting_table(
     batch_size: int, seq_len: int, d: int, device_bytes: float | None = None
 ) -> pd.DataFrame:
@@ -67,7 +85,7 @@ def results_table(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
         return pd.DataFrame()
     value = t.apply(
         lambda r: (
-            r["note"]
+            ("OOM" if "OOM" in r["note"] else r["note"])
             if r["note"] and r["n"] == 0
             else (f"{r['mean']:.3g}" if r["unit"] == "ms" else f"{r['mean']:,.0f}")
         ),
@@ -77,7 +95,28 @@ def results_table(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
         d=t["name"].map(_parse_d), T=t["x_value"].astype(int), value=value, metric=t["metric"].map(metrics)
     )
     out = t.pivot_table(index=["d", "T"], columns="metric", values="value", aggfunc="last")
-    return out[[m for m in metrics.values() if m in out.columns]]
+    out = out[[m for m in metrics.values() if m in out.columns]]
+    for d, seq in out.index:  # an OOM cell says which pass failed, from the rows (see oom_phase)
+        if "OOM" in str(out.loc[(d, seq)].get("forward (ms)", "")):
+            where = oom_phase(df[df.impl == impl], d, seq)
+            if where["phase"] == "backward" and where["first_forward_ms"] is not None:
+                out.loc[(d, seq), "forward (ms)"] = f"{where['first_forward_ms']:.3g} (1 pass)"
+    return out
+
+
+def grid_table(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
+    """`results_table` pivoted: a row per (d, quantity), a column per T (no split row labels)."""
+    t = results_table(df, impl)
+    if t.empty:
+        return t
+    short = {"forward (ms)": "fwd ms", "backward (ms)": "bwd ms", "memory before backward (MiB)": "MiB"}
+    long = t.rename(columns=short).stack().rename("value").reset_index()
+    long.columns = ["d", "T", "quantity", "value"]
+    out = long.pivot_table(index=["d", "quantity"], columns="T", values="value", aggfunc="last")
+    order = {q: i for i, q in enumerate(short.values())}
+    out = out.sort_index(key=lambda i: i.map(order) if i.name == "quantity" else i)
+    out.columns = [f"T={c}" for c in out.columns]
+    return out
 
 
 def memory_vs_accounting(df: pd.DataFrame, impl: str = "naive") -> pd.DataFrame:
@@ -158,12 +197,11 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
     oom = smallest_oom(df)
     if oom is not None:
         d, t = oom
-        notes = df[(df.name == f"d{d}") & (df.x_value == t)].set_index("metric")["note"]
         a = attention_memory_accounting(BATCH_SIZE, t, d)
         out["oom"] = {
             "d": d,
             "T": t,
-            "phase": "forward" if notes.get("forward_time", "") == "OOM" else "backward",
+            **oom_phase(df, d, t),
             "probabilities_GiB": a["saved: probabilities P"] / 2**30,
             "saved_for_backward_GiB": a["saved_for_backward"] / 2**30,
             "inputs_MiB": a["inputs Q, K, V"] / 2**20,

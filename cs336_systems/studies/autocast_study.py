@@ -148,8 +148,23 @@ def dtype_rows(table: pd.DataFrame, problem: str = PROBLEM) -> list[dict[str, An
     return rows
 
 
+LAYERNORM_WIDTH = 1024  # the row width of the LayerNorm experiment
+
+
+def fp16_mean_accumulates_wider(width: int = LAYERNORM_WIDTH) -> bool:
+    """Does torch's fp16 `mean` accumulate in a wider type? Rows of `width` squares of 16 (256 each): their
+    sum (262144) overflows fp16, their mean (256) does not. True iff the mean comes out finite."""
+    sq = torch.full((width,), 16.0, dtype=torch.float16) ** 2
+    return bool(torch.isfinite(sq.mean()))
+
+
 def layernorm_precision(
-    *, num_rows: int = 64, width: int = 1024, offset: float = 0.0, spread: float = 300.0, seed: int = 0
+    *,
+    num_rows: int = 64,
+    width: int = LAYERNORM_WIDTH,
+    offset: float = 0.0,
+    spread: float = 300.0,
+    seed: int = 0,
 ) -> pd.DataFrame:
     """LayerNorm with mean, variance and normalisation all computed in fp32, fp16 or bf16.
 
@@ -230,6 +245,11 @@ def facts(df: pd.DataFrame, *, context_length: int) -> dict[str, Any]:
     out |= {
         "fp16_largest_finite": fp16_max,
         "fp16_overflow_deviation": fp16_max**0.5,
+        # torch's fp16 mean accumulates in fp32 (checked live), so only the elementwise squares overflow;
+        # a kernel summing the squares in fp16 would overflow once their RMS exceeded this:
+        "fp16_mean_accumulates_wider": fp16_mean_accumulates_wider(),
+        "fp16_sum_overflow_rms": (fp16_max / LAYERNORM_WIDTH) ** 0.5,
+        "layernorm_width": LAYERNORM_WIDTH,
         "fp16_output_error_wide": wide.loc["float16", "output max abs error"],
         "bf16_variance_error_wide": wide.loc["bfloat16", "variance rel. error"],
         "bf16_output_error_narrow": narrow.loc["bfloat16", "output max abs error"],

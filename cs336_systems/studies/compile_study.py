@@ -265,6 +265,25 @@ def _speedups(tab: pd.DataFrame, phase: str) -> pd.Series:
     return tab[(phase, "speedup")].str.rstrip("x").replace("", float("nan")).astype(float)
 
 
+def speedup_grid(table: pd.DataFrame) -> pd.DataFrame:
+    """`facts(...)["attention_table"]` pivoted: a row per (d, pass), a column per T, each cell the compiled
+    ms with its speedup over eager in brackets (or the eager failure: then the compiled ms alone)."""
+    if table.empty:
+        return table
+    cells = {}
+    for phase, short in (("forward", "fwd"), ("backward", "bwd")):
+        sub = table[phase]
+        for (d, t), r in sub.iterrows():
+            speed = str(r["speedup"])
+            cells[(d, short, f"T={t}")] = (
+                f"{r['compiled']} ({speed})" if speed.endswith("x") else str(r["compiled"])
+            )
+    s = pd.Series(cells)
+    s.index.names = ["d", "pass", "T"]
+    out = s.unstack("T").sort_index(key=lambda i: i.map({"fwd": 0, "bwd": 1}) if i.name == "pass" else i)
+    return out[sorted(out.columns, key=lambda c: int(c[2:]))].fillna("\u2013")
+
+
 def facts(compiled: pd.DataFrame, eager_attention: pd.DataFrame) -> dict[str, Any]:
     """The numbers the torch_compile answers state. `compiled`: the torch_compile rows; `eager_attention`:
     the naive rows of pytorch_attention (the eager baseline). `"attention"` (a) and `"model"` (b) are

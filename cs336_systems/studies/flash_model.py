@@ -260,6 +260,30 @@ def plot_training(df: pd.DataFrame):
     return fig
 
 
+# FlashAttention-2 (and SDPA's flash backend, which vendors it) compiles kernels for these head dims and
+# runs a head dim d in the smallest one >= d: HEADDIM_SWITCH in csrc/flash_attn/src/static_switch.h of
+# Dao-AILab/flash-attention (aten/src/ATen/native/transformers/cuda/flash_attn/static_switch.h in torch).
+FA2_KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def model_head_dim(size: str) -> int:
+    """d_model / num_heads of a MODEL_SIZES preset."""
+    from cs336_systems.model import get_config
+
+    cfg = get_config(size)
+    return cfg.d_model // cfg.num_heads
+
+
+def head_dim_padding(d: int) -> dict[str, float]:
+    """The head dim our tl kernels compute in (`tiles.block_d`), the one FlashAttention-2's kernel runs
+    in, and the ratio of their QK^T and P V work (both products are linear in the head dim)."""
+    from cs336_systems.attention.flash_triton import tiles
+
+    ours = tiles.block_d(d)
+    fa2 = next(k for k in FA2_KERNEL_HEAD_DIMS if k >= d)
+    return {"d": d, "ours": ours, "fa2": fa2, "work_vs_fa2": ours / fa2, "work_vs_unpadded": ours / d}
+
+
 def facts(df: pd.DataFrame, ours: str = "flash_triton") -> dict[str, Any]:
     """The numbers notebook 11's model answer states: the largest relative gradient error against
     naive attention per (dtype, impl) over the checked contexts; per context, the naive / ours

@@ -319,6 +319,22 @@ def facts(df: pd.DataFrame, *, n_long: int = 16384, d: int = 64, dtype: str = "b
     return out  # fmt: skip
 
 
+def overhead_table(df: pd.DataFrame, *, d: int = 64, dtype: str = "bfloat16", mode: str = "fwd_bwd"):
+    """Median ms per call, eager and from a graph replay, per N (rows) and implementation (columns), with
+    the rows they come from in `.attrs["rows"]` (for the provenance footer)."""
+    f = overhead_frame(df)
+    f = f[f.metric.isin(list(METRICS.values())) & (f.d == d) & (f.dtype == dtype) & (f["mode"] == mode)]
+    if f.empty:
+        return pd.DataFrame()
+    cell = f.p50.map(lambda v: f"{v:.3g}").where(f.p50.notna(), f.note.astype(str).str.split(":").str[0])
+    f = f.assign(col=f.impl + " " + f.metric.str.removesuffix("_latency"), cell=cell)
+    out = f.pivot_table(index="N", columns="col", values="cell", aggfunc="last")
+    order = [f"{i} {k}" for i in IMPLS for k in METRICS if f"{i} {k}" in out.columns]
+    out = out[order].reset_index()
+    out.attrs["rows"] = f
+    return out
+
+
 def sweep_grid(df: pd.DataFrame, impls: Sequence[str] = ("flash_triton", "naive"), mode: str = "fwd_bwd"):
     """The sweep's `latency` medians (ms) pivoted: a row per (dtype, d, impl), a column per N; a failed
     cell shows its reason's first word (OOM, unsupported, skipped)."""
@@ -368,7 +384,10 @@ def plot_overhead(df: pd.DataFrame, *, d: int = 64, dtype: str = "bfloat16"):
         f"fwd+bwd, {dtype}, d = {d}, batch 1, one head: "
         + ("eager vs CUDA graph replay" if has_graph else "eager calls")
     )
-    ax.legend(fontsize=7, ncols=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncols=2)
+    else:
+        ax.text(0.5, 0.5, f"no {dtype} rows at d = {d}", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     return fig  # fmt: skip
 

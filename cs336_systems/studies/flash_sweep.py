@@ -446,6 +446,9 @@ def facts(df: pd.DataFrame, n_long: int = 16384, n_max: int = 65536) -> dict[str
         return float(short[short.index.get_level_values("N") <= 2048].median())
 
     oom = g[(g.impl == "naive") & (g.note == "OOM") & (g.metric == "latency")]
+    # the shortest N at which naive attention ran out of memory, per dtype and mode (its T x T tensors
+    # are in the input dtype: bf16 inputs give bf16 scores)
+    naive_oom = {(dt, m): int(rows.N.min()) for (dt, m), rows in oom.groupby(["dtype", "mode"]) if len(rows)}
     tf = g[
         (g.metric == "throughput")
         & (g.impl == "flash_triton")
@@ -460,6 +463,7 @@ def facts(df: pd.DataFrame, n_long: int = 16384, n_max: int = 65536) -> dict[str
         "naive_ms_long": ms("naive", n_long),
         "speedup_long": ms("naive", n_long) / ms("flash_triton", n_long),
         "naive_oom_n": int(oom.N.min()) if len(oom) else None,
+        "naive_oom": naive_oom,
         "memory_exponent_triton": mem.get("flash_triton", math.nan),
         "memory_exponent_naive": mem.get("naive", math.nan),
         "vs_sdpa_flash_at_max_n": ms("flash_triton", n_max) / ms("sdpa_flash", n_max),

@@ -22,6 +22,7 @@ from cs336_systems.studies.memory import CONTEXT_LENGTHS, MODEL_SIZE, peak_value
 from cs336_systems.studies.memory_block import MIB, by_op_frame, residual_stream_bytes
 from cs336_systems.studies.memory_timeline import (
     Timeline,
+    category_totals,
     count_allocations,
     largest_allocations,
     phase_peaks,
@@ -36,7 +37,53 @@ GPU_BLOCK_METRICS = {
     "gpu_saved_hooks_MiB": "block_saved_activation_hooks",
 }
 
-__all__ = ["GPU_BLOCK_METRICS", "facts", "gpu_block_rows"]
+__all__ = ["GPU_BLOCK_METRICS", "breakdown_table", "facts", "gpu_block_rows", "peak_parts"]
+
+# What is alive at a snapshot's peak, grouped from the timeline categories (memory_timeline.CATEGORIES).
+PEAK_PARTS = {
+    "kept from before the step": ("kept",),
+    "activations saved by forward": ("fwd_saved",),
+    "gradients so far": ("bwd_kept",),
+    "temporaries and outputs": ("fwd_temp", "fwd_kept", "bwd_temp", "opt", "before_freed"),
+}
+# The snapshots of the notebook (timelines keys) and the peak-table columns they belong to.
+SNAPSHOT_COLUMNS = {
+    "forward": ("fp32", "forward"),
+    "train": ("fp32", "train step"),
+    "train_bf16": ("bf16-autocast", "train step"),
+}
+
+
+def peak_parts(tl: Timeline) -> dict[str, float]:
+    """GiB of each PEAK_PARTS group alive at the timeline's peak, plus "total" and "phase"."""
+    totals = category_totals(tl)
+    step = int(totals.sum(axis=1).to_numpy().argmax())
+    row = totals.iloc[step]
+    out: dict[str, float] = {
+        part: float(sum(row.get(k, 0.0) for k in keys)) / GIB for part, keys in PEAK_PARTS.items()
+    }
+    out["total"] = float(row.sum()) / GIB
+    out["phase"] = tl.phase_of(step)
+    return out
+
+
+def breakdown_table(df: pd.DataFrame, timelines: Mapping[str, Timeline]) -> pd.DataFrame:
+    """(b), (c): the measured peak (GiB) per context length for each (precision, step), then what was
+    alive at the largest context's peak, read from the snapshots (`timelines`, keys SNAPSHOT_COLUMNS)."""
+    num = peak_values(df)
+    if num.empty:
+        return pd.DataFrame()
+    cols = [c for c in (("fp32", "forward"), ("fp32", "train step"), ("bf16-autocast", "forward"),
+                        ("bf16-autocast", "train step")) if c in num.columns]  # fmt: skip
+    rows = {f"peak, T = {int(t)} (allocator)": num.loc[t, cols] for t in num.index}
+    parts = {SNAPSHOT_COLUMNS[k]: peak_parts(tl) for k, tl in timelines.items() if k in SNAPSHOT_COLUMNS}
+    ctx = int(max(num.index))
+    for part in [*PEAK_PARTS, "total"]:
+        label = f"T = {ctx} peak: {part}" if part != "total" else f"T = {ctx} peak: snapshot total"
+        rows[label] = pd.Series({c: parts[c][part] if c in parts else float("nan") for c in cols})
+    out = pd.DataFrame(rows).T
+    out.columns = [f"{step} {prec.replace('-autocast', '')}" for prec, step in cols]
+    return out
 
 
 def gpu_block_rows(df: pd.DataFrame) -> pd.DataFrame:
@@ -56,6 +103,20 @@ def _phase_facts(timelines: Mapping[str, Timeline]) -> dict[str, Any]:
     }
     if "forward" in timelines:
         out["forward_peak_GiB"] = phase_peaks(timelines["forward"])["peak_GiB"].max()
+    return out
+
+
+def _breakdown_facts(df: pd.DataFrame, timelines: Mapping[str, Timeline]) -> dict[str, Any]:
+    if "train" not in timelines:
+        return {}
+    parts = peak_parts(timelines["train"])
+    out = {"train_peak_parts": parts}
+    num = peak_values(df)
+    if len(num) and ("fp32", "train step") in num.columns:
+        ctx = max(num.index)
+        out["allocator_minus_snapshot_GiB"] = num.loc[ctx, ("fp32", "train step")] - parts["total"]
+    if "train_bf16" in timelines:
+        out["bf16_peak_parts"] = peak_parts(timelines["train_bf16"])
     return out
 
 
@@ -141,6 +202,7 @@ def facts(
     return (
         _phase_facts(timelines)
         | _peak_facts(df, size)
+        | _breakdown_facts(df, timelines)
         | _allocation_facts(timelines, size, ctx, batch)
         | _block_facts(df, block_size, batch, block_results)
     )

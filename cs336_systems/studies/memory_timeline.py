@@ -1,18 +1,24 @@
-"""Active-memory timelines of allocator snapshots (memory_profiling (a), (e)).
+"""Active-memory timelines of allocator snapshots (memory_profiling (a), (b), (e)).
 
-`parse_timeline(snapshot)` + `plot_active_memory_timeline`: a headless re-implementation of the
-"Active Memory Timeline" view of pytorch.org/memory_viz. Every allocation is a band whose height is
-its size; bands are stacked in allocation order and, when one is freed, the bands above it drop.
-Allocations that predate the recording (freed during it, or still live in the snapshot's segments)
-are "initial" elements; those never freed form one persistent band at the bottom (parameters,
-optimizer state). Only the `max_drawn` largest elements are drawn individually, the rest form one
-summarised band on top (memory_viz's "Detail" slider). Phase boundaries are the marker allocations
-made inside functions named `<MARKER_PREFIX><phase>` (studies/memory.py makes them).
-`largest_allocations` is the (e) table; `phase_peaks` and `count_allocations` read a timeline.
+`parse_timeline(snapshot)` turns a `torch.cuda.memory._snapshot()` into elements (one per
+allocation: size, the alloc/free steps that bound its life, its Python frames) on the axis of
+allocator events, with each event's wall-clock time. Allocations that predate the recording (freed
+during it, or still live in the snapshot's segments) are "initial" elements. Phase boundaries are the
+marker allocations made inside functions named `<MARKER_PREFIX><phase>` (studies/memory.py makes them).
+
+`category(tl)` sorts every allocation by its lifetime: when it was allocated (before the step, or in
+the forward, backward or optimizer phase) and when it was freed (same phase, a later phase, never).
+That names what it holds without guessing from sizes: allocated in forward and freed in backward are
+the activations autograd saved; allocated in backward and kept are the gradients; allocated before
+the step and kept are parameters (and AdamW state). `plot_active_memory_timeline` draws what
+pytorch.org/memory_viz's "Active Memory Timeline" shows, headlessly: live memory against time, the
+allocations stacked and coloured by category, phases and the peak marked. `peak_breakdown` is the
+composition of the peak, read from the same allocations. `largest_allocations` is the (e) table;
+`phase_peaks` and `count_allocations` read a timeline.
 
 Caveats: allocations made by autograd's engine thread (all of backward) carry no Python frames;
-they are labelled by their position between the phase markers. Event indices, not wall-clock time,
-are the x axis (as in memory_viz).
+their phase is their position between the markers. Times are host times of the allocator calls
+(the CPU runs ahead of the GPU within a phase); snapshots without times fall back to event order.
 """
 
 from __future__ import annotations
@@ -28,14 +34,6 @@ import pandas as pd
 
 MIB, GIB = 2**20, 2**30
 MARKER_PREFIX = "_memory_mark_"
-PHASE_COLORS = {
-    "persistent": "#bab0ab",
-    "before": "#9c755f",
-    "forward": ("#4e79a7", "#a0cbe8"),
-    "backward": ("#f28e2b", "#ffbe7d"),
-    "optimizer": ("#59a14f", "#8cd17d"),
-    "summarized": "#e15759",
-}
 
 _MARKER_RE = re.compile(rf"^{MARKER_PREFIX}(\w+)$")
 _PROFILER_FRAME_RE = re.compile(r"^(.*)\((\d+)\): (.*)$")
@@ -70,7 +68,7 @@ class Timeline:
 
     Element i lives on steps [start[i], end[i]); `initial[i]` marks allocations made before the
     recording (start 0). `total[s]` is the allocated bytes after step s (total[0]: before any event).
-    `phases` are (name, step) boundaries from the phase markers.
+    `phases` are (name, step) boundaries from the phase markers; `time_ms[s]` is when step s happened.
     """
 
     size: np.ndarray
@@ -80,6 +78,7 @@ class Timeline:
     frames: list[list[dict[str, Any]]]
     total: np.ndarray
     phases: list[tuple[str, int]]
+    time_ms: np.ndarray | None = None  # host time of the state after step s, ms since the first event
 
     @property
     def num_steps(self) -> int:
@@ -112,8 +111,11 @@ def parse_timeline(snapshot: dict[str, Any], device: int | None = None) -> Timel
     live: dict[int, int] = {}
     markers: set[int] = set()
     phases: list[tuple[str, int]] = []
+    times: list[float] = []  # time of each counted event (event k -> step k + 1)
     step = 0
-    for e in snapshot["device_traces"][dev]:
+    trace = snapshot["device_traces"][dev]
+    t0 = next((e["time_us"] for e in trace if "time_us" in e), None)
+    for e in trace:
         action = e.get("action")
         if action == "alloc":
             phase = marker_phase(e)
@@ -124,6 +126,7 @@ def parse_timeline(snapshot: dict[str, Any], device: int | None = None) -> Timel
                 continue
             live[e["addr"]] = len(elements)
             elements.append((e["size"], step, -1, False, e.get("frames", [])))
+            times.append(e.get("time_us", 0) - (t0 or 0))
             step += 1
         elif action in ("free_completed", "free"):  # "free": pre-2.1 snapshots
             addr = e["addr"]
@@ -135,6 +138,7 @@ def parse_timeline(snapshot: dict[str, Any], device: int | None = None) -> Timel
                 elements[i] = (*elements[i][:2], step, *elements[i][3:])
             else:  # allocated before the recording started, freed during it
                 elements.append((e["size"], 0, step, True, e.get("frames", [])))
+            times.append(e.get("time_us", 0) - (t0 or 0))
             step += 1
     for seg in snapshot.get("segments", []):
         if seg.get("device", dev) != dev:
@@ -155,74 +159,70 @@ def parse_timeline(snapshot: dict[str, Any], device: int | None = None) -> Timel
     np.add.at(delta, np.where(initial, 0, start + 1), size)
     np.add.at(delta, np.minimum(end + 1, step + 1), -size)
     total = np.cumsum(delta)[: step + 1].astype(np.float64)
-    return Timeline(size, start, end, initial, [e[4] for e in elements], total, phases)
+    time_ms = None
+    if t0 is not None:
+        time_ms = np.asarray([0.0, *times], dtype=np.float64) / 1e3
+    return Timeline(size, start, end, initial, [e[4] for e in elements], total, phases, time_ms)
 
 
-def _layout(
-    tl: Timeline, max_drawn: int
-) -> tuple[list[np.ndarray], list[int], np.ndarray, np.ndarray, float]:
-    """Stacked bands on the axis x = 0..num_steps (x = k + 1 after event k, as `Timeline.total`).
+# The categories, bottom to top of the stacked timeline: (label, colour). Labels say when an allocation
+# was made and freed, then (in brackets) what that lifetime means in a training step.
+CATEGORIES = {
+    "kept": ("before the step, kept (parameters, optimizer state)", "#bab0ab"),
+    "before_freed": ("before the step, freed in it", "#9c755f"),
+    "fwd_saved": ("forward, freed in backward (saved activations)", "#4e79a7"),
+    "fwd_kept": ("forward, kept (output)", "#76b7b2"),
+    "fwd_temp": ("forward, freed in forward (temporaries)", "#a0cbe8"),
+    "bwd_kept": ("backward, kept (gradients)", "#f28e2b"),
+    "bwd_temp": ("backward, freed in backward (temporaries)", "#ffbe7d"),
+    "opt": ("optimizer step", "#59a14f"),
+}
 
-    Returns (polygons, their element ids, top of the drawn bands per x, summarised bytes per x,
-    persistent bytes). Persistent elements (initial, never freed) form one band at the bottom; of the
-    others the `max_drawn` largest are drawn, stacked in allocation order, dropping when one below
-    them is freed; the rest are summarised.
-    """
+
+def category(tl: Timeline) -> np.ndarray:
+    """The CATEGORIES key of every element, from the phases in which it was allocated and freed."""
     n = tl.num_steps
-    persistent = tl.initial & (tl.end > n)
-    base = float(tl.size[persistent].sum())
-    dynamic = np.flatnonzero(~persistent)
-    drawn = set(dynamic[np.argsort(-tl.size[dynamic], kind="stable")[:max_drawn]].tolist())
-    events = []  # (x, kind, element): kind 0 = free, 1 = alloc
-    for i in dynamic.tolist():
-        if not tl.initial[i]:
-            events.append((int(tl.start[i]) + 1, 1, i))
-        if tl.end[i] <= n:
-            events.append((int(tl.end[i]) + 1, 0, i))
-    events.sort()
-    stack: list[int] = []
-    points: dict[int, list[tuple[int, float]]] = {}
-    top, summ = base, 0.0
-    drawn_top, summ_x = np.full(n + 1, base), np.zeros(n + 1)
-    for i in sorted((i for i in dynamic.tolist() if tl.initial[i]), key=lambda i: -tl.end[i]):
-        if i in drawn:  # freed last sits lowest, so fewer bands move
-            stack.append(i)
-            points[i] = [(0, top)]
-            top += tl.size[i]
+    out = np.empty(len(tl.size), dtype=object)
+    for i in range(len(tl.size)):
+        freed = tl.end[i] <= n
+        if tl.initial[i]:
+            out[i] = "before_freed" if freed else "kept"
+            continue
+        born = tl.phase_of(int(tl.start[i]))
+        died = tl.phase_of(int(tl.end[i])) if freed else "never"
+        if born == "forward":
+            out[i] = "fwd_temp" if died == "forward" else ("fwd_saved" if freed else "fwd_kept")
+        elif born == "backward":
+            out[i] = "bwd_temp" if died == "backward" else "bwd_kept"
         else:
-            summ += tl.size[i]
-    last = 0
-    for x, kind, i in events:
-        if x > last:
-            drawn_top[last:x], summ_x[last:x] = top, summ
-            last = x
-        if i not in drawn:
-            summ += tl.size[i] if kind else -tl.size[i]
-        elif kind:
-            stack.append(i)
-            points[i] = [(x, top)]
-            top += tl.size[i]
-        else:
-            pos = stack.index(i)
-            points[i].append((x, points[i][-1][1]))
-            for j in stack[pos + 1 :]:
-                points[j].append((x, points[j][-1][1] - tl.size[i]))
-            stack.pop(pos)
-            top -= tl.size[i]
-    drawn_top[last:], summ_x[last:] = top, summ
-    for i in stack:
-        points[i].append((n, points[i][-1][1]))
-    polys = []
-    for i, pts in points.items():
-        xs, ys = [pts[0][0]], [pts[0][1]]
-        for x, off in pts[1:]:
-            xs += [x, x]
-            ys += [ys[-1], off]
-        xs_a, ys_a = np.asarray(xs, float), np.asarray(ys, float)
-        bottom = np.stack([xs_a, ys_a], 1)
-        upper = np.stack([xs_a[::-1], ys_a[::-1] + tl.size[i]], 1)
-        polys.append(np.concatenate([bottom, upper]))
-    return polys, list(points), drawn_top, summ_x, base
+            out[i] = "opt" if born == "optimizer" else "before_freed"
+    return out
+
+
+def category_totals(tl: Timeline) -> pd.DataFrame:
+    """Live bytes of each category after every step (rows: steps 0..num_steps; columns: CATEGORIES keys
+    present). The columns sum to `tl.total`."""
+    cats = category(tl)
+    n = tl.num_steps
+    cols = {}
+    for key in CATEGORIES:
+        sel = cats == key
+        if not sel.any():
+            continue
+        delta = np.zeros(n + 2, dtype=np.int64)
+        np.add.at(delta, np.where(tl.initial[sel], 0, tl.start[sel] + 1), tl.size[sel])
+        np.add.at(delta, np.minimum(tl.end[sel] + 1, n + 1), -tl.size[sel])
+        cols[key] = np.cumsum(delta)[: n + 1].astype(np.float64)
+    return pd.DataFrame(cols)
+
+
+def peak_breakdown(tl: Timeline) -> pd.Series:
+    """GiB of each category alive at the timeline's peak (name: the phase of the peak)."""
+    totals = category_totals(tl)
+    step = int(np.argmax(tl.total))
+    out = (totals.iloc[step] / GIB).rename(index=lambda k: CATEGORIES[k][0])
+    out.name = tl.phase_of(step)
+    return out
 
 
 def plot_active_memory_timeline(
@@ -230,65 +230,72 @@ def plot_active_memory_timeline(
     ax: Any = None,
     *,
     title: str | None = None,
-    max_drawn: int = 300,
     unit: str = "GiB",
+    above_kept: bool = False,
+    figsize: tuple[float, float] = (7.0, 3.0),
 ):
-    """Render memory_viz's "Active Memory Timeline" with matplotlib; returns the Figure.
-
-    Bands are coloured by the phase that allocated them (parameters/optimizer state grey at the
-    bottom; forward blue, backward orange, optimizer green; small allocations summarised in red).
-    """
+    """memory_viz's "Active Memory Timeline", headless: live memory against time, stacked by category
+    (`CATEGORIES`: when each allocation was made and freed), phase boundaries dashed, the peak marked.
+    above_kept: draw only what lies above the memory allocated before the step and kept (say so on the
+    y axis), for a step whose own allocations are small next to the parameters. Returns the Figure."""
     import matplotlib.pyplot as plt
-    from matplotlib.collections import PolyCollection
-    from matplotlib.patches import Patch
 
     tl = source if isinstance(source, Timeline) else parse_timeline(source)
     scale = {"GiB": GIB, "MiB": MIB}.get(unit)
     if scale is None:
         raise ValueError(f"unit must be 'GiB' or 'MiB', got {unit!r}")
     if ax is None:
-        fig, ax = plt.subplots(figsize=(7.0, 3.4))
+        fig, ax = plt.subplots(figsize=figsize)
     else:
         fig = ax.figure
-    polys, ids, drawn_top, summ, base = _layout(tl, max_drawn)
-    steps = np.arange(tl.num_steps + 1)
-    ax.fill_between(steps, 0, base / scale, color=PHASE_COLORS["persistent"], lw=0, step="post")
-    colors = []
-    for k, i in enumerate(ids):
-        phase = "before" if tl.initial[i] else tl.phase_of(int(tl.start[i]))
-        c = PHASE_COLORS.get(phase, PHASE_COLORS["before"])
-        colors.append(c[k % 2] if isinstance(c, tuple) else c)
-    coll = PolyCollection([p / np.array([1.0, scale]) for p in polys], facecolors=colors, edgecolors="none")
-    ax.add_collection(coll)
-    ax.fill_between(
-        steps,
-        drawn_top / scale,
-        (drawn_top + summ) / scale,
-        color=PHASE_COLORS["summarized"],
-        lw=0,
-        step="post",
-    )
+    timed = tl.time_ms is not None and tl.time_ms[-1] > 0
+    x = tl.time_ms if timed else np.arange(tl.num_steps + 1, dtype=float)
+    totals = category_totals(tl)
+    base = totals.pop("kept").to_numpy() if above_kept and "kept" in totals else np.zeros(len(x))
+    bottom = np.zeros(len(x))
+    for key in totals.columns:
+        label, color = CATEGORIES[key]
+        if key == "kept" and "backward" not in {p for p, _ in tl.phases}:
+            label = "before the step, kept (parameters)"
+        top = bottom + totals[key].to_numpy() / scale
+        ax.fill_between(x, bottom, top, step="post", color=color, lw=0, label=label)
+        bottom = top
     for name, s in tl.phases:
-        ax.axvline(s, color="black", lw=0.6, ls="--")
+        ax.axvline(x[s], color="black", lw=0.6, ls="--")
         if name != "end":
-            ax.text(s, 1.0, f" {name}", transform=ax.get_xaxis_transform(), va="top", ha="left", fontsize=8)
-    ax.set_xlim(0, max(tl.num_steps, 1))
-    ax.set_ylim(0, max(float(tl.total.max()), 1.0) / scale * 1.05)
-    ax.set_xlabel("allocation / free event")
-    ax.set_ylabel(f"active memory ({unit})")
+            ax.text(
+                x[s], 1.0, f" {name}", transform=ax.get_xaxis_transform(), va="top", ha="left", fontsize=8
+            )
+    peak = int(np.argmax(tl.total))
+    shown = (tl.total - base) / scale
+    ax.axvline(x[peak], color="#e15759", lw=1.0, ls=":")
+    ax.annotate(
+        f"peak {tl.total[peak] / scale:.1f} {unit} ({tl.phase_of(peak)})",
+        (x[peak], shown[peak]),
+        xytext=(6, 2),
+        textcoords="offset points",
+        fontsize=8,
+        color="#e15759",
+        va="bottom",
+    )
+    ax.set_xlim(x[0], max(x[-1], 1.0))
+    ax.set_ylim(0, max(float(shown.max()), 1e-9) * 1.18)
+    ax.set_xlabel("host time since the step began (ms)" if timed else "allocation / free event")
+    ax.set_ylabel(
+        f"above the {base.max() / scale:.1f} {unit} kept ({unit})" if base.any() else f"allocated ({unit})"
+    )
     if title:
         ax.set_title(title)
-    legend = [Patch(color=PHASE_COLORS["persistent"], label="allocated before the step, live throughout")]
-    if any(tl.initial[i] for i in ids):
-        legend.append(Patch(color=PHASE_COLORS["before"], label="allocated before the step, freed in it"))
-    present = {tl.phase_of(int(tl.start[i])) for i in ids if not tl.initial[i]}
-    for phase in ("forward", "backward", "optimizer"):
-        if phase in present:
-            legend.append(Patch(color=PHASE_COLORS[phase][0], label=f"allocated in {phase}"))
-    legend.append(
-        Patch(color=PHASE_COLORS["summarized"], label=f"smaller allocations (beyond the {max_drawn} largest)")
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(
+        handles[::-1],
+        labels[::-1],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.2),
+        ncol=2,
+        fontsize=7,
+        frameon=False,
     )
-    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.grid(False)
     return fig
 

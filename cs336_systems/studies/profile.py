@@ -66,6 +66,7 @@ from cs336_systems.studies.profile_analysis import (
     kernel_ranking,
     profile_frame,
     range_summary,
+    summary_table,
     top_kernels,
 )
 from cs336_systems.studies.profile_tables import (
@@ -113,6 +114,7 @@ __all__ = [
     "range_table",
     "run_profile",
     "summarize",
+    "summary_table",
     "top_kernels",
 ]
 

@@ -190,6 +190,32 @@ def forward_table(f: pd.DataFrame, bench: pd.DataFrame) -> pd.DataFrame:
     return fwd
 
 
+def summary_table(f: pd.DataFrame, bench: pd.DataFrame, context_length: int) -> pd.DataFrame:
+    """(a)-(e) in one table at one context length, a row per size: forward span (profiler) against the
+    Python timer; the forward's top kernel, its launches and share; the
+    matmul share of kernel time in inference and in a training step; softmax against the attention
+    matmuls, in time and in FLOPs."""
+    at = lambda t: t.xs(context_length, level="context_length")
+    fwd = at(forward_table(f, bench))
+    top = at(top_kernels(f, "inference/forward"))
+    shares = at(class_shares(f, modes=("inference/step", "train/step")))["matmul"].unstack("range")
+    attn = at(attention_ratio(f, "inference"))
+    out = pd.DataFrame(
+        {
+            "span ms": fwd["gpu_span_ms"],
+            "timer ms": fwd["python_ms"],
+            "top kernel": top["kernel"].map(gemm_family),
+            "calls": top["calls"],
+            "share": top["share"],
+            "mm infer": shares.get("inference/step"),
+            "mm train": shares.get("train/step"),
+            "smax t": attn["time_ratio"],
+            "FLOPs": attn["flop_ratio"],
+        }
+    )
+    return out.reindex(_ordered(out.index)).rename_axis("size")
+
+
 def _ordered(index: Sequence[str]) -> list[str]:
     return [s for s in MODEL_SIZES if s in set(index)] + sorted(set(index) - set(MODEL_SIZES))
 

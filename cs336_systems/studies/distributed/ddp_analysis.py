@@ -289,19 +289,26 @@ def show_measurements(
     variants: Sequence[str],
     plot: Callable[[pd.DataFrame, Sequence[str]], Any],
     figure_name: str,
+    *,
+    show_figure: bool = True,
 ) -> None:
-    """Notebook block: the setup sentence, the figure `plot(summary, variants)` (saved as `figure_name`)
-    and the summary table of `variants`. The plot comes in as an argument because `plots` imports
-    this module.
+    """Notebook block: the setup sentence, the figure `plot(summary, variants)` (saved as `figure_name`;
+    closed again unless `show_figure`, so only the files get it) and the summary table of `variants`.
+    The plot comes in as an argument because `plots` imports this module.
     """
+    import matplotlib.pyplot as plt
+
     from cs336_systems.report import nb, save_figure, show_table
 
     summ = summary(df)
     nb.md(f"Measured: {describe_setup(df)}.")
-    save_figure(plot(summ, variants), figure_name)
+    fig = plot(summ, variants)
+    save_figure(fig, figure_name)
+    if not show_figure:
+        plt.close(fig)
     show_table(
-        summary_table(summ, variants),
-        caption="time per training step (ms, mean over timed steps)",
+        summary_table(summ, variants).drop(columns=["vs 1 GPU"]),
+        caption="Time per training step and its phases (ms, mean over the timed steps; slowest rank)",
         provenance_from=df,
     )
 

@@ -60,6 +60,38 @@ def memory_table(df: pd.DataFrame, rank: int = 0, digits: int | None = 2) -> pd.
     return t.round(digits) if digits is not None else t
 
 
+PEAK_PARTS = ("params", "optimizer_state", "other", "rise to the peak")
+
+
+def peak_breakdown(df: pd.DataFrame, rank: int = 0) -> pd.DataFrame:
+    """What the peak of a steady iteration is made of, per variant (GiB, rank `rank`), from the rows.
+
+    At the start of an iteration the gradients of the previous one are gone (`zero_grad(set_to_none=True)`
+    ends every step), so what is allocated then is the allocation after the optimizer step minus the
+    gradients: parameters, optimizer state and "other", all measured. "rise to the peak" is the
+    iteration peak minus that start: everything forward and backward allocate and still hold at the
+    peak, i.e. the saved activations plus whatever gradients, gathered weights and temporaries exist
+    at that moment (the rows do not split it further; it is not the activations alone).
+    """
+    out = {}
+    for impl in VARIANTS:
+        get = lambda metric, mode: _value(df, impl, metric, mode, rank)  # noqa: B023
+        after = get("allocated", "steady:after_step")
+        peak = get("iteration_peak", "steady")
+        if math.isnan(after) or math.isnan(peak):
+            continue
+        start = after - get("grads", "steady:after_step")
+        out[impl] = {
+            "params": get("params", "steady:after_step"),
+            "optimizer_state": get("optimizer_state", "steady:after_step"),
+            "other": get("other", "steady:after_step"),
+            "rise to the peak": peak - start,
+            "iteration start": start,
+            "iteration peak": peak,
+        }
+    return pd.DataFrame(out).T.rename_axis("impl")
+
+
 def saving_table(df: pd.DataFrame) -> pd.DataFrame:
     s = df[df.metric.isin(["expected_saving", "measured_saving", "expected_working_set"]) & (df.note == "")]
     if s.empty:
@@ -111,63 +143,64 @@ def plot_slack(df: pd.DataFrame):
 
 
 def plot_memory(df: pd.DataFrame):
-    """Peak of a steady iteration and the steady-state breakdown, per variant (rank 0)."""
+    """The peak of a steady iteration per variant (rank 0), stacked as `peak_breakdown` splits it."""
     import matplotlib.pyplot as plt
 
-    t = memory_table(df, digits=None)
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    t = peak_breakdown(df)
+    fig, ax = plt.subplots(figsize=(7, 3.0))
     if t.empty:
         ax.text(0.5, 0.5, "no memory rows (CPU run?)", ha="center", va="center", transform=ax.transAxes)
         return fig
-    steady = (
-        t.xs("steady:before_step", level="mode") if "steady:before_step" in t.index.get_level_values(1) else t
-    )
-    colors = {"params": "#4c72b0", "grads": "#dd8452", "optimizer_state": "#55a868", "other": "#c7c7c7"}
-    impls = [i for i in VARIANTS if i in steady.index]
-    bottom = pd.Series(0.0, index=impls)
-    for comp, c in colors.items():
-        if comp in steady:
-            vals = steady.loc[impls, comp].fillna(0).clip(lower=0)
-            ax.bar(impls, vals, bottom=bottom, color=c, label=comp.replace("_", " "))
-            bottom += vals
-    peaks = df[(df.metric == "iteration_peak") & (df.x_value.astype(float) == 0)].set_index("impl")["mean"]
-    ax.scatter(
-        [i for i in impls if i in peaks],
-        [peaks[i] for i in impls if i in peaks],
-        marker="_",
-        s=600,
-        color="black",
-        label="iteration peak",
-        zorder=3,
-    )
-    ax.set_ylabel("GiB (rank 0, before the optimizer step)")
-    ax.set_title("FSDP vs replicated data parallelism")
-    ax.legend(fontsize=8)
+    labels = {
+        "params": "parameters",
+        "optimizer_state": "optimizer state",
+        "other": "other (allocated outside the three)",
+        "rise to the peak": "allocated in forward/backward, alive at the peak",
+    }
+    colors = {
+        "params": "#4c72b0",
+        "optimizer_state": "#55a868",
+        "other": "#c7c7c7",
+        "rise to the peak": "#dd8452",
+    }
+    bottom = pd.Series(0.0, index=t.index)
+    for comp in PEAK_PARTS:
+        ax.bar(t.index, t[comp], bottom=bottom, color=colors[comp], label=labels[comp])
+        bottom += t[comp]
+    for impl, total in t["iteration peak"].items():
+        ax.text(impl, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("GiB at the iteration peak (rank 0)")
+    ax.set_ylim(0, t["iteration peak"].max() * 1.15)
+    ax.set_title("Peak of a steady training iteration, by what is alive")
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    return fig
+    return fig  # fmt: skip
 
 
-def render_figures(df: pd.DataFrame, results_dir=None, figures_dir=None) -> list[str]:
-    """The memory comparison and one timeline per saved trace; returns the figure names."""
+def render_figures(
+    df: pd.DataFrame, results_dir=None, figures_dir=None, *, show: tuple[str, ...] | None = None
+) -> list[str]:
+    """The memory comparison and one timeline per saved trace; returns the figure names. Every figure
+    is saved; only those whose name ends in one of `show` stay open for the notebook (None: all)."""
+    import matplotlib.pyplot as plt
+
     from cs336_systems.report.figures import save_figure
     from cs336_systems.report.style import apply_style
 
     apply_style()
-    names = []
+    figs = {}
     if not df.empty:
-        save_figure(plot_memory(df), f"{PROBLEM}__memory", directory=figures_dir)
-        names.append(f"{PROBLEM}__memory")
+        figs[f"{PROBLEM}__memory"] = plot_memory(df)
     for variant in VARIANTS:
         path = default_results_dir(results_dir) / f"{PROBLEM}__trace_{variant}.json.gz"
         if path.exists():
-            name = f"{PROBLEM}__timeline_{variant}"
-            save_figure(
-                plot_timeline(load_trace(path), title=f"{variant}: one FSDP training step (rank 0)"),
-                name,
-                directory=figures_dir,
-            )
-            names.append(name)
-    return names
+            title = f"{variant}: one FSDP training step (rank 0)"
+            figs[f"{PROBLEM}__timeline_{variant}"] = plot_timeline(load_trace(path), title=title)
+    for name, fig in figs.items():
+        save_figure(fig, name, directory=figures_dir)
+        if show is not None and not any(name.endswith(s) for s in show):
+            plt.close(fig)
+    return list(figs)
 
 
 def _value(
@@ -215,6 +248,19 @@ def facts(df: pd.DataFrame, size: str, world_size: int = 2) -> dict[str, float]:
         out[f"{impl}_step_ms"] = _value(df, impl, "step_time") if len(df) else math.nan
     out["saving_share"] = out["measured_saving"] / out["expected_saving"]
     out["shortfall"] = out["expected_saving"] - out["measured_saving"]
+    # At the peak the gradients of the previous step are gone (peak_breakdown): what FSDP can save there is
+    # its share of parameters and optimizer state; the expected gradient saving is not in the peak.
+    out["expected_grads_saving"] = float(expect.loc["grads", "saved GiB"])
+    out["expected_saving_at_peak"] = float(
+        expect.loc["params", "saved GiB"] + expect.loc["optimizer_state", "saved GiB"]
+    )
+    parts = peak_breakdown(df) if len(df) else pd.DataFrame()
+    for impl in VARIANTS:
+        for col in ("iteration start", "rise to the peak"):
+            key = f"{impl}_{col.replace(' ', '_')}"
+            out[key] = float(parts.loc[impl, col]) if impl in parts.index else math.nan
+    out["measured_start_saving"] = out["replicated_iteration_start"] - out["fsdp_iteration_start"]
+    out["rise_difference"] = out["fsdp_rise_to_the_peak"] - out["replicated_rise_to_the_peak"]
     return out
 
 

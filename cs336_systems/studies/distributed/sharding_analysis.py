@@ -76,19 +76,31 @@ def time_table(df: pd.DataFrame) -> pd.DataFrame:
     return t.pivot_table(index="impl", columns="metric", values="value", aggfunc="last")
 
 
-def plot_memory_breakdown(df: pd.DataFrame, rank: int = 0):
-    """Stacked bars of params / grads / optimizer state / other per variant and point, with the peak."""
+SHORT_IMPL = {"unsharded": "AdamW", "sharded_optimizer": "ours", "zero_redundancy_optimizer": "torch ZeRO"}
+SHORT_POINT = {"after_init": "init", "steady:before_step": "before step", "steady:after_step": "after step"}
+
+
+def plot_memory_breakdown(df: pd.DataFrame, rank: int = 0, points: tuple[str, ...] | None = None):
+    """Stacked bars of params / grads / optimizer state / other per variant and point, with the peak.
+    points: the measurement points to draw (None: all); with a selection the labels are short."""
     import matplotlib.pyplot as plt
 
     from cs336_systems.report.style import impl_color
 
     t = memory_table(df, rank, digits=None)
-    fig, ax = plt.subplots(figsize=(10, 4.2))
+    if points is not None and not t.empty:
+        t = t[t.index.get_level_values(1).isin(points)]
+    fig, ax = plt.subplots(figsize=(10, 4.2) if points is None else (7, 3.0))
     if t.empty:
         ax.text(0.5, 0.5, "no memory rows (CPU run?)", ha="center", va="center", transform=ax.transAxes)
         return fig
     colors = {"params": "#4c72b0", "grads": "#dd8452", "optimizer_state": "#55a868", "other": "#c7c7c7"}
-    labels = [f"{impl}\n{mode.replace(':', ' ')}" for impl, mode in t.index]
+    labels = [
+        f"{impl}\n{mode.replace(':', ' ')}"
+        if points is None
+        else f"{SHORT_POINT.get(mode, mode)}\n{SHORT_IMPL.get(impl, impl)}"
+        for impl, mode in t.index
+    ]
     x = range(len(t))
     bottom = pd.Series(0.0, index=t.index)
     for comp in COMPONENTS:
@@ -102,7 +114,7 @@ def plot_memory_breakdown(df: pd.DataFrame, rank: int = 0):
         )
     for i, (impl, _) in enumerate(t.index):
         ax.axvspan(i - 0.45, i + 0.45, ymin=0, ymax=0.015, color=impl_color(impl))
-    ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
+    ax.set_xticks(list(x), labels, rotation=90 if points is None else 0, fontsize=7)
     ax.set_ylabel(f"GiB allocated (rank {rank})")
     fig.suptitle("Memory with and without optimizer-state sharding", fontsize=11)
     # legend between the title and the axes
