@@ -11,7 +11,8 @@
 # ---
 
 # %% [markdown]
-# # 8 training_leaderboard (2026 leaderboard): the 8B training step on two GPUs, ours against stock FSDP2
+# # training_leaderboard (2026 leaderboard)
+# The 8B training step on two GPUs, ours against stock FSDP2.
 # The 2026 handout's leaderboard times one full training step (forward, loss, backward, AdamW) of an
 # 8B `BasicsTransformerLM` (34 layers, d_model 4096, d_ff 11008, 32 heads, vocabulary 151936, context
 # 32768, batch 2, causal, bf16) on two GPUs, from empty PyTorch/Triton caches within 10 minutes.

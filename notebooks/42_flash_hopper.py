@@ -11,7 +11,8 @@
 # ---
 
 # %% [markdown]
-# # 10 flash_hopper (beyond the handout): FlashAttention kernels in Gluon for Hopper
+# # flash_hopper (beyond the handouts)
+# FlashAttention kernels in Gluon for Hopper.
 # Triton 3.6 ships `triton.experimental.gluon`, which exposes what `tl.dot` hides on Hopper:
 # asynchronous `warpgroup_mma` with explicit `warpgroup_mma_wait`, TMA copies into shared-memory
 # rings tracked by mbarriers, and explicit register and shared-memory layouts. We wrote a forward

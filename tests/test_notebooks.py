@@ -144,7 +144,7 @@ def test_notebook_convention(name):
     )
 
 
-HEADING = r"^# (?P<title>\S.*?) \((?P<ref>(?:2025|2026) §\d+(?:\.\d+)*|beyond the handouts|both handouts)\)$"
+HEADING = r"^# (?P<title>\S.*?) \((?P<ref>(?:2025|2026) §\d+(?:\.\d+)*|2026 leaderboard|beyond the handouts|both handouts)\)$"
 
 
 def test_stderr_allow_list():

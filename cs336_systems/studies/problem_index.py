@@ -130,6 +130,13 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(problem="training step (2.7B)", handout="2026 leaderboard", part="2026", kind="measured",
             notebook="40_training_step", modules=("training", "kernels", "studies.train_step"),
             tests=("test_training",), results="training_step"),
+    Problem(problem="training_leaderboard (8B)", handout="2026 leaderboard", part="2026", kind="measured",
+            notebook="41_training_leaderboard",
+            modules=("training.leaderboard", "distributed.zero", "studies.training_leaderboard"),
+            tests=("test_training_leaderboard",), results="training_leaderboard"),
+    Problem(problem="flash_hopper", handout="2026 (beyond the handouts)", part="2026", kind="measured",
+            notebook="42_flash_hopper", modules=("attention.flash_triton", "studies.flash_hopper"),
+            tests=("test_attention_hopper", "test_flash_bench"), results="flash_leaderboard"),
 )
 # fmt: on
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from cs336_systems.measure.results import latest_run, provenance
+from cs336_systems.measure.provenance import provenance
+from cs336_systems.measure.results import latest_run
 from cs336_systems.measure.traces import load_trace
 from cs336_systems.model import get_config
 from cs336_systems.studies.distributed import trace_plot
