@@ -54,107 +54,12 @@ protocol, split, variants, tuning = (
     flash_leaderboard.variants_table(df),
     flash_tuning.tuning_table(df),
 )
-
-# %% [markdown]
-# **Protocol** (`python -m cs336_systems.studies.flash_bench --leaderboard`): one
-# `torch.randn(3, 16, 16384, 64, dtype=bfloat16, requires_grad=True)` tensor unpacked along dim 0 into
-# q, k, v; `flash = torch.compile(FlashAttentionTriton.apply)`; the timed function is
-# `o = flash(q, k, v, True); o.sum().backward()`, measured by `triton.testing.do_bench(rep=10000,
-# warmup=1000)`; we report the median (the mean, which current Triton returns by default, is shown
-# too). The SDPA baselines get the same tensors as (1, 16, N, 64) views and are pinned to one backend
-# with `sdpa_kernel`. Gradients accumulate into the parent tensor across calls, as in the harness.
-
-# %% tags=["remove-input"]
-if nb.have_results(protocol, "flash_leaderboard"):
-    show_table(
-        protocol.drop(columns=["note"])
-        if "note" in protocol and not protocol["note"].astype(bool).any()
-        else protocol,
-        caption="Leaderboard protocol: forward + backward (the latest run)",
-        provenance_from=protocol.attrs["source"],
-    )
-if len(runs):
-    show_table(
-        runs.drop(columns=["tiles_fwd", "tiles_bwd"]),
-        caption="Every protocol run, oldest first (our tiles: the launcher's heuristic table or tuned in the same process)",
-        provenance_from=df[df.name == "protocol"],
-        formats={
-            "ours / sdpa_flash": "{:.3f}",
-            "ours ms": "{:.3f}",
-            "sdpa_flash ms": "{:.3f}",
-            "sdpa_cudnn ms": "{:.3f}",
-        },
-    )
-if len(split):
-    show_table(
-        split,
-        caption=f"Forward and backward alone at the protocol shape (measured matmul peak {split.attrs['peak']:.3g} TFLOP/s)",
-        provenance_from=split.attrs["source"],
-        formats={"of measured matmul peak": "{:.1%}"},
-    )
-
-# %% [markdown]
-# **Optimisation log.** Each kernel version changed one thing and was timed at the protocol shape
-# (forward and backward timed separately with `do_bench`, heuristic tiles unless tuned); the
-# prediction was written before the measurement. The full notes, with the reasons behind every
-# outcome, are in `cs336_systems/attention/flash_triton/OPTIMIZATION_LOG.md`.
-
-# %% tags=["remove-input"]
-if len(variants):
-    show_table(
-        variants,
-        caption="Kernel versions at 16 x 16384 x 64, bf16, causal (median ms)",
-        provenance_from=df[df.name == "variant"],
-    )
-if len(tuning):
-    show_table(
-        tuning,
-        caption="Fastest tile candidates per kernel, each pass timed alone",
-        provenance_from=tuning.attrs["source"],
-    )
-if len(protocol):
-    save_figure(
-        flash_leaderboard.plot_leaderboard(protocol, variants, target),
-        "flash_leaderboard__protocol_and_versions",
-    )
-
-# %% [markdown]
-# **Rounds on the H200** (`flash_bench --tune 64:bfloat16:16384 [--tune-small]`, each backward pass
-# timed alone). Round 1 tried dK/dV steps of 128 queries per 64-key tile (the shape that makes the dQ
-# pass efficient) and computing dP before the softmax recomputation ("early dP", so the dV product
-# overlaps the dS arithmetic); round 2 capped the dK/dV kernel's registers so that three 4-warp CTAs
-# fit on an SM (`maxnreg`), after the round-1 profile below showed early dP had pushed it to 193
-# registers and two CTAs; round 3 tried 32-query steps under a 128-register cap (four CTAs per SM).
-# The `bwd` rows time the whole backward with the dQ pass on one stream or on a side stream.
-
-# %% tags=["remove-input"]
-rounds = flash_tuning.tuning_rounds(df)
-if len(rounds):
-    show_table(
-        rounds,
-        caption="dK/dV candidates and the whole backward on the H200, 16 x 16384 x 64, bf16, causal",
-        provenance_from=rounds.attrs["source"],
-        formats={"median ms": "{:.3f}"},
-    )
-
-# %% [markdown]
-# **Nsight Compute** (`ncu` around `flash_bench --once`, the committed text reports
-# `figures/data/flash_leaderboard__ncu_bwd_{round1,final}.txt`; ncu fixes the clocks, so its durations
-# are longer than the timings above). Round 1 is the early-dP dK/dV kernel before the register cap;
-# final is the shipped configuration.
-
-# %% tags=["remove-input"]
-table = flash_tuning.ncu_table(nb.results_dir())
-if len(table):
-    show_table(
-        table[[c for c in table.columns if "preprocess" not in c]].rename_axis("metric").reset_index(),
-        caption="ncu metrics of the backward kernels (H200)",
-    )
+ncu = flash_tuning.ncu_table(nb.results_dir())
 
 # %% tags=["remove-input"]
 if len(protocol) and not quick:
-    facts = flash_leaderboard.facts(df, target, ncu=table)
-    v, ncu = facts["version_ms"], facts.get("ncu")
+    facts = flash_leaderboard.facts(df, target, ncu=ncu)
+    v, ncu_facts = facts["version_ms"], facts.get("ncu")
     nb.md(
         f"**Answer.** With the final kernels our Triton FlashAttention-2 took {facts['ours_ms_min']:.2f} to "
         f"{facts['ours_ms_max']:.2f} ms in {facts['final_runs']} full-protocol runs on the {facts['final_gpu']}, i.e. "
@@ -180,18 +85,19 @@ if len(protocol) and not quick:
         f"{v['v1_skip_masked_tiles']:.1f} ms on the H100), masking only diagonal tiles "
         f"(-> {v['v2_split_diagonal']:.1f} ms), tuning each backward pass on its own "
         f"(-> {v['v5_tuned_tiles']:.1f} ms; the H100 sessions ended at {facts['h100_last_ratio']:.3f}x), "
-        "and on the H200 the early-dP order with a register cap that keeps three dK/dV CTAs per SM (tables above). "
+        "and on the H200 the early-dP order with a register cap that keeps three dK/dV CTAs per SM (the tables are in "
+        "the notebook and OPTIMIZATION_LOG.md). "
         "Fusing both backward passes into one launch, 128-query dK/dV steps and 8-warp dK/dV tiles did not help; "
         "the dQ side stream is within the noise. "
         + (
             f"The profile says what limits the dK/dV pass: with the cap it spills "
-            f"({ncu['dkdv_spill_requests']} local-memory requests, H200 profile) yet runs faster, "
-            f"because only {ncu['dkdv_active_warps']} warps per SM are active "
-            f"and each scheduler has {ncu['dkdv_eligible_warps']} eligible warps per "
+            f"({ncu_facts['dkdv_spill_requests']} local-memory requests, H200 profile) yet runs faster, "
+            f"because only {ncu_facts['dkdv_active_warps']} warps per SM are active "
+            f"and each scheduler has {ncu_facts['dkdv_eligible_warps']} eligible warps per "
             f"cycle: the profile shows few warps ready to issue, not where they stall, and more resident CTAs per SM "
             f"is the lever that paid in the rounds above. The dQ kernel, with 128-row tiles, keeps its "
-            f"tensor pipe {ncu['dq_busiest_pipe']} busy against {ncu['dkdv_busiest_pipe']} for dK/dV. "
-            if ncu
+            f"tensor pipe {ncu_facts['dq_busiest_pipe']} busy against {ncu_facts['dkdv_busiest_pipe']} for dK/dV. "
+            if ncu_facts
             else ""
         )
         + f"The two-pass backward also issues 7 instead of 5 N^2 d products (S and dP are recomputed for dQ); "
@@ -200,6 +106,108 @@ if len(protocol) and not quick:
         "issuing it; Gluon kernels that defer those waits (the Hopper FlashAttention section) were not faster at "
         "this head dim, so going further needs warp-specialised producer/consumer pipelines (FlashAttention-3) "
         "or a one-pass backward with a dQ reduction, not only later waits."
+    )
+
+# %% [markdown]
+# **Protocol** (`python -m cs336_systems.studies.flash_bench --leaderboard`): one
+# `torch.randn(3, 16, 16384, 64, dtype=bfloat16, requires_grad=True)` tensor unpacked along dim 0 into
+# q, k, v; `flash = torch.compile(FlashAttentionTriton.apply)`; the timed function is
+# `o = flash(q, k, v, True); o.sum().backward()`, measured by `triton.testing.do_bench(rep=10000,
+# warmup=1000)`; we report the median (the mean, which current Triton returns by default, is shown
+# too). The SDPA baselines get the same tensors as (1, 16, N, 64) views and are pinned to one backend
+# with `sdpa_kernel`. Gradients accumulate into the parent tensor across calls, as in the harness.
+
+# %% tags=["remove-input"]
+if nb.have_results(protocol, "flash_leaderboard"):
+    show_table(
+        protocol.drop(columns=["note"])
+        if "note" in protocol and not protocol["note"].astype(bool).any()
+        else protocol,
+        caption="Leaderboard protocol: forward + backward (the latest run)",
+        provenance_from=protocol.attrs["source"],
+    )
+
+# %% tags=["remove-input", "appendix"]
+if len(runs):
+    show_table(
+        runs.drop(columns=["tiles_fwd", "tiles_bwd"]),
+        caption="Every protocol run, oldest first (our tiles: the launcher's heuristic table or tuned in the same process)",
+        provenance_from=df[df.name == "protocol"],
+        formats={
+            "ours / sdpa_flash": "{:.3f}",
+            "ours ms": "{:.3f}",
+            "sdpa_flash ms": "{:.3f}",
+            "sdpa_cudnn ms": "{:.3f}",
+        },
+    )
+
+# %% tags=["remove-input", "remove-cell"]
+if len(split):
+    show_table(
+        split,
+        caption=f"Forward and backward alone at the protocol shape (measured matmul peak {split.attrs['peak']:.3g} TFLOP/s)",
+        provenance_from=split.attrs["source"],
+        formats={"of measured matmul peak": "{:.1%}"},
+    )
+
+# %% [markdown]
+# **Optimisation log.** Each kernel version changed one thing and was timed at the protocol shape
+# (forward and backward timed separately with `do_bench`, heuristic tiles unless tuned); the
+# prediction was written before the measurement. The full notes, with the reasons behind every
+# outcome, are in `cs336_systems/attention/flash_triton/OPTIMIZATION_LOG.md`.
+
+# %% tags=["remove-input", "remove-cell"]
+if len(variants):
+    show_table(
+        variants,
+        caption="Kernel versions at 16 x 16384 x 64, bf16, causal (median ms)",
+        provenance_from=df[df.name == "variant"],
+    )
+if len(tuning):
+    show_table(
+        tuning,
+        caption="Fastest tile candidates per kernel, each pass timed alone",
+        provenance_from=tuning.attrs["source"],
+    )
+
+# %% tags=["remove-input"]
+if len(protocol):
+    save_figure(
+        flash_leaderboard.plot_leaderboard(protocol, variants, target),
+        "flash_leaderboard__protocol_and_versions",
+    )
+
+# %% [markdown] tags=["remove-cell"]
+# **Rounds on the H200** (`flash_bench --tune 64:bfloat16:16384 [--tune-small]`, each backward pass
+# timed alone). Round 1 tried dK/dV steps of 128 queries per 64-key tile (the shape that makes the dQ
+# pass efficient) and computing dP before the softmax recomputation ("early dP", so the dV product
+# overlaps the dS arithmetic); round 2 capped the dK/dV kernel's registers so that three 4-warp CTAs
+# fit on an SM (`maxnreg`), after the round-1 profile below showed early dP had pushed it to 193
+# registers and two CTAs; round 3 tried 32-query steps under a 128-register cap (four CTAs per SM).
+# The `bwd` rows time the whole backward with the dQ pass on one stream or on a side stream.
+
+# %% tags=["remove-input", "remove-cell"]
+rounds = flash_tuning.tuning_rounds(df)
+if len(rounds):
+    show_table(
+        rounds,
+        caption="dK/dV candidates and the whole backward on the H200, 16 x 16384 x 64, bf16, causal",
+        provenance_from=rounds.attrs["source"],
+        formats={"median ms": "{:.3f}"},
+    )
+
+# %% [markdown] tags=["remove-cell"]
+# **Nsight Compute** (`ncu` around `flash_bench --once`, the committed text reports
+# `figures/data/flash_leaderboard__ncu_bwd_{round1,final}.txt`; ncu fixes the clocks, so its durations
+# are longer than the timings above). Round 1 is the early-dP dK/dV kernel before the register cap;
+# final is the shipped configuration.
+
+# %% tags=["remove-input", "remove-cell"]
+table = ncu
+if len(table):
+    show_table(
+        table[[c for c in table.columns if "preprocess" not in c]].rename_axis("metric").reset_index(),
+        caption="ncu metrics of the backward kernels (H200)",
     )
 
 # %% [markdown]
@@ -246,6 +254,7 @@ if len(speed) and len(checks) and not quick:
         + ", ".join(f"{r:.2f}x the step time at {c}" for c, r in model_facts["vs_sdpa"].items())
         + f": the {model_size} model's head dimension is {pad['d']}, which our tl kernels pad to {pad['ours']} "
         f"(tl.arange needs powers of two) while FlashAttention-2 runs it in its {pad['fa2']}-wide kernel, so our "
-        f"QK^T and PV products do {pad['work_vs_fa2']:.2f}x SDPA's work, and our tiles were tuned for d = 64. Peak "
+        f"QK^T and PV products do {pad['work_vs_fa2']:.2f}x SDPA's work, and our tiles were tuned for d = 64 (these "
+        "rows predate the Hopper kernels, which now run d = 80 unpadded: the Hopper FlashAttention section). Peak "
         "memory is the same as SDPA's: both keep O(N) state per head instead of the T x T scores."
     )
