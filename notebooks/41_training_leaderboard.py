@@ -51,80 +51,6 @@ if nb.should_measure(measure, gpus=nproc, quick=quick):
 df = load_results(training_leaderboard.PROBLEM, results_dir)
 facts = training_leaderboard_results.facts(df)
 
-# %% [markdown]
-# **Protocol.** Inputs and targets are `torch.randint(high=151936, size=(2, 2, 32768))` from one seed;
-# each GPU takes one sequence. Both steps start from the same weights (one seed) and run
-# `zero_grad(set_to_none=True)`, the forward with the mean cross-entropy (the protocol's
-# `cross_entropy(logits, targets).sum()` of a mean; neither step materialises the 20 GB of logits),
-# `backward()` and the optimizer step, with AdamW's default hyperparameters (ours: the project's AdamW
-# semantics; stock: `torch.optim.AdamW(fused=True)`). The config's `torch_dtype: bfloat16` is read
-# literally for the headline: parameters, gradients and AdamW state in bf16 (mode "bf16"); the other
-# reading, float32 master parameters with bf16 compute ("fp32_master"), is a flag. Each step is timed
-# like `triton.testing.do_bench(step, rep=30_000, warmup=10_000)` (its mean, in ms), with every rank
-# making the same calls and each call counted at its slowest rank; `--cold` points the Triton and
-# Inductor caches at fresh directories and the wall time of the whole run is recorded.
-
-# %% tags=["remove-input"]
-show_table(
-    training_leaderboard_results.memory_plan_table("8B_leaderboard", 34, world_size=2, batch=1),
-    caption="Memory plan per GPU of the 8B config on 2 GPUs (computed from the config, not measured)",
-    formats={"GiB": "{:.1f}"},
-    provenance_from="computed: cs336_systems.studies.training_leaderboard_memory",
-)
-
-# %% tags=["remove-input"]
-configs = pd.DataFrame(facts.get("configs", []))
-if len(configs):
-    cols = ["config", "mode", "GPUs", "batch", "stock_ms", "ours_ms", "ratio", "stock_mfu", "ours_mfu"]
-    cols += ["ours_mfu_mm", "stock_peak_gib", "ours_peak_gib"]
-    show_table(
-        configs[cols],
-        caption="Training step: ours against stock FSDP2, from the same run (do_bench mean, ms)",
-        formats={c: "{:.0f}" for c in ("stock_ms", "ours_ms")}
-        | {"ratio": "{:.3f}"}
-        | {c: "{:.1%}" for c in ("stock_mfu", "ours_mfu", "ours_mfu_mm")}
-        | {c: "{:.1f}" for c in ("stock_peak_gib", "ours_peak_gib")},
-        provenance_from=df,
-        note=(
-            "MFU: model FLOPs (6 N tokens over the matmul weights, causal attention halved, no recomputation) "
-            "per second per GPU over the datasheet bf16 peak; mfu_mm: over the bf16 matmul rate measured in the run; "
-            "peak: the allocator's peak per GPU (largest rank)"
-        ),
-    )
-
-# %% tags=["remove-input"]
-breakdown = training_leaderboard_results.breakdown_table(df) if len(configs) else pd.DataFrame()
-if len(breakdown):
-    show_table(
-        breakdown,
-        caption="Per-step breakdown (ms; setup in s): forward with loss, backward, optimizer step, communication",
-        digits=4,
-        provenance_from=df,
-        note=(
-            "Phases from CUDA events in the timed calls; ours applies most of its update inside backward. "
-            "comm: NCCL kernel time in one profiled step of ours on rank 0, exposed: the part not under compute"
-        ),
-    )
-
-# %% tags=["remove-input"]
-by_attention = training_leaderboard_results.attention_table(df)
-if len(by_attention) > 1:
-    show_table(
-        by_attention,
-        caption="Ours by its attention kernel, each with stock from the same run (do_bench mean, ms)",
-        formats={"ours_ms": "{:.0f}", "stock_ms": "{:.0f}", "ratio": "{:.3f}"},
-        provenance_from=df,
-        note="stock always uses SDPA with PyTorch's default backend choice",
-    )
-
-# %% tags=["remove-input"]
-trace = training_leaderboard_results.trace_path(df, results_dir) if len(configs) else None
-if trace is not None:
-    save_figure(
-        training_leaderboard_results.plot_step_timeline(trace, title="one step of ours, rank 0"),
-        "training_leaderboard__timeline",
-    )
-
 # %% tags=["remove-input"]
 if facts["status"] == "not run":
     nb.md(
@@ -171,4 +97,78 @@ datasheet bf16 peak. Per phase (ours vs stock): {gaps}. {wall} Timing: rep {fact
 {facts.get("protocol", {}).get("warmup_ms")} ms ({facts.get("protocol", {}).get("n_repeat")} timed calls).
 By the attention of ours (ours vs stock, same run): {attention}.{single}
 {("Not measured: " + failures + ".") if failures else ""}"""
+    )
+
+# %% [markdown]
+# **Protocol.** Inputs and targets are `torch.randint(high=151936, size=(2, 2, 32768))` from one seed;
+# each GPU takes one sequence. Both steps start from the same weights (one seed) and run
+# `zero_grad(set_to_none=True)`, the forward with the mean cross-entropy (the protocol's
+# `cross_entropy(logits, targets).sum()` of a mean; neither step materialises the 20 GB of logits),
+# `backward()` and the optimizer step, with AdamW's default hyperparameters (ours: the project's AdamW
+# semantics; stock: `torch.optim.AdamW(fused=True)`). The config's `torch_dtype: bfloat16` is read
+# literally for the headline: parameters, gradients and AdamW state in bf16 (mode "bf16"); the other
+# reading, float32 master parameters with bf16 compute ("fp32_master"), is a flag. Each step is timed
+# like `triton.testing.do_bench(step, rep=30_000, warmup=10_000)` (its mean, in ms), with every rank
+# making the same calls and each call counted at its slowest rank; `--cold` points the Triton and
+# Inductor caches at fresh directories and the wall time of the whole run is recorded.
+
+# %% tags=["remove-input", "remove-cell"]
+show_table(
+    training_leaderboard_results.memory_plan_table("8B_leaderboard", 34, world_size=2, batch=1),
+    caption="Memory plan per GPU of the 8B config on 2 GPUs (computed from the config, not measured)",
+    formats={"GiB": "{:.1f}"},
+    provenance_from="computed: cs336_systems.studies.training_leaderboard_memory",
+)
+
+# %% tags=["remove-input", "remove-cell"]
+configs = pd.DataFrame(facts.get("configs", []))
+if len(configs):
+    cols = ["config", "mode", "GPUs", "batch", "stock_ms", "ours_ms", "ratio", "stock_mfu", "ours_mfu"]
+    cols += ["ours_mfu_mm", "stock_peak_gib", "ours_peak_gib"]
+    show_table(
+        configs[cols],
+        caption="Training step: ours against stock FSDP2, from the same run (do_bench mean, ms)",
+        formats={c: "{:.0f}" for c in ("stock_ms", "ours_ms")}
+        | {"ratio": "{:.3f}"}
+        | {c: "{:.1%}" for c in ("stock_mfu", "ours_mfu", "ours_mfu_mm")}
+        | {c: "{:.1f}" for c in ("stock_peak_gib", "ours_peak_gib")},
+        provenance_from=df,
+        note=(
+            "MFU: model FLOPs (6 N tokens over the matmul weights, causal attention halved, no recomputation) "
+            "per second per GPU over the datasheet bf16 peak; mfu_mm: over the bf16 matmul rate measured in the run; "
+            "peak: the allocator's peak per GPU (largest rank)"
+        ),
+    )
+
+# %% tags=["remove-input", "appendix"]
+breakdown = training_leaderboard_results.breakdown_table(df) if len(configs) else pd.DataFrame()
+if len(breakdown):
+    show_table(
+        breakdown,
+        caption="Per-step breakdown (ms; setup in s): forward with loss, backward, optimizer step, communication",
+        digits=4,
+        provenance_from=df,
+        note=(
+            "Phases from CUDA events in the timed calls; ours applies most of its update inside backward. "
+            "comm: NCCL kernel time in one profiled step of ours on rank 0, exposed: the part not under compute"
+        ),
+    )
+
+# %% tags=["remove-input"]
+by_attention = training_leaderboard_results.attention_table(df)
+if len(by_attention) > 1:
+    show_table(
+        by_attention,
+        caption="Ours by its attention kernel, each with stock from the same run (do_bench mean, ms)",
+        formats={"ours_ms": "{:.0f}", "stock_ms": "{:.0f}", "ratio": "{:.3f}"},
+        provenance_from=df,
+        note="stock always uses SDPA with PyTorch's default backend choice",
+    )
+
+# %% tags=["remove-input"]
+trace = training_leaderboard_results.trace_path(df, results_dir) if len(configs) else None
+if trace is not None:
+    save_figure(
+        training_leaderboard_results.plot_step_timeline(trace, title="one step of ours, rank 0"),
+        "training_leaderboard__timeline",
     )

@@ -47,6 +47,28 @@ elif nb.should_measure(measure) and on_hopper:
 df = load_results(flash_hopper.PROBLEM, results_dir)
 passes, shapes = flash_hopper.pass_table(df), flash_hopper.shapes_table(df)
 
+# %% tags=["remove-input"]
+if len(passes) and len(shapes) and not quick:
+    f = flash_hopper.facts(df)
+    r = f["pass_ratio"]
+    nb.md(
+        f"**Answer.** Deferring the waits did not make the kernels faster where nothing is padded: on the "
+        f"{f['gpu']} the Gluon forward takes {r[(64, 'fwd')]:.2f}x and the Gluon dK/dV {r[(64, 'dkdv')]:.2f}x the "
+        f"tl kernels' time at d = 64 ({r[(128, 'fwd')]:.2f}x and {r[(128, 'dkdv')]:.2f}x at d = 128). At d = 80, "
+        f"where the tl kernels pad to 128, they take {r[(80, 'fwd')]:.2f}x and {r[(80, 'dkdv')]:.2f}x, about the "
+        f"padding they avoid, so they are the default there. On the 2025 protocol our default (tl) kernels "
+        f"stay at {f['protocol_ratio_min']:.3f}-{f['protocol_ratio_max']:.3f}x SDPA-flash in "
+        f"{f['protocol_runs']} runs (the Gluon kernels forced: {f['protocol_gluon_ratio']:.3f}x; cuDNN "
+        f"{f['protocol_cudnn_ratio']:.3f}x): the goals of cuDNN's speed, or at least 0.70x, are not met. At the "
+        f"8B leaderboard's shape (32 x 32768 x 128) ours equals SDPA-flash ({f['shape_vs_flash']['32 x 32768 x 128']:.2f}x) "
+        f"and takes {f['shape_vs_cudnn']['32 x 32768 x 128']:.2f}x cuDNN's time. At d = 80 ours is no slower "
+        f"than SDPA-flash from N = {f['d80_no_slower_from']} on; below, our time is a flat ~2 ms whatever N "
+        f"({f['shape_vs_flash']['128 x 512 x 80']:.1f}x SDPA-flash at N = 512): host overhead of our launch "
+        "path, not kernel time. What the kernels lack, and FlashAttention-3 has: warp specialisation (a TMA "
+        "producer warp, consumer warpgroups in ping-pong so one's softmax overlaps the other's products), and "
+        "a backward with fewer products (one pass, dQ reduced by TMA, which Gluon 3.6 does not offer on Hopper)."
+    )
+
 # %% [markdown]
 # **Each pass alone** (`flash_bench --tune-hopper d:bfloat16:16384`: 16 heads, N = 16384, causal,
 # bf16). The tl kernels run their heuristic tiles; every Gluon candidate is first checked against the
@@ -70,34 +92,14 @@ if nb.have_results(passes, "the per-pass Gluon timings"):
 # the Gluon ones.
 
 # %% tags=["remove-input"]
+if len(shapes) and "sdpa_flash" in shapes:
+    save_figure(flash_hopper.plot_shapes(shapes), "flash_hopper__shapes")
+
+# %% tags=["remove-input", "appendix"]
 if nb.have_results(shapes, "the model-shape comparison"):
     show_table(
-        shapes,
-        caption="Forward + backward at the models' shapes (median ms)",
+        shapes[[c for c in shapes.columns if not c.startswith("ours /")]],
+        caption="flash_hopper: forward + backward at the models' shapes (median ms)",
         provenance_from=shapes.attrs["source"],
-        formats={c: "{:.3f}" for c in shapes.columns if c != "shape"},
-    )
-    if "sdpa_flash" in shapes:
-        save_figure(flash_hopper.plot_shapes(shapes), "flash_hopper__shapes")
-
-# %% tags=["remove-input"]
-if len(passes) and len(shapes) and not quick:
-    f = flash_hopper.facts(df)
-    r = f["pass_ratio"]
-    nb.md(
-        f"**Answer.** Deferring the waits did not make the kernels faster where nothing is padded: on the "
-        f"{f['gpu']} the Gluon forward takes {r[(64, 'fwd')]:.2f}x and the Gluon dK/dV {r[(64, 'dkdv')]:.2f}x the "
-        f"tl kernels' time at d = 64 ({r[(128, 'fwd')]:.2f}x and {r[(128, 'dkdv')]:.2f}x at d = 128). At d = 80, "
-        f"where the tl kernels pad to 128, they take {r[(80, 'fwd')]:.2f}x and {r[(80, 'dkdv')]:.2f}x, about the "
-        f"padding they avoid, so they are the default there. On the 2025 protocol our default (tl) kernels "
-        f"stay at {f['protocol_ratio_min']:.3f}-{f['protocol_ratio_max']:.3f}x SDPA-flash in "
-        f"{f['protocol_runs']} runs (the Gluon kernels forced: {f['protocol_gluon_ratio']:.3f}x; cuDNN "
-        f"{f['protocol_cudnn_ratio']:.3f}x): the goals of cuDNN's speed, or at least 0.70x, are not met. At the "
-        f"8B leaderboard's shape (32 x 32768 x 128) ours equals SDPA-flash ({f['shape_vs_flash']['32 x 32768 x 128']:.2f}x) "
-        f"and takes {f['shape_vs_cudnn']['32 x 32768 x 128']:.2f}x cuDNN's time. At d = 80 ours is no slower "
-        f"than SDPA-flash from N = {f['d80_no_slower_from']} on; below, our time is a flat ~2 ms whatever N "
-        f"({f['shape_vs_flash']['128 x 512 x 80']:.1f}x SDPA-flash at N = 512): host overhead of our launch "
-        "path, not kernel time. What the kernels lack, and FlashAttention-3 has: warp specialisation (a TMA "
-        "producer warp, consumer warpgroups in ping-pong so one's softmax overlaps the other's products), and "
-        "a backward with fewer products (one pass, dQ reduced by TMA, which Gluon 3.6 does not offer on Hopper)."
+        formats={c: "{:.3f}" for c in shapes.columns if c != "shape" and not c.startswith("ours /")},
     )

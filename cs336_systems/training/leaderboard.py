@@ -40,7 +40,6 @@ for equal token counts per rank is the gradient of the mean over the global batc
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from cs336_systems.distributed.zero import PARAM_MODES, ZeroAdamW
 from cs336_systems.kernels.linear_cross_entropy import linear_cross_entropy
 from cs336_systems.model import BasicsTransformerLM, cross_entropy
+from cs336_systems.training.step import stream_scope
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,17 +108,9 @@ class LeaderboardStep:
     cfg: LeaderboardConfig
     stream: torch.cuda.Stream | None = None
 
-    @contextlib.contextmanager
     def on_stream(self):
         """Run the enclosed work on the step's stream (ordered after, and before, the caller's)."""
-        if self.stream is None:
-            yield
-            return
-        caller = torch.cuda.current_stream()
-        self.stream.wait_stream(caller)
-        with torch.cuda.stream(self.stream):
-            yield
-        caller.wait_stream(self.stream)
+        return stream_scope(self.stream)
 
     @property
     def checkpoint_blocks(self) -> int:

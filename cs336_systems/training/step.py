@@ -91,6 +91,20 @@ def block_bucket_key(model: BasicsTransformerLM) -> Callable[[nn.Parameter], obj
     return lambda p: owner.get(id(p), -1)
 
 
+@contextlib.contextmanager
+def stream_scope(stream: torch.cuda.Stream | None):
+    """Run the enclosed work on `stream` (None: the current one), ordered after the caller's stream's
+    earlier work and before its later work."""
+    if stream is None:
+        yield
+        return
+    caller = torch.cuda.current_stream()
+    stream.wait_stream(caller)
+    with torch.cuda.stream(stream):
+        yield
+    caller.wait_stream(stream)
+
+
 @dataclass
 class TrainStep:
     model: BasicsTransformerLM
@@ -98,17 +112,9 @@ class TrainStep:
     cfg: TrainStepConfig
     stream: torch.cuda.Stream | None = None  # [Note: stream priorities]
 
-    @contextlib.contextmanager
     def on_stream(self):
         """Run the enclosed work on the step's stream (ordered after, and before, the caller's)."""
-        if self.stream is None:
-            yield
-            return
-        caller = torch.cuda.current_stream()
-        self.stream.wait_stream(caller)
-        with torch.cuda.stream(self.stream):
-            yield
-        caller.wait_stream(self.stream)
+        return stream_scope(self.stream)
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
         ctx = (
