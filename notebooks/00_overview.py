@@ -49,6 +49,6 @@ show_table(
     caption="Every handout problem: where it is answered, the tests that cover it, its status",
     provenance_from="the index in cs336_systems/studies/problem_index.py; counts and status read from tests/ "
     "and figures/data/ when this document was built",
-    wrap={"problem": 0.21, "answered in": 0.25, "tests (count)": 0.17, "status": 0.15},
+    wrap={"problem": 0.19, "handout": 0.09, "answered in": 0.23, "tests (count)": 0.16, "status": 0.14},
     breakable=True,
 )

@@ -44,8 +44,9 @@ def test_config_is_checked():
 
 def test_facts_from_the_committed_sweep_alone_describe_the_host_floor():
     df = load_results("flash_benchmarking", DATA)
+    df = df[~df.metric.isin(["eager_latency", "graph_latency"])]  # the sweep's rows alone
     f = fo.facts(df)
-    assert f["timing"] == "eager"  # no graph rows committed yet
+    assert f["timing"] == "eager"  # without graph rows the claim is the eager ratio
     sweep = df[(df.metric == "latency") & (df.impl == "flash_triton") & (df.name == "d64")]
     sweep = sweep[(sweep.dtype == "bfloat16") & (sweep["mode"] == "fwd_bwd")]
     short = sweep[sweep.x_value.astype(float) <= 2048].drop_duplicates("x_value", keep="last")
@@ -87,7 +88,8 @@ def test_facts_with_graph_rows_use_the_graph_times():
         "naive graph",
     ]
     assert table.set_index("N").loc[16384, "naive graph"] == "14.8" and len(table.attrs["rows"]) == 12
-    assert fo.overhead_table(load_results("flash_benchmarking", DATA)).empty  # no graph rows committed
+    committed = load_results("flash_benchmarking", DATA)
+    assert fo.overhead_table(committed[committed.metric == "latency"]).empty  # the sweep alone: no table
 
 
 def test_plot_with_and_without_graph_rows(tmp_path):
@@ -100,7 +102,10 @@ def test_plot_with_and_without_graph_rows(tmp_path):
     )
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert "flash_triton (graph replay)" in labels and "flash_triton (eager)" in labels
-    fig = fo.plot_overhead(load_results("flash_benchmarking", DATA))
+    committed = load_results("flash_benchmarking", DATA)
+    fig = fo.plot_overhead(
+        committed[committed.metric == "latency"]
+    )  # the sweep alone: eager vs the N^2 slope
     assert any("N^2" in lab for lab in fig.axes[0].get_legend_handles_labels()[1])
 
 
@@ -116,3 +121,18 @@ def test_graph_replay_removes_the_host_overhead_of_a_short_call(tmp_path):
         t = g.set_index("metric").p50
         assert t["graph_latency"] < t["eager_latency"], (impl, mode)  # a 128-token call is host-bound
     torch.cuda.empty_cache()
+
+
+def test_facts_on_the_committed_graph_rows():
+    """The committed GPU run (eager and graph rows of one process): the claim uses the graph times."""
+    df = load_results("flash_benchmarking", DATA)
+    f = fo.facts(df)
+    assert f["timing"] == "graph"
+    rows = df[(df.metric == "graph_latency") & (df.impl == "flash_triton") & (df["mode"] == "fwd_bwd")]
+    rows = rows[(rows.dtype == "bfloat16") & (rows.name == "d64")]
+    assert f["graph_ms"]["flash_triton"] in set(rows.p50)  # a committed graph timing, not the eager one
+    assert f["graph_speedup"] == pytest.approx(f["graph_ms"]["naive"] / f["graph_ms"]["flash_triton"])
+    assert (
+        f["overhead_ms"]["flash_triton"] > f["overhead_ms"]["sdpa_flash"] > 0
+    )  # our call costs the host more
+    assert not fo.overhead_table(df).empty
