@@ -144,8 +144,19 @@ if len(configs):
 breakdown = training_leaderboard_results.breakdown_table(df) if len(configs) else pd.DataFrame()
 if len(breakdown):
     show_table(
-        breakdown,
-        caption="Per-step breakdown (ms; setup in s): forward with loss, backward, optimizer step, communication",
+        breakdown.drop(columns=[c for c in ("dtype", "x_value", "setup_s") if c in breakdown]).rename(
+            columns={
+                "name": "config",
+                "step_ms": "step",
+                "forward_ms": "fwd",
+                "backward_ms": "bwd",
+                "optimizer_step_ms": "opt",
+                "comm_ms": "comm",
+                "comm_exposed_ms": "exposed",
+                "checkpoint_blocks": "ckpt blocks",
+            }
+        ),
+        caption="training_leaderboard: per-step breakdown (ms): forward with loss, backward, optimizer step, communication",
         digits=4,
         provenance_from=df,
         note=(
