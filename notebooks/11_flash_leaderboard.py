@@ -235,8 +235,8 @@ if len(checks):
     )
 if len(speed):
     show_table(
-        speed.reset_index(),
-        caption="2.7B training step, bf16 autocast (OOM: out of memory on the GPU)",
+        speed.reset_index()[[c for c in speed.reset_index().columns if "GiB" not in c]],
+        caption="2.7B training step, bf16 autocast, ms (OOM: out of memory on the GPU; peak memory is in the figure)",
         provenance_from=e2e[e2e["mode"] == "train"],
     )
     save_figure(flash_model.plot_training(e2e), "flash_leaderboard__model_training")
