@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -187,3 +188,23 @@ def test_hopper_facts_on_the_committed_results():
     assert start in ratios and all(v <= 1 for n, v in ratios.items() if n >= start)
     assert any(v > 1 for n, v in ratios.items() if n < start)  # host overhead below it (the text says so)
     assert f["protocol_runs"] >= 3 and f["protocol_ratio_min"] <= f["protocol_ratio_max"] < 0.8
+
+
+def test_a_tuning_candidate_is_timed_only_when_it_runs_and_matches_the_reference():
+    import json
+
+    import torch
+
+    from cs336_systems.studies.flash_tuning import time_candidate
+
+    args = ("hopper_tuning", "dkdv", "cand", lambda: None, torch.bfloat16, 128, {"d": 64})
+    row, ms, note = time_candidate(*args, check=lambda: 1e-3)
+    assert note == "" and row["p50"] == ms > 0 and json.loads(row["config_json"])["rel_err"] == 1e-3
+    row, ms, note = time_candidate(*args, check=lambda: 0.5)  # wrong result: a failure row, not a time
+    assert ms == math.inf and "relative error 0.5" in note and math.isnan(row["p50"])
+
+    def broken():
+        raise RuntimeError("out of resources: shared memory")
+
+    row, ms, note = time_candidate("tuning", "fwd", "cand", broken, torch.float32, 128, {})
+    assert ms == math.inf and "shared memory" in row["note"] and "rel_err" not in row["config_json"]

@@ -57,6 +57,45 @@ DQ_CANDIDATES = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 64, 8,
 DQ_CANDIDATES += [(64, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 2), (128, 32, 4, 3)]
 
 
+def time_candidate(
+    name: str,
+    kind: str,
+    label: str,
+    call: Callable[[], object],
+    dtype: torch.dtype,
+    n: int,
+    config: dict[str, Any],
+    check: Callable[[], float] | None = None,
+    max_rel_err: float = 2e-2,
+) -> tuple[dict[str, Any], float, str]:
+    """Run `call` once, check it (`check()` -> relative error against a reference, if given), then time
+    it (do_bench median). Returns (the tidy row, median ms or inf, the failure note or ""): a failing or
+    wrong candidate is a failure row, never a timing."""
+    outcome: dict[str, str] = {}
+    st, err = None, math.nan
+    with capture_failure(outcome):
+        call()
+        if check is not None:
+            err = check()
+            if not err <= max_rel_err:
+                raise AssertionError(f"relative error {err:.3g} > {max_rel_err:g} against the reference")
+        st = bench_all(call, 25, 200)
+    common = dict(
+        problem=LEADERBOARD,
+        name=name,
+        impl=label,
+        mode=kind,
+        dtype=str(dtype).removeprefix("torch."),
+        x_name="seq_len",
+        x_value=n,
+        config=config if check is None else config | {"rel_err": err},
+    )
+    if st is None:
+        note = outcome.get("note", "failed")
+        return failure_row(metric="latency", unit="ms", note=note, **common), math.inf, note
+    return make_row(metric="latency", unit="ms", stats=st, **common), st["p50"], ""
+
+
 def run_tuning(
     heads: int,
     n: int,
@@ -96,31 +135,13 @@ def run_tuning(
 
     results: list[tuple[str, float, Any, str]] = []
 
+    config = {"heads": heads, "seq_len": n, "d": d, "causal": True}
+
     def time_one(kind: str, cand: Any, call: Callable[[], object], tma: bool | None = None) -> None:
-        outcome: dict[str, str] = {}
-        st = None
-        with capture_failure(outcome):
-            call()
-            st = bench_all(call, 25, 200)
         label = repr(cand) + ("" if tma is None else f" [tma={tma}]")
-        common = dict(
-            problem=LEADERBOARD,
-            name="tuning",
-            impl=label,
-            mode=kind,
-            dtype=str(dtype).removeprefix("torch."),
-            x_name="seq_len",
-            x_value=n,
-            config={"heads": heads, "seq_len": n, "d": d, "causal": True},
-        )
-        if st is None:
-            rows.append(
-                failure_row(metric="latency", unit="ms", note=outcome.get("note", "failed"), **common)
-            )
-            results.append((kind, math.inf, (cand, tma), outcome.get("note", "")))
-        else:
-            rows.append(make_row(metric="latency", unit="ms", stats=st, **common))
-            results.append((kind, st["p50"], (cand, tma), ""))
+        row, ms, note = time_candidate("tuning", kind, label, call, dtype, n, config)
+        rows.append(row)
+        results.append((kind, ms, (cand, tma), note))
 
     for cand in fwd_cands:
         with tiles.use_configs(fwd=cand):
@@ -225,34 +246,10 @@ def run_hopper_tuning(
     config = {"heads": heads, "seq_len": n, "d": d, "causal": True, "batch": 1}
 
     def record(kind: str, label: str, call: Callable[[], object], check: Callable[[], float] | None) -> None:
-        outcome: dict[str, str] = {}
-        st, err = None, math.nan
-        with capture_failure(outcome):
-            call()
-            err = check() if check else 0.0
-            if not err <= 2e-2:
-                raise AssertionError(f"relative error {err:.3g} > 2e-2 against the tl kernels")
-            st = bench_all(call, 25, 200)
-        common = dict(
-            problem=LEADERBOARD,
-            name="hopper_tuning",
-            impl=label,
-            mode=kind,
-            dtype=str(dtype).removeprefix("torch."),
-            x_name="seq_len",
-            x_value=n,
-            config=config | {"rel_err": err},
-        )
-        if st is None:
-            rows.append(
-                failure_row(metric="latency", unit="ms", note=outcome.get("note", "failed"), **common)
-            )
-            print(f"{kind:<5} {label:<55} FAILED {outcome.get('note', '')[:120]}")
-        else:
-            rows.append(make_row(metric="latency", unit="ms", stats=st, **common))
-            print(f"{kind:<5} {label:<55} {st['p50']:8.3f} ms  rel err {err:.2e}")
+        row, ms, note = time_candidate("hopper_tuning", kind, label, call, dtype, n, config, check)
+        rows.append(row)
+        print(f"{kind:<5} {label:<55} " + (f"FAILED {note[:120]}" if note else f"{ms:8.3f} ms"))
 
-    q4, k4, v4 = q, k, v
     with tiles.use_configs(options=portable):
         record(
             "fwd",
@@ -272,8 +269,8 @@ def run_hopper_tuning(
             lambda: launch.launch_bwd(tensors, True, bwd_cfg, portable, tma, ("dq",)),
             None,
         )
-    o = torch.empty_like(q4)
-    lse = torch.empty(q4.shape[:-1], device=device)
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device=device)
     for bm, bn, stages, warps in HOPPER_FWD_CANDIDATES.get(d, []):
         cfg = hopper.HopperFwdConfig(bm, bn, stages, warps)
 
@@ -284,7 +281,7 @@ def run_hopper_tuning(
         record(
             "fwd",
             f"gluon {cfg!r}",
-            lambda cfg=cfg: hopper.flash_fwd_hopper(q4, k4, v4, o, lse, True, cfg),
+            lambda cfg=cfg: hopper.flash_fwd_hopper(q, k, v, o, lse, True, cfg),
             fwd_check,
         )
     dk, dv = tensors[5], tensors[6]
