@@ -15,6 +15,7 @@ from einops import rearrange
 
 from cs336_systems.attention import FlashAttentionTriton, attention_reference
 from cs336_systems.attention.flash_triton import BwdConfig, FwdConfig, KernelOptions, launch, use_configs
+from cs336_systems.studies.flash_backward_tuning import one_pass_candidates
 from tests.attention_helpers import check_outputs, make_case, run_impl
 
 pytestmark = pytest.mark.filterwarnings("ignore:tl.make_block_ptr is deprecated")
@@ -70,6 +71,33 @@ TILE_CASES = [
         (1, 2), 97, 70, 32, True, BwdConfig(16, 32, 32, 16, early_dp=True), KernelOptions(), id="early-dp"
     ),
     pytest.param((1, 2), 97, 70, 32, True, SMALL_BWD, KernelOptions(False, False), id="no-skip-no-split"),
+    # dQ accumulated by atomics inside the dK/dV pass ("reduce" falls back to them off the GPU)
+    pytest.param(
+        (2,), 97, 97, 32, True, BwdConfig(16, 32, 32, 16, dq="atomic"), KernelOptions(), id="dq-atomic-3d"
+    ),
+    pytest.param(
+        (1, 2), 97, 50, 48, True, BwdConfig(16, 32, 32, 16, dq="atomic"), KernelOptions(), id="dq-atomic-d48"
+    ),
+    pytest.param(
+        (1, 2),
+        40,
+        97,
+        32,
+        True,
+        BwdConfig(32, 16, 32, 16, dq="atomic"),
+        KernelOptions(),
+        id="dq-atomic-bm1>bn1",
+    ),
+    pytest.param(
+        (1, 2),
+        70,
+        45,
+        32,
+        False,
+        BwdConfig(16, 32, 32, 16, early_dp=True, dq="reduce"),
+        KernelOptions(use_tma=True),
+        id="dq-reduce-fallback-full",
+    ),
     pytest.param((1, 2), 97, 70, 32, True, SMALL_BWD, KernelOptions(True, False), id="skip-no-split"),
 ]
 
@@ -97,6 +125,20 @@ def test_every_output_element_is_written(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Layouts: the model's strided views, the leaderboard's unbind, a non-contiguous last dimension
 # ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dq", ["pass", "atomic"])
+def test_padded_keys_stay_out_of_dq_when_logsumexp_is_very_negative(dq):
+    """Rows whose scores are all about -100 have L < -88, so a padded key (K = 0, score 0) would get
+    P = exp(-L) = inf in float32; the ragged key tile must keep it out of dQ in both dQ modes."""
+    case = make_case((1, 2), 40, 45, 32, torch.float32)
+    with torch.no_grad():
+        case.k.fill_(4.0)
+        case.q[..., :8, :] = -4.5  # scores -101.8 with every key
+    with use_configs(SMALL_FWD, BwdConfig(16, 32, 32, 16, dq=dq)):
+        ours = run_impl(FlashAttentionTriton.apply, case)
+    assert ours["lse"][..., :8].max() < -88
+    check_outputs(ours, case, *FP32[1:])
 
 
 def test_model_layout_is_read_in_place_and_output_keeps_it():
@@ -265,6 +307,40 @@ def test_gpu_backward_tile_candidates(bwd, n, is_causal):
     check_outputs(ours, case, 5e-2, 5e-2, 1e-2)
 
 
+def _one_pass_cases() -> list:
+    cases = []
+    for d in (64, 128):
+        base = launch.heuristic_bwd(4096, 4096, d, torch.bfloat16, interpreter=False)
+        cases += [
+            pytest.param(d, torch.bfloat16, c, id=f"d{d}-{i}-{c.dq}")
+            for i, c in enumerate(one_pass_candidates(d, base))
+        ]
+    cases += [
+        pytest.param(
+            80, torch.bfloat16, BwdConfig(16, 64, 64, 16, 4, 2, 4, 2, dq="reduce"), id="d80-padded-reduce"
+        ),
+        pytest.param(
+            48, torch.float16, BwdConfig(32, 64, 64, 32, 4, 2, 4, 2, dq="atomic"), id="d48-fp16-atomic"
+        ),
+        pytest.param(
+            64, torch.float32, BwdConfig(32, 64, 64, 32, 4, 2, 4, 2, dq="reduce"), id="d64-fp32-reduce"
+        ),
+    ]
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("d", "dtype", "bwd"), _one_pass_cases())
+@pytest.mark.parametrize(("n", "is_causal"), [(1000, True), (1000, False), (4096, True), (333, True)])
+def test_gpu_one_pass_backward_candidates(d, dtype, bwd, n, is_causal):
+    """dQ added from inside the dK/dV pass (TMA reductions or atomics), every tuned candidate."""
+    case = make_case((1, 4), n, n, d, dtype, device="cuda", is_causal=is_causal)
+    with use_configs(bwd=bwd, options=KernelOptions(hopper=False)):
+        ours = run_impl(FlashAttentionTriton.apply, case)
+    tol = {p.values[0]: p.values[1:] for p in GPU_DTYPES}[dtype]
+    check_outputs(ours, case, *tol)
+
+
 @pytest.mark.gpu
 def test_gpu_inductor_compile_leaderboard_style():
     x = torch.randn(3, 4, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -326,6 +402,7 @@ def test_interpreter_still_chosen_after_pytorch_imports_triton(tmp_path):
         (BwdConfig(16, 32, 16, 32), "block_m2 must be a multiple of block_n2"),
         (BwdConfig(16, 32, 32, 16, num_warps1=3), "warps must be powers of two"),
         (BwdConfig(16, 32, 32, 16, maxnreg1=0), "maxnreg1 must be positive"),
+        (BwdConfig(16, 32, 32, 16, dq="atomics"), "dq must be one of"),
     ],
 )
 def test_use_configs_rejects_configurations_the_kernels_cannot_run(cfg, rule):

@@ -23,7 +23,7 @@ Leaderboard (`--leaderboard`, handout section 5.1 of the spec): bf16, causal, on
 `o = flash(q, k, v, True); o.sum().backward()` timed by `do_bench(rep=10000, warmup=1000)`; ours vs
 SDPA flash vs SDPA cuDNN (the SDPA calls see the same tensors as (1, 16, N, 64) views) with ratios,
 plus forward-only/backward-only TFLOP/s and the measured bf16 matmul peak of the same GPU.
-`--variants` and `--tune` time kernel variants and tile candidates at the leaderboard shape (the
+`--variants`, `--tune` (and `--tune-hopper`, `--tune-bwd`) time kernel variants and tile candidates at the leaderboard shape (the
 evidence behind flash_triton/OPTIMIZATION_LOG.md).
 
 Rows: problem "flash_benchmarking" (sweep) and "flash_leaderboard" (everything else).
@@ -42,6 +42,7 @@ from cs336_systems.attention import FlashAttentionTriton
 from cs336_systems.measure import cli
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.studies.attention_impls import LEADERBOARD_IMPLS
+from cs336_systems.studies.flash_backward_tuning import run_backward_tuning
 from cs336_systems.studies.flash_leaderboard import LeaderboardConfig, run_leaderboard, run_variants
 from cs336_systems.studies.flash_sweep import IMPLS, SweepConfig, quick_config, run_sweep
 from cs336_systems.studies.flash_tuning import run_hopper_tuning, run_tuning
@@ -162,6 +163,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="time the Gluon (sm_90) kernels' tile candidates against the tl kernels, each pass alone: "
         "'d:dtype:N,...' e.g. 64:bfloat16:16384 (16 heads, causal)",
     )
+    p.add_argument(
+        "--tune-bwd",
+        type=str,
+        default="",
+        help="time the one-pass backward candidates (dQ by atomics / TMA reductions inside the dK/dV pass) "
+        "against the two-pass heuristic, whole backward: 'd:dtype:N,...' e.g. 64:bfloat16:16384 (16 heads, causal)",
+    )
     p.add_argument("--lb-runs", type=int, default=1, help="how many times to run the leaderboard protocol")
     p.add_argument(
         "--lb-shapes",
@@ -197,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with cli.usage_errors(p):
         tune = [_tune_spec(spec) for spec in args.tune.split(",") if spec]
         tune_hopper = [_tune_spec(spec) for spec in args.tune_hopper.split(",") if spec]
+        tune_bwd = [_tune_spec(spec) for spec in args.tune_bwd.split(",") if spec]
         sweep_cfg = None
         if args.quick:
             sweep_cfg = quick_config(args.device)
@@ -205,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             or args.variants
             or args.tune
             or args.tune_hopper
+            or args.tune_bwd
             or args.once
             or args.host_profile
         ):
@@ -251,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         run_tuning(16, n, d, dtype, device=args.device, small=args.tune_small, results_dir=results_dir)
     for d, dtype, n in tune_hopper:
         run_hopper_tuning(16, n, d, dtype, device=args.device, results_dir=results_dir)
+    for d, dtype, n in tune_bwd:
+        run_backward_tuning(16, n, d, dtype, device=args.device, results_dir=results_dir)
     if args.variants:
         run_variants(LeaderboardConfig(device=args.device), results_dir=results_dir)
     if args.leaderboard:

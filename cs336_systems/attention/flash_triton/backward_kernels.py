@@ -1,8 +1,12 @@
-"""FlashAttention-2 Triton backward kernels: D = rowsum(dO * O) and a two-pass backward (no atomics).
+"""FlashAttention-2 Triton backward kernels: D = rowsum(dO * O), the dK/dV pass and the dQ pass.
 
 Same layout, numerics, masking and memory-access rules as the forward (`kernels.py`, whose tile
-helpers these kernels use). Two passes without atomics: (1) a key-tile program keeps K_j, V_j and
-accumulates dK_j, dV_j over query tiles; (2) a query-tile program keeps Q_i, dO_i and accumulates dQ_i over key tiles.
+helpers these kernels use). (1) A key-tile program keeps K_j, V_j and accumulates dK_j, dV_j over
+query tiles; (2) a query-tile program keeps Q_i, dO_i and accumulates dQ_i over key tiles. Pass 2
+recomputes S and dP (7 products in all instead of 5) but is deterministic. DQ_MODE 1/2 instead
+adds dS K into a float32 dQ buffer from inside pass 1 (one pass, 5 products; the order of the
+float32 additions varies from run to run, so dQ is not bit-reproducible): 1 with red.global atomics
+per element, 2 with TMA bulk reductions (cp.reduce.async.bulk, Hopper) of the whole tile.
 Padded query rows get L = +inf, so P = 0 there without a mask; padded keys have K = V = 0 and are
 masked where they could overflow exp2.
 
@@ -67,6 +71,7 @@ def _dkdv_inner(
     hi,
     offs_n,
     N_QUERIES,
+    N_KEYS,
     qk_scale,
     BLOCK_M: tl.constexpr,
     MASK_CAUSAL: tl.constexpr,
@@ -74,10 +79,14 @@ def _dkdv_inner(
     PAD_D: tl.constexpr,
     USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    EARLY_DP: tl.constexpr = False,
+    EARLY_DP: tl.constexpr,
+    dq_dst,
+    scale,
+    DQ_MODE: tl.constexpr,
 ):
     """Accumulate dK_j, dV_j (Bk, BLOCK_D) f32 over query tiles [lo, hi). Works on transposed scores
-    (keys x queries) so that no tile needs a transpose before the dK/dV matmuls."""
+    (keys x queries) so that no tile needs a transpose before the dK/dV matmuls. DQ_MODE > 0: also
+    add scale * dS_ij K_j into the float32 dQ rows of each step (dq_dst: see `_dq_accumulator`)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         q = load_tile(q_src, start_m, CHECK_ROWS, PAD_D, USE_TMA)  # (Bq, BLOCK_D)
@@ -100,8 +109,44 @@ def _dkdv_inner(
         if not EARLY_DP:
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (Bk, Bq)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=DOT_PRECISION)
+        if DQ_MODE != 0:  # padded keys (K = 0) may have P = exp2(-L) = inf; keep it out of dQ
+            ds_t = tl.where(offs_n[:, None] < N_KEYS, ds_t, 0.0)
+        ds_t = ds_t.to(q.dtype)
+        dk = tl.dot(ds_t, q, acc=dk, input_precision=DOT_PRECISION)
+        if DQ_MODE != 0:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale  # (Bq, BLOCK_D)
+            _add_dq(dq_dst, dq, start_m, offs_m, N_QUERIES, CHECK_ROWS, DQ_MODE)
     return dk, dv
+
+
+@triton.jit
+def _dq_accumulator(
+    DQ_ptr, off_bh, N_QUERIES, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DQ_MODE: tl.constexpr
+):
+    """Head off_bh's rows of the float32 dQ buffer (B*H, N_QUERIES, BLOCK_D), contiguous: a TMA
+    descriptor of BLOCK_M-row tiles (DQ_MODE 2) or the base pointer (otherwise)."""
+    base = DQ_ptr + off_bh.to(tl.int64) * N_QUERIES * BLOCK_D
+    if DQ_MODE == 2:
+        dst = tl.make_tensor_descriptor(
+            base, shape=[N_QUERIES, BLOCK_D], strides=[BLOCK_D, 1], block_shape=[BLOCK_M, BLOCK_D]
+        )
+    else:
+        dst = base
+    return dst
+
+
+@triton.jit
+def _add_dq(dst, dq, start_m, offs_m, N_QUERIES, CHECK_ROWS: tl.constexpr, DQ_MODE: tl.constexpr):
+    """dQ[start_m : start_m + BLOCK_M] += dq (float32); rows past N_QUERIES are dropped."""
+    if DQ_MODE == 2:
+        dst.atomic_add([start_m, 0], dq)  # TMA clips rows past the end itself
+    else:
+        BLOCK_D: tl.constexpr = dq.shape[1]
+        ptrs = dst + offs_m[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+        if CHECK_ROWS:
+            tl.atomic_add(ptrs, dq, mask=(offs_m < N_QUERIES)[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, dq, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
@@ -114,6 +159,7 @@ def flash_bwd_dkdv_kernel(
     DV_ptr,
     L_ptr,
     Delta_ptr,
+    DQ_ptr,
     q_strides,
     k_strides,
     v_strides,
@@ -134,10 +180,12 @@ def flash_bwd_dkdv_kernel(
     USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_DP: tl.constexpr,
+    DQ_MODE: tl.constexpr,
 ):
     """dK, dV for one key tile (BLOCK_N rows) of one (b, h). Grid: (B*H, cdiv(N_KEYS, BLOCK_N)).
     BLOCK_M (queries per step) may be smaller or larger than BLOCK_N. Causal: key tile 0 has the
-    most work and is dispatched first."""
+    most work and is dispatched first. DQ_MODE 1/2: also accumulate dQ into DQ_ptr (float32,
+    (B*H, N_QUERIES, BLOCK_D), zeroed by the caller); 0: DQ_ptr is not read."""
     PAD_D: tl.constexpr = BLOCK_D != D
     off_bh = tl.program_id(0)
     off_b = (off_bh // NUM_HEADS).to(tl.int64)
@@ -155,6 +203,7 @@ def flash_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dq_dst = _dq_accumulator(DQ_ptr, off_bh, N_QUERIES, BLOCK_M, BLOCK_D, DQ_MODE)
 
     # Query ranges: causal diagonal tiles [start_n, start_n + DIAG) masked, in steps of Bq (one step
     # when Bq >= Bk); then full tiles unmasked; then the ragged tail (bounds only: padded rows have
@@ -178,6 +227,7 @@ def flash_bwd_dkdv_kernel(
                 diag_hi,
                 offs_n,
                 N_QUERIES,
+                N_KEYS,
                 qk_scale,
                 BLOCK_M,
                 True,
@@ -186,6 +236,9 @@ def flash_bwd_dkdv_kernel(
                 USE_TMA,
                 DOT_PRECISION,
                 EARLY_DP,
+                dq_dst,
+                scale,
+                DQ_MODE,
             )
             lo = start_n + DIAG
         else:
@@ -205,6 +258,7 @@ def flash_bwd_dkdv_kernel(
                 N_QUERIES,
                 offs_n,
                 N_QUERIES,
+                N_KEYS,
                 qk_scale,
                 BLOCK_M,
                 True,
@@ -213,6 +267,9 @@ def flash_bwd_dkdv_kernel(
                 USE_TMA,
                 DOT_PRECISION,
                 EARLY_DP,
+                dq_dst,
+                scale,
+                DQ_MODE,
             )
             lo = N_QUERIES
     full_hi = lo + (tl.maximum(N_QUERIES - lo, 0) // BLOCK_M) * BLOCK_M  # whole tiles from lo
@@ -229,6 +286,7 @@ def flash_bwd_dkdv_kernel(
         full_hi,
         offs_n,
         N_QUERIES,
+        N_KEYS,
         qk_scale,
         BLOCK_M,
         False,
@@ -237,6 +295,9 @@ def flash_bwd_dkdv_kernel(
         USE_TMA,
         DOT_PRECISION,
         EARLY_DP,
+        dq_dst,
+        scale,
+        DQ_MODE,
     )
     dk, dv = _dkdv_inner(
         dk,
@@ -251,6 +312,7 @@ def flash_bwd_dkdv_kernel(
         N_QUERIES,
         offs_n,
         N_QUERIES,
+        N_KEYS,
         qk_scale,
         BLOCK_M,
         False,
@@ -259,6 +321,9 @@ def flash_bwd_dkdv_kernel(
         USE_TMA,
         DOT_PRECISION,
         EARLY_DP,
+        dq_dst,
+        scale,
+        DQ_MODE,
     )
 
     dk = dk * scale

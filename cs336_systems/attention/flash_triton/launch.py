@@ -228,7 +228,9 @@ def launch_bwd(
     passes: tuple[str, ...] = ("dkdv", "dq"),
 ) -> None:
     """Launch the backward passes (both, or one of them alone for `flash_bench --tune`) on the
-    operands `prepare_backward` returns; tma: the memory path (see `use_tma`)."""
+    operands `prepare_backward` returns; tma: the memory path (see `use_tma`). With cfg.dq
+    "atomic"/"reduce", the "dkdv" pass also computes dQ (into a zeroed float32 buffer, then cast
+    into dq) and the "dq" pass runs only if "dkdv" is not among the passes."""
     q4, k4, v4, do4, dq4, dk4, dv4, lse, delta = tensors
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
@@ -236,15 +238,26 @@ def launch_bwd(
     ins = (q4, k4, v4, do4)
     in_strides = tuple(strides3(t) for t in ins)
     sizes = (heads, n_q, n_k, 1.0 / math.sqrt(d))  # NUM_HEADS, N_QUERIES, N_KEYS, scale
+    dq_mode = tiles.DQ_MODES[cfg.dq] if "dkdv" in passes else 0
+    if dq_mode == 2 and (not tma or interpreting()):
+        dq_mode = 1  # TMA reductions need the TMA path on a GPU (the interpreter has none)
     if "dkdv" in passes:
         grid = (batch * heads, triton.cdiv(n_k, cfg.block_n1))
         cap = {"maxnreg": cfg.maxnreg1} if cfg.maxnreg1 and not interpreting() else {}
         kw = _pass_kwargs(common, tma, cfg.block_m1, cfg.block_n1, cfg.num_warps1, cfg.num_stages1)
-        kw |= {"EARLY_DP": cfg.early_dp} | cap
-        backward_kernels.flash_bwd_dkdv_kernel[grid](
-            *ins, dk4, dv4, lse, delta, *in_strides, strides3(dk4), strides3(dv4), *sizes, **kw
+        kw |= {"EARLY_DP": cfg.early_dp, "DQ_MODE": dq_mode} | cap
+        block_d = common["BLOCK_D"]
+        dq_acc = (
+            torch.zeros((batch * heads, n_q, block_d), dtype=torch.float32, device=q4.device)
+            if dq_mode
+            else lse
         )
-    if "dq" in passes:
+        backward_kernels.flash_bwd_dkdv_kernel[grid](
+            *ins, dk4, dv4, lse, delta, dq_acc, *in_strides, strides3(dk4), strides3(dv4), *sizes, **kw
+        )
+        if dq_mode:
+            dq4.copy_(dq_acc.view(batch, heads, n_q, block_d)[..., :d])
+    if "dq" in passes and not dq_mode:
         grid = (batch * heads, triton.cdiv(n_q, cfg.block_m2))
         kw = _pass_kwargs(common, tma, cfg.block_m2, cfg.block_n2, cfg.num_warps2, cfg.num_stages2)
         backward_kernels.flash_bwd_dq_kernel[grid](

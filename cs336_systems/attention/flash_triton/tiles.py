@@ -26,6 +26,7 @@ import torch
 import triton
 
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+DQ_MODES = {"pass": 0, "atomic": 1, "reduce": 2}  # BwdConfig.dq -> the dK/dV kernel's DQ_MODE
 
 # Read once: the kernels were defined (interpreted or compiled) when the package imported them.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
@@ -53,7 +54,12 @@ class BwdConfig:
     (block_m2 % block_n2 == 0). early_dp: in the dK/dV pass compute dP = V dO^T before the softmax
     recomputation, so the dV product is still in flight on the tensor cores while dS is computed
     (one extra live tile). maxnreg1: cap on registers per thread of the dK/dV kernel (None: the
-    compiler's choice), e.g. 168 keeps three 4-warp CTAs per SM (65536 registers) with early_dp."""
+    compiler's choice), e.g. 168 keeps three 4-warp CTAs per SM (65536 registers) with early_dp.
+    dq: how dQ is computed. "pass": by pass 2 (deterministic; recomputes S and dP). "atomic" /
+    "reduce": inside pass 1, adding each step's dS K into a float32 buffer with per-element atomics
+    / TMA bulk reductions ("reduce" needs TMA on a GPU and falls back to "atomic" elsewhere); pass 2 and
+    its two recomputed products are skipped, but the float32 sums' order, hence dQ's last bits,
+    varies between runs (block_m2, block_n2, num_warps2, num_stages2 are then unused)."""
 
     block_m1: int
     block_n1: int
@@ -65,6 +71,7 @@ class BwdConfig:
     num_stages2: int = 3
     early_dp: bool = False
     maxnreg1: int | None = None
+    dq: str = "pass"
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,8 @@ def check_config(cfg: FwdConfig | BwdConfig) -> None:
         warps, stages = [cfg.num_warps1, cfg.num_warps2], [cfg.num_stages1, cfg.num_stages2]
         if cfg.maxnreg1 is not None and cfg.maxnreg1 < 1:
             raise ValueError(f"{cfg}: maxnreg1 must be positive or None")
+        if cfg.dq not in DQ_MODES:
+            raise ValueError(f"{cfg}: dq must be one of {sorted(DQ_MODES)}, got {cfg.dq!r}")
     else:
         raise ValueError(f"expected a FwdConfig or BwdConfig, got {type(cfg).__name__}")
     for name, value in blocks.items():
