@@ -1,4 +1,4 @@
-"""FlashAttention-2 in Triton: kernels.py and backward_kernels.py (@triton.jit only), tiles.py (tile
+"""FlashAttention-2 in Triton: kernels.py, backward_kernels.py, backward_dq_kernels.py (@triton.jit only), tiles.py (tile
 configurations: the table, pinning, autotuning, the cache) -> launch.py (validate, pick, allocate,
 launch) -> function.py (the autograd.Function and its custom ops).
 

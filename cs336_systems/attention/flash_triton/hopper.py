@@ -20,6 +20,7 @@ import torch
 import triton
 from torch import Tensor
 
+from cs336_systems.attention.flash_triton import plans
 from cs336_systems.attention.flash_triton.tiles import interpreting
 
 try:  # Gluon's Hopper API as of Triton 3.6; absent or different elsewhere
@@ -131,7 +132,9 @@ def flash_fwd_hopper(
     cfg = cfg or heuristic_fwd(d)
     _set_allocator(q4.device)
     grid = (batch * heads, triton.cdiv(n_q, cfg.block_m))
-    hopper_kernels.flash_fwd_hopper_kernel[grid](
+    plans.launch(
+        hopper_kernels.flash_fwd_hopper_kernel,
+        grid,
         q4,
         k4,
         v4,
@@ -185,7 +188,9 @@ def flash_dkdv_hopper(tensors, is_causal: bool, cfg: HopperBwdConfig | None = No
     cfg = cfg or heuristic_bwd(d)
     _set_allocator(q4.device)
     grid = (batch * heads, triton.cdiv(n_k, cfg.block_n))
-    hopper_backward_kernels.flash_bwd_dkdv_hopper_kernel[grid](
+    plans.launch(
+        hopper_backward_kernels.flash_bwd_dkdv_hopper_kernel,
+        grid,
         q4,
         k4,
         v4,

@@ -1,7 +1,7 @@
 """FlashAttention-2 Triton kernels: the tile load/store helpers and the forward kernel.
 
 Papers: FlashAttention-2, Dao 2023 (https://arxiv.org/abs/2307.08691), Algorithms 1 and 2 of the
-CS336 handout. Only @triton.jit code lives here and in `backward_kernels.py`; `launch.py` checks inputs, allocates and launches.
+CS336 handout. Only @triton.jit code lives here and in `backward_kernels.py` / `backward_dq_kernels.py`; `launch.py` checks inputs, allocates and launches.
 
 Layout. Every tensor is viewed as (B, H, N, d) with arbitrary strides for B, H, N and a contiguous
 last dimension (the launcher guarantees it). One program handles one tile of rows of one (b, h):
@@ -24,7 +24,7 @@ Memory access. USE_TMA=True builds device-side tensor descriptors (Hopper TMA; z
 out-of-bounds rows/columns by the hardware); otherwise block pointers with boundary checks. Head
 dims that are not a power of two are padded to BLOCK_D with zeros (they add nothing to Q K^T).
 
-The backward kernels live in `backward_kernels.py` (same layout, numerics and masking rules).
+The backward kernels live in `backward_kernels.py` and `backward_dq_kernels.py` (same layout, numerics and masking rules).
 
 Arguments. Each tensor's (batch, head, row) strides travel as one tuple (`*_strides`); the launcher
 builds them with `launch.strides3`. PAD_D (BLOCK_D != D) is derived in the kernels.

@@ -22,7 +22,14 @@ import torch
 import triton
 from torch import Tensor
 
-from cs336_systems.attention.flash_triton import backward_kernels, hopper, kernels, tiles
+from cs336_systems.attention.flash_triton import (
+    backward_dq_kernels,
+    backward_kernels,
+    hopper,
+    kernels,
+    plans,
+    tiles,
+)
 from cs336_systems.attention.flash_triton.tiles import (
     BwdConfig,
     FwdConfig,
@@ -162,7 +169,9 @@ def _can_tune(q: Tensor) -> bool:
 def _fwd_launch(q4, k4, v4, o4, lse, is_causal, cfg: FwdConfig, opts: KernelOptions, tma: bool) -> None:
     batch, heads, n_q, d = q4.shape
     grid = (batch * heads, triton.cdiv(n_q, cfg.block_m))
-    kernels.flash_fwd_kernel[grid](
+    plans.launch(
+        kernels.flash_fwd_kernel,
+        grid,
         q4,
         k4,
         v4,
@@ -186,32 +195,70 @@ def _fwd_launch(q4, k4, v4, o4, lse, is_causal, cfg: FwdConfig, opts: KernelOpti
     )
 
 
-def flash_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> tuple[Tensor, Tensor]:
-    """Forward. q: (..., N_q, d), k, v: (..., N_k, d) -> o shaped like q, lse (..., N_q) float32 (natural log)."""
-    check_inputs(q, k, v)
+_FWD_PLANS = plans.PlanCache()
+_BWD_PLANS = plans.PlanCache()
+
+
+def _fwd_operands(q: Tensor, k: Tensor, v: Tensor) -> dict[str, Tensor]:
+    """The forward kernels' tensors by role: q, k, v (last dim made contiguous), o and lse (new)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    o = output_like(q)
-    q4, k4, v4, o4 = (_as_4d(t) for t in (q, k, v, o))
-    batch, heads, n_q, d = q4.shape
+    return {"q": q, "k": k, "v": v, "o": output_like(q), "lse": _empty_f32(q.shape[:-1], q.device)}
+
+
+def _plan_key(kind: str, is_causal: bool, *tensors: Tensor) -> tuple:
+    return (kind, bool(is_causal), tiles.dot_precision(tensors[0].dtype), tiles.plan_state(),
+            *(plans.tensor_signature(t) for t in tensors))  # fmt: skip
+
+
+def _run_planned(cache: plans.PlanCache, key: tuple, full, operands: dict[str, Tensor], *args):
+    """Replay the plan of `key` on `operands`, or run full(operands, *args) while recording one."""
+    plan = cache.get(key)
+    if plan is not None:
+        plan.run(operands)
+        return
+    state = tiles.plan_state()
+    with plans.recording() as rec:
+        full(operands, *args)
+    if tiles.plan_state() == state:  # autotuning / a shrunk configuration changed the tile cache
+        cache.keep(key, rec, operands["q"].device)
+
+
+def flash_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> tuple[Tensor, Tensor]:
+    """Forward. q: (..., N_q, d), k, v: (..., N_k, d) -> o shaped like q, lse (..., N_q) float32 (natural log).
+
+    The first call of each input signature checks the inputs, chooses kernels and tiles and records
+    the launches; later ones replay them (`plans.py`)."""
+    if not all(isinstance(t, Tensor) for t in (q, k, v)):
+        check_inputs(q, k, v)  # raises the ValueError naming the problem
+    key = _plan_key("fwd", is_causal, q, k, v)
+    if _FWD_PLANS.get(key) is None:
+        check_inputs(q, k, v)
+    ops = _fwd_operands(q, k, v)
+    _run_planned(_FWD_PLANS, key, _flash_fwd_full, ops, is_causal)
+    return ops["o"], ops["lse"]
+
+
+def _flash_fwd_full(ops: dict[str, Tensor], is_causal: bool) -> None:
+    q4, k4, v4, o4 = (plans.role(name, _as_4d(ops[name])) for name in ("q", "k", "v", "o"))
+    lse = plans.role("lse", ops["lse"])
+    n_q, d = q4.shape[2:]
     n_k = k4.shape[2]
-    lse = _empty_f32((batch, heads, n_q), q.device)
     opts = tiles.pinned_options()
     if hopper.use_hopper(opts.hopper, q4, k4, v4, o4):
         hopper.flash_fwd_hopper(q4, k4, v4, o4, lse, is_causal)
-        return o, lse.view(q.shape[:-1])
-    tma = use_tma(opts, q.device, q4, k4, v4, o4)
+        return
+    tma = use_tma(opts, q4.device, q4, k4, v4, o4)
     if tma:
-        _set_tma_allocator(q.device)
+        _set_tma_allocator(q4.device)
     tiles.choose_and_run(
         "fwd",
-        tuning_key(n_q, n_k, d, q.dtype, is_causal),
+        tuning_key(n_q, n_k, d, q4.dtype, is_causal),
         lambda c: _fwd_launch(q4, k4, v4, o4, lse, is_causal, c, opts, tma),
-        heuristic=lambda: heuristic_fwd(n_q, n_k, tiles.block_d(d), q.dtype),
-        candidates=lambda: fwd_candidates(tiles.block_d(d), q.dtype),
+        heuristic=lambda: heuristic_fwd(n_q, n_k, tiles.block_d(d), q4.dtype),
+        candidates=lambda: fwd_candidates(tiles.block_d(d), q4.dtype),
         shrink=tiles.shrink_fwd,
-        can_tune=_can_tune(q),
+        can_tune=_can_tune(q4),
     )
-    return o, lse.view(q.shape[:-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,16 +299,28 @@ def launch_bwd(
             if dq_mode
             else lse
         )
-        backward_kernels.flash_bwd_dkdv_kernel[grid](
-            *ins, dk4, dv4, lse, delta, dq_acc, *in_strides, strides3(dk4), strides3(dv4), *sizes, **kw
-        )
+        plans.launch(
+            backward_kernels.flash_bwd_dkdv_kernel,
+            grid,
+            *ins, dk4, dv4, lse, delta, dq_acc, *in_strides, strides3(dk4), strides3(dv4), *sizes, **kw,
+        )  # fmt: skip
         if dq_mode:
+            plans.fail("the one-pass dQ's buffer and copy are not kernel launches")
             dq4.copy_(dq_acc.view(batch, heads, n_q, block_d)[..., :d])
     if "dq" in passes and not dq_mode:
         grid = (batch * heads, triton.cdiv(n_q, cfg.block_m2))
         kw = _pass_kwargs(common, tma, cfg.block_m2, cfg.block_n2, cfg.num_warps2, cfg.num_stages2)
-        backward_kernels.flash_bwd_dq_kernel[grid](
-            *ins, dq4, lse, delta, *in_strides, strides3(dq4), *sizes, **kw
+        plans.launch(
+            backward_dq_kernels.flash_bwd_dq_kernel,
+            grid,
+            *ins,
+            dq4,
+            lse,
+            delta,
+            *in_strides,
+            strides3(dq4),
+            *sizes,
+            **kw,
         )
 
 
@@ -274,6 +333,50 @@ def _pass_kwargs(
     )
 
 
+def _bwd_operands(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor) -> dict[str, Tensor]:
+    """The backward kernels' tensors by role: the inputs (last dims made contiguous, do in q's dtype,
+    lse float32 contiguous) and new dq, dk, dv and delta."""
+    q, k, v, o, do = (_last_dim_contiguous(t) for t in (q, k, v, o, do))
+    return {
+        "q": q, "k": k, "v": v, "o": o, "do": do.to(q.dtype), "lse": lse.contiguous().float(),
+        "dq": output_like(q), "dk": output_like(k), "dv": output_like(v),
+        "delta": _empty_f32(q.shape[:-1], q.device),
+    }  # fmt: skip
+
+
+def _check_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor) -> None:
+    check_inputs(q, k, v)
+    for name, t in (("do", do), ("o", o), ("lse", lse)):
+        if not isinstance(t, Tensor):
+            raise ValueError(
+                f"FlashAttentionTriton backward: {name} must be a torch.Tensor, got {type(t).__name__}"
+            )
+    if do.shape != q.shape or o.shape != q.shape or lse.shape != q.shape[:-1]:
+        raise ValueError(
+            f"FlashAttentionTriton backward: do {tuple(do.shape)}, o {tuple(o.shape)} must match q "
+            f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be {tuple(q.shape[:-1])}"
+        )
+
+
+def _prepare(ops: dict[str, Tensor]) -> tuple[Tensor, ...]:
+    """Run the Delta = rowsum(dO * O) kernel; return the 4-D kernel operands (q, k, v, do, dq, dk,
+    dv, lse, delta) of `launch_bwd`, each named for the active plan recording."""
+    t4 = {name: plans.role(name, _as_4d(t) if t.ndim == ops["q"].ndim else t) for name, t in ops.items()}
+    q4, o4, do4 = t4["q"], t4["o"], t4["do"]
+    batch, heads, n_q, d = q4.shape
+    block_d = tiles.block_d(d)
+    pre_m = 64 if block_d <= 128 else 32
+    plans.launch(
+        backward_kernels.flash_bwd_preprocess_kernel,
+        (batch * heads, triton.cdiv(n_q, pre_m)),
+        o4, do4, t4["delta"], strides3(o4), strides3(do4), heads, n_q, D=d, BLOCK_D=block_d, BLOCK_M=pre_m,
+    )  # fmt: skip
+    tensors = tuple(t4[name] for name in ("q", "k", "v", "do", "dq", "dk", "dv", "lse", "delta"))
+    if _tma_possible(q4.device, *tensors[:7]):
+        _set_tma_allocator(q4.device)  # for launch_bwd, here or in flash_bench's tuning
+    return tensors
+
+
 def prepare_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor, Tensor]]:
@@ -282,27 +385,9 @@ def prepare_backward(
     Returns (the 4-D kernel operands q, k, v, do, dq, dk, dv, lse, delta) and (dq, dk, dv) shaped
     like q, k, v.
     """
-    check_inputs(q, k, v)
-    if do.shape != q.shape or o.shape != q.shape or lse.shape != q.shape[:-1]:
-        raise ValueError(
-            f"FlashAttentionTriton backward: do {tuple(do.shape)}, o {tuple(o.shape)} must match q "
-            f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be {tuple(q.shape[:-1])}"
-        )
-    q, k, v, o, do = (_last_dim_contiguous(t) for t in (q, k, v, o, do))
-    do = do.to(q.dtype)
-    dq, dk, dv = output_like(q), output_like(k), output_like(v)
-    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_4d(t) for t in (q, k, v, o, do, dq, dk, dv))
-    batch, heads, n_q, d = q4.shape
-    block_d = tiles.block_d(d)
-    lse = lse.contiguous().float()
-    delta = _empty_f32((batch * heads, n_q), q.device)
-    pre_m = 64 if block_d <= 128 else 32
-    backward_kernels.flash_bwd_preprocess_kernel[(batch * heads, triton.cdiv(n_q, pre_m))](
-        o4, do4, delta, strides3(o4), strides3(do4), heads, n_q, D=d, BLOCK_D=block_d, BLOCK_M=pre_m
-    )
-    if _tma_possible(q.device, q4, k4, v4, do4, dq4, dk4, dv4):
-        _set_tma_allocator(q.device)  # for launch_bwd, here or in flash_bench's tuning
-    return (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta), (dq, dk, dv)
+    _check_backward(do, q, k, v, o, lse)
+    ops = _bwd_operands(do, q, k, v, o, lse)
+    return _prepare(ops), (ops["dq"], ops["dk"], ops["dv"])
 
 
 def flash_bwd(
@@ -310,14 +395,26 @@ def flash_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward. do, q, o: (..., N_q, d); k, v: (..., N_k, d); lse: (..., N_q) from flash_fwd.
 
-    Returns dq, dk, dv shaped like q, k, v (same layouts when those are dense).
+    Returns dq, dk, dv shaped like q, k, v (same layouts when those are dense). Launches are
+    planned per input signature like flash_fwd's.
     """
-    tensors, grads = prepare_backward(do, q, k, v, o, lse)
+    if not all(isinstance(t, Tensor) for t in (do, q, k, v, o, lse)):
+        _check_backward(do, q, k, v, o, lse)
+    key = _plan_key("bwd", is_causal, q, k, v, o, do, lse)
+    if _BWD_PLANS.get(key) is None:
+        _check_backward(do, q, k, v, o, lse)
+    ops = _bwd_operands(do, q, k, v, o, lse)
+    _run_planned(_BWD_PLANS, key, _flash_bwd_full, ops, is_causal)
+    return ops["dq"], ops["dk"], ops["dv"]
+
+
+def _flash_bwd_full(ops: dict[str, Tensor], is_causal: bool) -> None:
+    tensors = _prepare(ops)
     q4, k4 = tensors[0], tensors[1]
     _, _, n_q, d = q4.shape
     n_k = k4.shape[2]
     opts = tiles.pinned_options()
-    tma = use_tma(opts, q.device, *tensors[:7])
+    tma = use_tma(opts, q4.device, *tensors[:7])
     if hopper.use_hopper(opts.hopper, *tensors[:7]):
         # dK/dV by the Gluon kernel, dQ by the tl kernel (deterministic, no atomics).
         hopper.flash_dkdv_hopper(tensors, is_causal)
@@ -326,11 +423,10 @@ def flash_bwd(
         passes = ("dkdv", "dq")
     tiles.choose_and_run(
         "bwd",
-        tuning_key(n_q, n_k, d, q.dtype, is_causal),
+        tuning_key(n_q, n_k, d, q4.dtype, is_causal),
         lambda c: launch_bwd(tensors, is_causal, c, opts, tma, passes),
-        heuristic=lambda: heuristic_bwd(n_q, n_k, tiles.block_d(d), q.dtype),
-        candidates=lambda: bwd_candidates(tiles.block_d(d), q.dtype),
+        heuristic=lambda: heuristic_bwd(n_q, n_k, tiles.block_d(d), q4.dtype),
+        candidates=lambda: bwd_candidates(tiles.block_d(d), q4.dtype),
         shrink=tiles.shrink_bwd,
-        can_tune=_can_tune(q),
+        can_tune=_can_tune(q4),
     )
-    return grads

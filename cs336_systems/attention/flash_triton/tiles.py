@@ -134,6 +134,13 @@ def check_options(options: KernelOptions) -> None:
 _pinned: dict[str, object] = {}
 _tuned: dict[tuple, object] = {}
 _autotune = {"on": os.environ.get("CS336_FLASH_AUTOTUNE", "0") not in ("0", "")}
+_tuned_version = [0]  # bumped by every write to _tuned
+
+
+def plan_state() -> tuple:
+    """What the choice of kernels and tiles depends on besides the inputs: the pinned configurations
+    and options, the tuned cache's version and the autotune switch (a launch plan's key, `plans.py`)."""
+    return tuple(sorted(_pinned.items())), _tuned_version[0], _autotune["on"]
 
 
 @contextlib.contextmanager
@@ -189,6 +196,7 @@ def remember(kind: str, key: tuple, cfg: FwdConfig | BwdConfig) -> None:
     """Cache cfg as the configuration of `kind` ("fwd"/"bwd") for a tuning key (the only writer)."""
     check_config(cfg)
     _tuned[(kind, *key)] = cfg
+    _tuned_version[0] += 1
 
 
 def cached(kind: str, key: tuple) -> FwdConfig | BwdConfig | None:

@@ -1,0 +1,189 @@
+"""Launch plans: a launcher's kernel launches for one input signature, recorded once and replayed.
+
+At small N the launchers' host time, not the GPU, sets the time of a forward + backward
+(OPTIMIZATION_LOG.md, "Host overhead"): input checks, the Hopper/TMA/tile choices, and Triton's
+JIT dispatch (binding and specialising every argument, the cache lookup) cost ~0.5-1 ms per step.
+A plan keeps what that work produced. The first call with a given `signature` runs the full
+launcher while a `Recorder` notes each launch (`launch(fn, grid, *args, **kwargs)`): the compiled
+kernel Triton returned, its grid and its arguments, each tensor argument replaced by its role
+("q", "o", "delta", ...). Later calls with the same signature allocate the outputs and call each
+compiled kernel's launcher directly (`CompiledKernel.run`, what Triton's JIT calls after its own
+dispatch), with the new tensors in their roles. Under the interpreter a replay calls `fn[grid]`
+again with the substituted arguments, so the CPU tests exercise the same recording and substitution.
+
+Safety. The signature holds what the launchers and Triton's specialisation depend on: each
+tensor's shape, strides, dtype, device and 16-byte alignment, the flags, the pinned configurations
+and the tile cache's version (`tiles.state_version`) and, for float32, the matmul precision. A
+recording is dropped (the call still completes on the full path) when a launch has a tensor with
+no role, when the launcher says so (`Recorder.fail`: autotuning, a retry after an out-of-resources
+error, the one-pass dQ's extra copy), so those calls always take the full path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import triton
+from torch import Tensor
+from triton.runtime import driver
+
+from cs336_systems.attention.flash_triton.tiles import interpreting
+
+MAX_PLANS = 256  # signatures kept per kind before the cache is cleared
+
+
+def tensor_signature(t: Tensor) -> tuple:
+    """What a plan may depend on in one tensor: shape, strides, dtype, device, 16-byte alignment."""
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+@dataclass
+class _Launch:
+    fn: Any  # the @triton.jit (or Gluon) function
+    grid: tuple[int, ...]
+    args: tuple  # tensors replaced by _Role
+    kwargs: dict
+    compiled: Any  # the CompiledKernel (None under the interpreter)
+
+
+@dataclass(frozen=True)
+class _Role:
+    name: str
+
+
+@dataclass
+class Recorder:
+    """Notes the launches of one launcher call. `role(name, t)` names a tensor the launches may take."""
+
+    roles: dict[int, str] = field(default_factory=dict)
+    launches: list[_Launch] = field(default_factory=list)
+    failed: str = ""
+
+    def role(self, name: str, t: Tensor) -> Tensor:
+        if self.roles.get(id(t), name) != name:  # one tensor passed in two roles (say q is k)
+            self.fail(f"one tensor is both {self.roles[id(t)]!r} and {name!r}")
+        self.roles[id(t)] = name
+        return t
+
+    def fail(self, reason: str) -> None:
+        self.failed = self.failed or reason
+
+    def note(self, fn: Any, grid: tuple, args: tuple, kwargs: dict, compiled: Any) -> None:
+        sub = lambda x: _Role(self.roles[id(x)]) if isinstance(x, Tensor) else x
+        try:
+            self.launches.append(
+                _Launch(fn, grid, tuple(map(sub, args)), {k: sub(v) for k, v in kwargs.items()}, compiled)
+            )
+        except KeyError:
+            self.fail(f"{getattr(fn, '__name__', fn)} takes a tensor with no role")
+
+
+_local = threading.local()  # the active recorder of this thread (backward runs on autograd's thread)
+
+
+def launch(fn: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+    """`fn[grid](*args, **kwargs)`, noted by this thread's active recorder (if any)."""
+    compiled = fn[grid](*args, **kwargs)
+    rec = getattr(_local, "recorder", None)
+    if rec is not None:
+        rec.note(fn, grid, args, kwargs, None if interpreting() else compiled)
+    return compiled
+
+
+def fail(reason: str) -> None:
+    """Drop the active recording (if any): this call's launches cannot be replayed."""
+    rec = getattr(_local, "recorder", None)
+    if rec is not None:
+        rec.fail(reason)
+
+
+def role(name: str, t: Tensor) -> Tensor:
+    """Name t for the active recording (if any); returns t."""
+    rec = getattr(_local, "recorder", None)
+    return rec.role(name, t) if rec is not None else t
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recorder]:
+    rec = Recorder()
+    outer = getattr(_local, "recorder", None)
+    _local.recorder = rec
+    try:
+        yield rec
+    finally:
+        _local.recorder = outer
+
+
+class Plan:
+    """The recorded launches of one signature; `run(tensors)` replays them with tensors by role."""
+
+    def __init__(self, launches: list[_Launch], device: Any = None):
+        self.launches = launches
+        self._bound = [self._bind(x) for x in launches]
+        scratch = any(getattr(x.compiled.metadata, "global_scratch_size", 0) for x in launches if x.compiled)
+        self._allocator = _scratch_allocator(device) if scratch else None
+
+    @staticmethod
+    def _bind(x: _Launch) -> tuple | None:
+        """The launch's arguments in the kernel's parameter order (what Triton's JIT passes to
+        CompiledKernel.run), or None under the interpreter."""
+        if x.compiled is None:
+            return None
+        names = x.fn.arg_names
+        values = list(x.args)
+        for i in range(len(values), len(names)):
+            p = x.fn.params[i]
+            values.append(x.kwargs.get(names[i], p.default))
+        grid = tuple(x.grid) + (1,) * (3 - len(x.grid))
+        return grid, tuple(values)
+
+    def run(self, tensors: dict[str, Tensor]) -> None:
+        sub = lambda v: tensors[v.name] if isinstance(v, _Role) else v
+        if self._allocator is not None:  # device-side TMA descriptors live in global scratch
+            triton.set_allocator(self._allocator)
+        hooks = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+        quiet = all(not getattr(h, "calls", True) for h in hooks)  # no profiler hooks installed
+        stream = None
+        for x, bound in zip(self.launches, self._bound):
+            if bound is None or not quiet:  # the interpreter, or hooks that want Triton's own path
+                x.fn[x.grid](*map(sub, x.args), **{k: sub(v) for k, v in x.kwargs.items()})
+                continue
+            if stream is None:
+                stream = driver.active.get_current_stream(driver.active.get_current_device())
+            (gx, gy, gz), values = bound
+            k = x.compiled
+            k.run(gx, gy, gz, stream, k.function, k.packed_metadata, None, None, None, *map(sub, values))
+
+
+def _scratch_allocator(device: Any):
+    import torch
+
+    return lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device)
+
+
+class PlanCache:
+    """Plans by signature (one cache per launcher)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, Plan] = {}
+
+    def get(self, key: tuple) -> Plan | None:
+        return self._plans.get(key)
+
+    def keep(self, key: tuple, rec: Recorder, device: Any) -> None:
+        """Keep the recording as the plan of `key` unless it failed (or launched nothing)."""
+        if rec.failed or not rec.launches:
+            return
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = Plan(rec.launches, device)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)

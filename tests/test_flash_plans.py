@@ -1,0 +1,123 @@
+"""Launch plans (`attention/flash_triton/plans.py`): the first call of an input signature records
+its kernel launches, later calls replay them. Under the interpreter a replay re-invokes the kernels
+with the new tensors substituted by role, so these CPU tests check the recording, the substitution
+and the signature rules; the GPU test replays through `CompiledKernel.run`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cs336_systems.attention import FlashAttentionTriton
+from cs336_systems.attention.flash_triton import BwdConfig, FwdConfig, launch, plans, use_configs
+
+pytestmark = pytest.mark.filterwarnings("ignore:tl.make_block_ptr is deprecated")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def full_calls(monkeypatch):
+    """Empty plan caches, and counts of the full (recording) launcher paths taken."""
+    monkeypatch.setattr(launch, "_FWD_PLANS", plans.PlanCache())
+    monkeypatch.setattr(launch, "_BWD_PLANS", plans.PlanCache())
+    calls = {"fwd": 0, "bwd": 0}
+    for kind, name in (("fwd", "_flash_fwd_full"), ("bwd", "_flash_bwd_full")):
+        original = getattr(launch, name)
+
+        def counted(*args, _kind=kind, _original=original, **kwargs):
+            calls[_kind] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(launch, name, counted)
+    return calls
+
+
+def _inputs(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=dtype).to(DEVICE) for _ in range(4)]
+
+
+def _fwd_bwd(q, k, v, do, causal):
+    o, lse = launch.flash_fwd(q, k, v, causal)
+    return (o, lse, *launch.flash_bwd(do, q, k, v, o, lse, causal))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 40, 16), (2, 37, 24)], ids=["4d", "3d-d24"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_replay_matches_the_full_path_on_new_tensors(full_calls, shape, causal):
+    q, k, v, do = _inputs(shape)
+    first = _fwd_bwd(q, k, v, do, causal)
+    q2, k2, v2, do2 = _inputs(shape, seed=1)  # same signature, other values and storage
+    replayed = _fwd_bwd(q2, k2, v2, do2, causal)
+    assert full_calls == {"fwd": 1, "bwd": 1}  # the second call replayed both plans
+    with use_configs(fwd=FwdConfig(16, 16), bwd=BwdConfig(16, 16, 16, 16)):  # another plan state
+        full = _fwd_bwd(q2, k2, v2, do2, causal)
+    assert full_calls == {"fwd": 2, "bwd": 2}
+    for a, b in zip(replayed, full):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert not any(torch.equal(a, b) for a, b in zip(first, replayed))  # new inputs, new outputs
+
+
+def test_every_part_of_the_signature_separates_plans(full_calls):
+    q, k, v, _ = _inputs((1, 2, 32, 16))
+    launch.flash_fwd(q, k, v, True)
+    launch.flash_fwd(q, k, v, False)  # flag
+    launch.flash_fwd(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True)  # strides
+    base = torch.randn(q.numel() + 1, device=DEVICE)
+    launch.flash_fwd(base[1:].view_as(q), k, v, True)  # 4-byte offset: not 16-byte aligned
+    launch.flash_fwd(q.half(), k.half(), v.half(), True)  # dtype
+    with use_configs(fwd=FwdConfig(16, 16)):  # pinned configuration
+        launch.flash_fwd(q, k, v, True)
+    assert full_calls["fwd"] == 6
+    launch.flash_fwd(q.clone(), k.clone(), v.clone(), True)  # same signature as the first call
+    assert full_calls["fwd"] == 6
+
+
+def test_calls_that_cannot_be_replayed_always_take_the_full_path(full_calls):
+    q, k, v, do = _inputs((1, 2, 33, 16))
+    for _ in range(2):  # one tensor in three roles: a replay could not tell them apart
+        launch.flash_fwd(q, q, q, True)
+    assert full_calls["fwd"] == 2
+    ref = _fwd_bwd(q, k, v, do, True)
+    with use_configs(bwd=BwdConfig(16, 16, 16, 16, dq="atomic")):  # the one-pass dQ copies after its kernel
+        for _ in range(2):
+            grads = launch.flash_bwd(do, q, k, v, ref[0], ref[1], True)
+    assert full_calls["bwd"] == 3
+    for a, b in zip(grads, ref[2:]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_inputs_are_refused_with_a_plan_in_place(full_calls):
+    q, k, v, do = _inputs((1, 2, 32, 16))
+    launch.flash_fwd(q, k, v, True)
+    with pytest.raises(ValueError, match="same head dimension"):
+        launch.flash_fwd(q, k[..., :8], v, True)
+    with pytest.raises(ValueError, match=r"must be a torch\.Tensor"):
+        launch.flash_fwd(q, k, None, True)
+    o, _ = launch.flash_fwd(q, k, v, True)
+    with pytest.raises(ValueError, match=r"must be a torch\.Tensor"):
+        launch.flash_bwd(do, q, k, v, o, None, True)
+
+
+def test_autograd_backward_replays_on_its_own_thread(full_calls):
+    grads = []
+    for seed in (0, 1, 1):
+        q, k, v, do = (t.requires_grad_(i < 3) for i, t in enumerate(_inputs((2, 2, 40, 16), seed=seed)))
+        FlashAttentionTriton.apply(q, k, v, True).backward(do)
+        grads.append((q.grad, k.grad, v.grad))
+    assert full_calls == {"fwd": 1, "bwd": 1}
+    for a, b in zip(grads[1], grads[2]):
+        assert torch.equal(a, b)  # the same inputs give the same gradients through a replay
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 80], ids=["tl-d64", "gluon-d80"])
+def test_gpu_replay_through_the_compiled_kernels(full_calls, d):
+    """On the GPU a replay calls each CompiledKernel's launcher directly; the kernels are
+    deterministic, so the replay reproduces the full path bit for bit."""
+    q, k, v, do = (t.to("cuda", torch.bfloat16) for t in _inputs((2, 4, 1000, d)))
+    first = _fwd_bwd(q, k, v, do, True)
+    again = _fwd_bwd(*(t.clone() for t in (q, k, v, do)), True)
+    assert full_calls == {"fwd": 1, "bwd": 1}
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
