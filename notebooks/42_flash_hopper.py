@@ -22,7 +22,7 @@
 # of padding it; dQ stays the portable tl kernel. `FlashAttentionTriton` picks them by default where
 # the tl kernels would pad the head dim; `KernelOptions(hopper=True/False)` forces either way.
 # Kernels: `cs336_systems/attention/flash_triton/hopper_kernels.py`, `hopper_backward_kernels.py`;
-# the measurement log: `OPTIMIZATION_LOG.md` ("Sessions 7-8").
+# the measurement log: `OPTIMIZATION_LOG.md` ("Sessions 7-8", "Session 9").
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure on an sm_90 GPU, else render the committed results
@@ -32,7 +32,7 @@ quick = False  # a tiny float32 run of the tl path on the CPU; results go to a s
 import torch
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies import flash_hopper, flash_leaderboard
+from cs336_systems.studies import flash_backward_tuning, flash_hopper, flash_leaderboard
 
 results_dir = nb.setup(quick)
 on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -63,11 +63,28 @@ if len(passes) and len(shapes) and not quick:
         f"8B leaderboard's shape (32 x 32768 x 128) ours equals SDPA-flash ({f['shape_vs_flash']['32 x 32768 x 128']:.2f}x) "
         f"and takes {f['shape_vs_cudnn']['32 x 32768 x 128']:.2f}x cuDNN's time. At d = 80 ours is no slower "
         f"than SDPA-flash from N = {f['d80_no_slower_from']} on; below, our time stays at "
-        f"{f['d80_short_ms'][0]:.1f}-{f['d80_short_ms'][1]:.1f} ms whatever N "
-        f"({f['shape_vs_flash']['128 x 512 x 80']:.1f}x SDPA-flash at N = 512): host overhead of our launch "
-        "path, not kernel time. What the kernels lack, and FlashAttention-3 has: warp specialisation (a TMA "
-        "producer warp, consumer warpgroups in ping-pong so one's softmax overlaps the other's products), and "
-        "a backward with fewer products (one pass, dQ reduced by TMA, which Gluon 3.6 does not offer on Hopper)."
+        f"{f['d80_short_ms'][0]:.2f}-{f['d80_short_ms'][1]:.2f} ms whatever N "
+        f"({f['shape_vs_flash']['128 x 512 x 80']:.1f}x SDPA-flash at N = 512): host time, not kernel time. "
+        + (
+            f"Launch plans (each input signature's launches recorded once, then replayed without checks, kernel "
+            f"choice or Triton's dispatch) leave little of the launchers: a step built like ours that launches "
+            f"nothing (two custom ops in an autograd.Function, compiled) already takes "
+            f"{f['floor_512']['custom_op_floor']:.2f} ms at N = 512, ours {f['floor_512']['flash_triton']:.2f} ms, "
+            f"SDPA-flash's eager step {f['floor_512']['sdpa_flash']:.2f} ms. "
+            if "floor_512" in f
+            else ""
+        )
+        + (
+            f"The one-pass backward (dQ added from inside the dK/dV pass by TMA bulk reductions) takes "
+            f"{f['one_pass_ratio'][64]:.2f}x the two-pass time at d = 64 and {f['one_pass_ratio'][128]:.2f}x at "
+            "d = 128: Triton waits on every product whose result feeds elementwise code, so the fifth product and "
+            "its reduction run serially inside the warpgroup and cost more than the dQ pass's recomputation. "
+            if {64, 128} <= set(f["one_pass_ratio"])
+            else ""
+        )
+        + "What the kernels lack, and FlashAttention-3 has: warp specialisation (a TMA producer warp, consumer "
+        "warpgroups in ping-pong so one's softmax overlaps the other's products, a warpgroup that reduces dQ "
+        "while the others compute)."
     )
 
 # %% [markdown]
@@ -86,11 +103,28 @@ if nb.have_results(passes, "the per-pass Gluon timings"):
     )
 
 # %% [markdown]
+# **One pass or two** (`flash_bench --tune-bwd d:bfloat16:16384`: the whole backward, 16 heads,
+# N = 16384, causal). Two passes recompute S and dP for dQ (7 products) but need no atomics; one pass
+# adds dS K into a float32 dQ from inside the dK/dV pass (5 products) by TMA bulk reductions or
+# per-element atomics (`BwdConfig.dq`). Every candidate is checked against the two-pass result first.
+
+# %% tags=["remove-input"]
+one_pass = flash_backward_tuning.one_pass_table(df)
+if nb.have_results(one_pass, "the one-pass backward timings"):
+    show_table(
+        one_pass,
+        caption="One-pass against two-pass backward (median ms)",
+        provenance_from=one_pass.attrs["source"],
+        formats={"two-pass ms": "{:.3f}", "one-pass ms": "{:.3f}", "one-pass / two-pass": "{:.2f}"},
+    )
+
+# %% [markdown]
 # **The models' shapes** (`flash_bench --leaderboard --lb-shapes ...`, the protocol's step:
 # compiled `apply`, forward + `o.sum().backward()`, batch 1 with B x H heads): the 8B leaderboard's
 # attention (32 heads, N = 32768, d = 128) and the 2.7B model's (batch 4 x 32 heads, d = 80). "ours"
 # is the default choice (Gluon at d = 80, tl at d = 128); "portable" forces the tl kernels, "gluon"
-# the Gluon ones.
+# the Gluon ones; "custom_op_floor" launches nothing but is built like ours (its step is the host
+# floor of the design). SDPA's steps are eager calls, ours compiled, as in the protocol.
 
 # %% tags=["remove-input"]
 if len(shapes) and "sdpa_flash" in shapes:

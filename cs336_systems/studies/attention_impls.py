@@ -19,7 +19,9 @@ from cs336_systems.model import get_attention
 
 # Implementations the protocol can time: ours (the default choice of kernels), ours with the portable
 # tl kernels only, ours with the Gluon (Hopper) forward and dK/dV kernels wherever they take the
-# inputs, ours with the PyTorch backward, and SDPA's two fastest backends.
+# inputs, ours with the PyTorch backward, SDPA's two fastest backends, and `custom_op_floor`: an
+# attention that launches nothing, built like ours (an autograd.Function around two custom ops,
+# compiled), whose step time is the host floor of that design (outputs uninitialised: time only).
 LEADERBOARD_IMPLS = (
     "flash_triton",
     "flash_triton_portable",
@@ -27,9 +29,57 @@ LEADERBOARD_IMPLS = (
     "flash_pytorch_compiled_bwd",
     "sdpa_flash",
     "sdpa_cudnn",
+    "custom_op_floor",
 )
 # Our implementations that pin the kernel choice (tiles.KernelOptions.hopper).
 _PINNED_HOPPER = {"flash_triton_portable": False, "flash_triton_gluon": True}
+
+
+@torch.library.custom_op("cs336_floor::attn_fwd", mutates_args=())
+def _floor_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@_floor_fwd.register_fake
+def _(q, k, v, is_causal):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336_floor::attn_bwd", mutates_args=())
+def _floor_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@_floor_bwd.register_fake
+def _(do, q, k, v, o, lse, is_causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class CustomOpFloor(torch.autograd.Function):
+    """FlashAttentionTriton's structure (saved tensors, one custom op each way) with no kernels: the
+    host time of a step built this way, which no launcher can go below."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        o, lse = _floor_fwd(q, k, v, bool(is_causal))
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.is_causal = bool(is_causal)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*_floor_bwd(do, q, k, v, o, lse, ctx.is_causal), None)
 
 
 def sdpa_fn(backend_name: str) -> Callable:
@@ -75,6 +125,8 @@ def leaderboard_step(impl: str, x: torch.Tensor) -> Callable[[], None]:
     q, k, v = x  # the protocol's unpacking along dim 0: (heads, N, d) views of x
     if impl == "flash_triton" or impl in _PINNED_HOPPER:
         flash = torch.compile(FlashAttentionTriton.apply)
+    elif impl == "custom_op_floor":
+        flash = torch.compile(CustomOpFloor.apply)
     elif impl == "flash_pytorch_compiled_bwd":
         flash = torch.compile(lambda a, b, c, causal: FlashAttentionTriton.apply(a, b, c, causal, "pytorch"))
     else:

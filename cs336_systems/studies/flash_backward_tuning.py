@@ -10,12 +10,15 @@ between the two shows. Rows: `name == "bwd_tuning"` in flash_leaderboard.csv.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
+import pandas as pd
 import torch
 
 from cs336_systems.attention.flash_triton import launch, tiles
-from cs336_systems.measure.results import append_rows
+from cs336_systems.measure.results import append_rows, latest_run
 from cs336_systems.studies.flash_sweep import LEADERBOARD
 from cs336_systems.studies.flash_tuning import time_candidate
 
@@ -115,3 +118,43 @@ def run_backward_tuning(
         print(f"{ms:9.3f} ms  {label} {note[:80]}")
     append_rows(LEADERBOARD, rows, results_dir)
     return rows
+
+
+def _short(label: str) -> str:
+    """'one-pass BwdConfig(block_m1=64, ..., dq='reduce')' -> '64x64, 4 warps, 2 stages, early dP, <= 168 regs, reduce'."""
+    f = dict(re.findall(r"(\w+)=([\w.']+)", label))
+    out = f"{f['block_m1']}x{f['block_n1']}, {f['num_warps1']} warps, {f['num_stages1']} stages"
+    out += ", early dP" if f.get("early_dp") == "True" else ""
+    out += f", <= {f['maxnreg1']} regs" if f.get("maxnreg1", "None") != "None" else ""
+    return out + f", {f.get('dq', '').strip(chr(39))}"
+
+
+def one_pass_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per head dim (the latest `--tune-bwd` run of each): the two-pass backward (median of its
+    timings before and after the candidates), the fastest one-pass candidate, and their ratio."""
+    tun = df[(df.name == "bwd_tuning") & (df.metric == "latency")].copy()
+    if tun.empty:
+        return pd.DataFrame()
+    tun["d"] = [json.loads(c)["d"] for c in tun.config_json]
+    rows = []
+    for d, g in tun.groupby("d", sort=True):
+        run = g[g.git_sha == latest_run(g, keys=("name", "impl", "d", "metric")).git_sha.iloc[-1]]
+        two = run[run.impl.str.startswith("two-pass") & run.p50.notna()]
+        one = run[run.impl.str.startswith("one-pass") & run.p50.notna()]
+        if two.empty or one.empty:
+            continue
+        best = one.loc[one.p50.idxmin()]
+        base = float(two.p50.median())
+        rows.append(
+            {
+                "head dim": int(d),
+                "two-pass ms": base,
+                "one-pass ms": float(best.p50),
+                "one-pass tiles, dQ": _short(best.impl),
+                "one-pass / two-pass": float(best.p50) / base,
+                "candidates": len(run[run.impl.str.startswith("one-pass")]),
+            }
+        )
+    out = pd.DataFrame(rows)
+    out.attrs["source"] = tun
+    return out

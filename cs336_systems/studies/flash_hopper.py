@@ -2,7 +2,9 @@
 
 Rows come from `flash_bench --tune-hopper` (`name == "hopper_tuning"`: each pass alone, tl heuristic
 tiles against every Gluon candidate), `flash_bench --leaderboard` (`"protocol"`: the 2025 shape) and
-`flash_bench --leaderboard --lb-shapes ...` (`"shapes"`: the models' shapes, batch 1 with B*H heads).
+`flash_bench --leaderboard --lb-shapes ...` (`"shapes"`: the models' shapes, batch 1 with B*H heads,
+with the host floor `custom_op_floor` beside the kernels) and `flash_bench --tune-bwd` (`"bwd_tuning"`:
+the one-pass backward against the two-pass one, `flash_backward_tuning`).
 `measure(...)` runs all three on an sm_90 GPU; the tables and `facts` read the committed rows.
 """
 
@@ -16,12 +18,20 @@ from typing import Any
 import pandas as pd
 
 from cs336_systems.measure.results import latest_run
+from cs336_systems.studies import flash_backward_tuning
 from cs336_systems.studies.flash_leaderboard import LeaderboardConfig, protocol_runs, run_leaderboard
 from cs336_systems.studies.flash_sweep import LEADERBOARD
 from cs336_systems.studies.flash_tuning import run_hopper_tuning
 
 PROBLEM = LEADERBOARD  # the rows live with the leaderboard's
-SHAPE_IMPLS = ("flash_triton", "flash_triton_portable", "flash_triton_gluon", "sdpa_flash", "sdpa_cudnn")
+SHAPE_IMPLS = (
+    "flash_triton",
+    "flash_triton_portable",
+    "flash_triton_gluon",
+    "sdpa_flash",
+    "sdpa_cudnn",
+    "custom_op_floor",
+)
 # (heads, N, d): the 8B leaderboard's attention (32 heads, 32768, d 128) and the 2.7B model's (batch 4 x
 # 32 heads, d 80) at the contexts issue 18 names.
 MODEL_SHAPES = ((32, 32768, 128), (128, 512, 80), (128, 1024, 80), (128, 2048, 80), (128, 4096, 80))
@@ -146,6 +156,13 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
     if below:  # our times where SDPA-flash is faster: nearly flat in N (host overhead)
         ours = shapes.loc[below, "flash_triton"]
         out["d80_short_ms"] = (float(ours.min()), float(ours.max()))
+    short = "128 x 512 x 80"
+    if short in shapes.index and "custom_op_floor" in shapes.columns:  # the host floor of our design
+        out["floor_512"] = {
+            c: float(shapes.loc[short, c]) for c in ("custom_op_floor", "flash_triton", "sdpa_flash")
+        }
+    one = flash_backward_tuning.one_pass_table(df)
+    out["one_pass_ratio"] = {int(r["head dim"]): r["one-pass / two-pass"] for _, r in one.iterrows()}
     return out
 
 
