@@ -167,21 +167,32 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
 
 
 def plot_shapes(shapes: pd.DataFrame):
-    """Forward + backward time of each implementation relative to SDPA-flash, per model shape."""
+    """Forward + backward time of each implementation relative to SDPA-flash, per model shape; the
+    host floor (`custom_op_floor`) as a black bar across each group where it is in range."""
     import matplotlib.pyplot as plt
 
     from cs336_systems.report import impl_color
 
-    impls = [i for i in SHAPE_IMPLS if i in shapes.columns]
+    impls = [i for i in SHAPE_IMPLS if i in shapes.columns and i != "custom_op_floor"]
     fig, ax = plt.subplots(figsize=(8.5, 3.2))
     width = 0.8 / len(impls)
+    rels = []
     for k, impl in enumerate(impls):
         rel = shapes[impl] / shapes["sdpa_flash"]
+        rels.append(rel)
         ax.bar([x + k * width for x in range(len(shapes))], rel, width, label=impl, color=impl_color(impl))
+    low = 0.8 * min(float(r.min()) for r in rels)
+    if "custom_op_floor" in shapes.columns:
+        floor = shapes["custom_op_floor"] / shapes["sdpa_flash"]
+        for x, f in enumerate(floor):
+            if f >= low:  # only where the host floor is within sight of the kernels' times
+                ax.hlines(f, x - width / 2, x + width * (len(impls) - 0.5), color="k", lw=1.6, ls="--")
+        ax.plot([], [], color="k", lw=1.6, ls="--", label="host floor (custom_op_floor)")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(shapes))], shapes["shape"], fontsize=8)
     ax.set_ylabel("time / SDPA-flash time")
     ax.set_yscale("log")
+    ax.set_ylim(bottom=low)
     ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
     ax.yaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_yticks([0.5, 1, 2, 4])
