@@ -20,7 +20,7 @@ import torch
 from cs336_systems.attention.flash_triton import launch, tiles
 from cs336_systems.measure.results import append_rows, latest_run
 from cs336_systems.studies.flash_sweep import LEADERBOARD
-from cs336_systems.studies.flash_tuning import time_candidate
+from cs336_systems.studies.flash_tuning import portable_problem, rel_err, time_candidate
 
 # (block_m1, block_n1, warps, stages, early_dp, maxnreg1, dq) per head dim. Registers were read
 # offline first (sm_90 compiles with Triton 3.6, OPTIMIZATION_LOG.md "One-pass backward"): at d = 64
@@ -71,23 +71,13 @@ def one_pass_candidates(d: int, base: tiles.BwdConfig) -> list[tiles.BwdConfig]:
     ]
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
-
-
 def run_backward_tuning(
     heads: int, n: int, d: int, dtype: torch.dtype, *, device: str = "cuda", results_dir=None
 ) -> list[dict[str, Any]]:
     """Time the whole backward (causal, batch 1, the tl kernels) for the two-pass heuristic and the
     one-pass candidates; print them fastest first; append the rows. Returns the rows."""
     rows: list[dict[str, Any]] = []
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(1, heads, n, d, device=device, dtype=dtype) for _ in range(4))
-    opts = tiles.KernelOptions(hopper=False)
-    with tiles.use_configs(options=opts):
-        o, lse = launch.flash_fwd(q, k, v, True)
-    tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
-    tma = launch.use_tma(opts, q.device, *tensors[:7])
+    tensors, opts, tma = portable_problem(heads, n, d, dtype, device)[5:]
     base = tiles.heuristic_bwd(n, n, tiles.block_d(d), dtype, interpreter=False)
     grads = tensors[4:7]
     launch.launch_bwd(tensors, True, base, opts, tma)
@@ -100,7 +90,7 @@ def run_backward_tuning(
             launch.launch_bwd(tensors, True, cfg, opts, tma)
 
         def check() -> float:
-            return max(_rel_err(g, r) for g, r in zip(grads, refs))
+            return max(rel_err(g, r) for g, r in zip(grads, refs))
 
         for g in grads:
             g.fill_(float("nan"))

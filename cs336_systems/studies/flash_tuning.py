@@ -222,8 +222,21 @@ HOPPER_DKDV_CANDIDATES = {
 }
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (a tuning candidate's check against the reference result)."""
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def portable_problem(heads: int, n: int, d: int, dtype: torch.dtype, device: str):
+    """Random causal inputs (batch 1, seed 0), the tl kernels' forward on them, and the backward's
+    operands (`launch.prepare_backward`). Returns (q, k, v, o, lse, tensors, options, tma)."""
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, heads, n, d, device=device, dtype=dtype) for _ in range(4))
+    portable = tiles.KernelOptions(hopper=False)
+    with tiles.use_configs(options=portable):
+        o, lse = launch.flash_fwd(q, k, v, True)
+        tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
+    return q, k, v, o, lse, tensors, portable, launch.use_tma(portable, q.device, *tensors[:7])
 
 
 def run_hopper_tuning(
@@ -233,14 +246,9 @@ def run_hopper_tuning(
     alone (causal, batch 1). Every candidate is first checked against the tl result (relative error
     <= 2e-2 on poisoned outputs); a wrong or failing one is a failure row, never a timing."""
     rows: list[dict[str, Any]] = []
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(1, heads, n, d, device=device, dtype=dtype) for _ in range(4))
-    portable = tiles.KernelOptions(hopper=False)
+    q, k, v, o_ref, lse_ref, tensors, portable, tma = portable_problem(heads, n, d, dtype, device)
+    bwd_cfg = tiles.current_config("bwd", n, n, d, dtype, True)
     with tiles.use_configs(options=portable):
-        o_ref, lse_ref = launch.flash_fwd(q, k, v, True)
-        tensors, _ = launch.prepare_backward(do, q, k, v, o_ref, lse_ref)
-        bwd_cfg = tiles.current_config("bwd", n, n, d, dtype, True)
-        tma = launch.use_tma(portable, q.device, *tensors[:7])
         launch.launch_bwd(tensors, True, bwd_cfg, portable, tma)
     dk_ref, dv_ref = tensors[5].clone(), tensors[6].clone()
     config = {"heads": heads, "seq_len": n, "d": d, "causal": True, "batch": 1}
@@ -275,7 +283,7 @@ def run_hopper_tuning(
         cfg = hopper.HopperFwdConfig(bm, bn, stages, warps)
 
         def fwd_check() -> float:
-            return max(_rel_err(o, o_ref), _rel_err(lse, lse_ref))
+            return max(rel_err(o, o_ref), rel_err(lse, lse_ref))
 
         o.fill_(float("nan"))
         record(
@@ -293,7 +301,7 @@ def run_hopper_tuning(
             "dkdv",
             f"gluon {cfg!r}",
             lambda cfg=cfg: hopper.flash_dkdv_hopper(tensors, True, cfg),
-            lambda: max(_rel_err(dk, dk_ref), _rel_err(dv, dv_ref)),
+            lambda: max(rel_err(dk, dk_ref), rel_err(dv, dv_ref)),
         )
     append_rows(LEADERBOARD, rows, results_dir)
     return rows
