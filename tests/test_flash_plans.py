@@ -110,6 +110,19 @@ def test_autograd_backward_replays_on_its_own_thread(full_calls):
         assert torch.equal(a, b)  # the same inputs give the same gradients through a replay
 
 
+def test_the_operators_pass_torch_opcheck():
+    """Schema, fake (meta) implementations and AOT dispatch of cs336::flash_attn_fwd / _bwd."""
+    from cs336_systems.attention.flash_triton import function
+
+    q, k, v = _inputs((2, 3, 33, 16))[:3]
+    for name, result in torch.library.opcheck(function._flash_attn_fwd, (q, k, v, True)).items():
+        assert result == "SUCCESS", name
+    o, lse = function._flash_attn_fwd(q, k, v, True)
+    args = (torch.randn_like(o), q, k, v, o, lse, True)
+    for name, result in torch.library.opcheck(function._flash_attn_bwd, args).items():
+        assert result == "SUCCESS", name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 80], ids=["tl-d64", "gluon-d80"])
 def test_gpu_replay_through_the_compiled_kernels(full_calls, d):

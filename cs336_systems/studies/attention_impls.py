@@ -15,12 +15,13 @@ import torch.nn.functional as F
 
 from cs336_systems.attention import FlashAttentionPytorch, FlashAttentionTriton
 from cs336_systems.attention.flash_triton import tiles
+from cs336_systems.attention.flash_triton.function import define_op
 from cs336_systems.model import get_attention
 
 # Implementations the protocol can time: ours (the default choice of kernels), ours with the portable
 # tl kernels only, ours with the Gluon (Hopper) forward and dK/dV kernels wherever they take the
 # inputs, ours with the PyTorch backward, SDPA's two fastest backends, and `custom_op_floor`: an
-# attention that launches nothing, built like ours (an autograd.Function around two custom ops,
+# attention that launches nothing, built like ours (an autograd.Function around two operators,
 # compiled), whose step time is the host floor of that design (outputs uninitialised: time only).
 LEADERBOARD_IMPLS = (
     "flash_triton",
@@ -35,39 +36,32 @@ LEADERBOARD_IMPLS = (
 _PINNED_HOPPER = {"flash_triton_portable": False, "flash_triton_gluon": True}
 
 
-@torch.library.custom_op("cs336_floor::attn_fwd", mutates_args=())
-def _floor_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _empty_fwd(q, k, v, is_causal):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@_floor_fwd.register_fake
-def _(q, k, v, is_causal):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("cs336_floor::attn_bwd", mutates_args=())
-def _floor_bwd(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    is_causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _empty_bwd(do, q, k, v, o, lse, is_causal):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-@_floor_bwd.register_fake
-def _(do, q, k, v, o, lse, is_causal):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+_FLOOR_LIB = torch.library.Library("cs336_floor", "FRAGMENT")
+_floor_fwd = define_op(
+    _FLOOR_LIB,
+    "attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)",
+    _empty_fwd,
+    _empty_fwd,
+)
+_floor_bwd = define_op(
+    _FLOOR_LIB,
+    "attn_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool is_causal) -> (Tensor, Tensor, Tensor)",
+    _empty_bwd,
+    _empty_bwd,
+)
 
 
 class CustomOpFloor(torch.autograd.Function):
-    """FlashAttentionTriton's structure (saved tensors, one custom op each way) with no kernels: the
-    host time of a step built this way, which no launcher can go below."""
+    """FlashAttentionTriton's structure (saved tensors, one operator each way, defined the same way)
+    with no kernels: the host time of a step built this way, which no launcher can go below."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):

@@ -1,6 +1,6 @@
 """FlashAttention-2 in Triton: kernels.py, backward_kernels.py, backward_dq_kernels.py (@triton.jit only), tiles.py (tile
 configurations: the table, pinning, autotuning, the cache) -> launch.py (validate, pick, allocate,
-launch) -> function.py (the autograd.Function and its custom ops).
+launch) -> function.py (the autograd.Function and its operators).
 
 Without a CUDA device the kernels run under the Triton interpreter: `cs336_systems/__init__.py` sets
 TRITON_INTERPRET=1 when the package is imported, before Triton can be ([Note: Triton interpreter]).

@@ -1,11 +1,14 @@
 """`FlashAttentionTriton`: the autograd.Function around the Triton FlashAttention-2 kernels.
 
-The forward and backward launches are registered as PyTorch custom ops (`cs336::flash_attn_fwd`,
-`cs336::flash_attn_bwd`) with fake (meta) implementations. [Note: why custom ops] `torch.compile`
-(e.g. the leaderboard's `torch.compile(FlashAttentionTriton.apply)`, or a compiled model using this
-attention) then traces the Function without a graph break and treats each launch as one opaque call,
-instead of tracing into the launcher's Python (config dicts, autotuning, retries), and AOTAutograd
-wires our backward op into the compiled backward graph. Eager calls pay one dispatcher hop (~10 us).
+The forward and backward launches are PyTorch operators (`cs336::flash_attn_fwd`,
+`cs336::flash_attn_bwd`) with CPU/CUDA kernels (the launchers) and fake (meta) implementations.
+[Note: why operators] `torch.compile` (e.g. the leaderboard's `torch.compile(FlashAttentionTriton.apply)`,
+or a compiled model using this attention) then traces the Function without a graph break and treats
+each launch as one opaque call, instead of tracing into the launcher's Python (config dicts,
+autotuning, retries), and AOTAutograd wires our backward op into the compiled backward graph. They
+are defined with `torch.library.Library` (`define_op`) rather than `torch.library.custom_op`, whose
+extra Python layers (an autograd kernel, output-aliasing checks) cost ~60 us per forward + backward
+on the host (measured on the CPU); autograd is this Function's.
 
 Saved for backward: q, k, v, o and exactly one tensor of shape q.shape[:-1], the natural-log
 logsumexp (float32), which the official test looks for.
@@ -16,33 +19,43 @@ logsumexp (float32), which the official test looks for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch import Tensor
 
 from cs336_systems.attention.backward import flash_backward
 from cs336_systems.attention.flash_triton import launch
 
 
-@torch.library.custom_op("cs336::flash_attn_fwd", mutates_args=())
-def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
-    return launch.flash_fwd(q, k, v, is_causal)
+def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Callable):
+    """Define the operator `schema` in lib's namespace, run by `impl` on CPU and CUDA tensors and by
+    `fake` while tracing; returns it (`torch.ops.<namespace>.<name>.default`)."""
+    name = schema.split("(", 1)[0]
+    lib.define(schema)
+    for key in ("CPU", "CUDA"):
+        lib.impl(name, impl, key)
+    torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
+    return getattr(getattr(torch.ops, lib.ns), name).default
 
 
-@_flash_attn_fwd.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
-    return launch.output_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("cs336::flash_attn_bwd", mutates_args=())
-def _flash_attn_bwd(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    return launch.flash_bwd(do, q, k, v, o, lse, is_causal)
-
-
-@_flash_attn_bwd.register_fake
-def _(do, q, k, v, o, lse, is_causal):
-    return launch.output_like(q), launch.output_like(k), launch.output_like(v)
+_LIB = torch.library.Library("cs336", "FRAGMENT")
+_flash_attn_fwd = define_op(
+    _LIB,
+    "flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)",
+    launch.flash_fwd,
+    lambda q, k, v, is_causal: (launch.output_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)),
+)
+_flash_attn_bwd = define_op(
+    _LIB,
+    "flash_attn_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool is_causal) "
+    "-> (Tensor, Tensor, Tensor)",
+    launch.flash_bwd,
+    lambda do, q, k, v, o, lse, is_causal: (
+        launch.output_like(q),
+        launch.output_like(k),
+        launch.output_like(v),
+    ),
+)
 
 
 class FlashAttentionTriton(torch.autograd.Function):
