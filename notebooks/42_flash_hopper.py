@@ -62,13 +62,13 @@ if len(passes) and len(shapes) and not quick:
         f"{f['protocol_cudnn_ratio']:.3f}x): the goals of cuDNN's speed, or at least 0.70x, are not met. At the "
         f"8B leaderboard's shape (32 x 32768 x 128) ours equals SDPA-flash ({f['shape_vs_flash']['32 x 32768 x 128']:.2f}x) "
         f"and takes {f['shape_vs_cudnn']['32 x 32768 x 128']:.2f}x cuDNN's time. At d = 80 ours is no slower "
-        f"than SDPA-flash from N = {f['d80_no_slower_from']} on; below, our time stays at "
-        f"{f['d80_short_ms'][0]:.2f}-{f['d80_short_ms'][1]:.2f} ms whatever N "
-        f"({f['shape_vs_flash']['128 x 512 x 80']:.1f}x SDPA-flash at N = 512): host time, not kernel time. "
+        f"than SDPA-flash from N = {f['d80_no_slower_from']} on; below, our step "
+        f"({f['d80_short_ms'][0]:.2f}-{f['d80_short_ms'][1]:.2f} ms; "
+        f"{f['shape_vs_flash']['128 x 512 x 80']:.2f}x SDPA-flash at N = 512) is host time, not kernel time. "
         + (
             f"Launch plans (each input signature's launches recorded once, then replayed without checks, kernel "
             f"choice or Triton's dispatch) leave little of the launchers: a step built like ours that launches "
-            f"nothing (two custom ops in an autograd.Function, compiled) already takes "
+            f"nothing (two operators in an autograd.Function, compiled) already takes "
             f"{f['floor_512']['custom_op_floor']:.2f} ms at N = 512, ours {f['floor_512']['flash_triton']:.2f} ms, "
             f"SDPA-flash's eager step {f['floor_512']['sdpa_flash']:.2f} ms. "
             if "floor_512" in f
@@ -124,7 +124,9 @@ if nb.have_results(one_pass, "the one-pass backward timings"):
 # attention (32 heads, N = 32768, d = 128) and the 2.7B model's (batch 4 x 32 heads, d = 80). "ours"
 # is the default choice (Gluon at d = 80, tl at d = 128); "portable" forces the tl kernels, "gluon"
 # the Gluon ones; "custom_op_floor" launches nothing but is built like ours (its step is the host
-# floor of the design). SDPA's steps are eager calls, ours compiled, as in the protocol.
+# floor of the design). SDPA's steps are eager calls, ours compiled, as in the protocol. Each row is
+# one run (one process, interleaved with nothing else); host CPUs differ between machines of one kind,
+# so compare within a row (a blank: not timed in that row's run).
 
 # %% tags=["remove-input"]
 if len(shapes) and "sdpa_flash" in shapes:

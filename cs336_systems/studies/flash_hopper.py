@@ -106,19 +106,25 @@ def pass_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Forward + backward at each model shape (latest run): every implementation's median ms and
-    ours against SDPA's two backends."""
+    """Forward + backward at each model shape, from the latest run (one `run_leaderboard` call, one
+    process) of that shape: every implementation it timed (median ms) and ours against SDPA's two
+    backends. Implementations that run did not time are blank, never filled from another run."""
     sh = df[(df.name == "shapes") & (df.metric == "latency")].copy()
     if sh.empty:
         return pd.DataFrame()
-    sh["shape"] = [f"{c['heads']} x {c['seq_len']} x {c['d']}" for c in map(json.loads, sh.config_json)]
+    cfg = [json.loads(c) for c in sh.config_json]
+    sh["shape"] = [f"{c['heads']} x {c['seq_len']} x {c['d']}" for c in cfg]
+    sh["run_id"] = [c.get("run_id", sha) for c, sha in zip(cfg, sh.git_sha)]
+    last = sh.sort_values("timestamp").groupby("shape", sort=False).run_id.last()
+    sh = sh[sh.run_id == sh["shape"].map(last)]
     sh = latest_run(sh, keys=("name", "impl", "shape", "metric"))
     wide = sh.pivot_table(index="shape", columns="impl", values="p50", aggfunc="first", sort=False)
     wide = wide[[i for i in SHAPE_IMPLS if i in wide.columns]]
     for base in ("sdpa_flash", "sdpa_cudnn"):  # absent on a CPU (quick runs)
         if {"flash_triton", base} <= set(wide.columns):
             wide[f"ours / {base}"] = wide["flash_triton"] / wide[base]
-    out = wide.reset_index()
+    order = {f"{h} x {n} x {d}": i for i, (h, n, d) in enumerate(MODEL_SHAPES)}
+    out = wide.reset_index().sort_values("shape", key=lambda c: c.map(order)).reset_index(drop=True)
     out.attrs["source"] = sh
     return out
 
