@@ -110,18 +110,17 @@ def run_backward_tuning(
     return rows
 
 
-def _short(label: str) -> str:
-    """'one-pass BwdConfig(block_m1=64, ..., dq='reduce')' -> '64x64, 4 warps, 2 stages, early dP, <= 168 regs, reduce'."""
+def _tiles(label: str) -> tuple[str, str]:
+    """'one-pass BwdConfig(block_m1=64, ..., dq='reduce')' -> ('64x64, 4 warps, 2 stages', 'reduce')."""
     f = dict(re.findall(r"(\w+)=([\w.']+)", label))
-    out = f"{f['block_m1']}x{f['block_n1']}, {f['num_warps1']} warps, {f['num_stages1']} stages"
-    out += ", early dP" if f.get("early_dp") == "True" else ""
-    out += f", <= {f['maxnreg1']} regs" if f.get("maxnreg1", "None") != "None" else ""
-    return out + f", {f.get('dq', '').strip(chr(39))}"
+    tiles = f"{f['block_m1']}x{f['block_n1']}, {f['num_warps1']} warps, {f['num_stages1']} stages"
+    return tiles, f.get("dq", "").strip("'")
 
 
 def one_pass_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per head dim (the latest `--tune-bwd` run of each): the two-pass backward (median of its
-    timings before and after the candidates), the fastest one-pass candidate, and their ratio."""
+    timings before and after the candidates), the fastest one-pass candidate (its tiles and dQ mode;
+    the rest of its configuration is in the source rows), and their ratio."""
     tun = df[(df.name == "bwd_tuning") & (df.metric == "latency")].copy()
     if tun.empty:
         return pd.DataFrame()
@@ -135,14 +134,15 @@ def one_pass_table(df: pd.DataFrame) -> pd.DataFrame:
             continue
         best = one.loc[one.p50.idxmin()]
         base = float(two.p50.median())
+        tiles, dq = _tiles(best.impl)
         rows.append(
             {
                 "head dim": int(d),
                 "two-pass ms": base,
                 "one-pass ms": float(best.p50),
-                "one-pass tiles, dQ": _short(best.impl),
                 "one-pass / two-pass": float(best.p50) / base,
-                "candidates": len(run[run.impl.str.startswith("one-pass")]),
+                "one-pass tiles": tiles,
+                "dQ": dq,
             }
         )
     out = pd.DataFrame(rows)
