@@ -59,7 +59,17 @@ if len(passes) and len(shapes) and not quick:
         f"1.6x product work the padding adds (the softmax work is not padded), so they are the default there. On the 2025 protocol our default (tl) kernels "
         f"stay at {f['protocol_ratio_min']:.3f}-{f['protocol_ratio_max']:.3f}x SDPA-flash in "
         f"{f['protocol_runs']} runs (the Gluon kernels forced: {f['protocol_gluon_ratio']:.3f}x; cuDNN "
-        f"{f['protocol_cudnn_ratio']:.3f}x): the goals of cuDNN's speed, or at least 0.70x, are not met. At the "
+        f"{f['protocol_cudnn_ratio']:.3f}x): the goals of cuDNN's speed, or at least 0.70x, are not met"
+        + (
+            f" (forward {f['throughput']['fwd']['ours']:.0f} TFLOP/s, "
+            f"{f['throughput']['fwd']['ours / measured peak']:.0%} of the measured matmul peak, backward "
+            f"{f['throughput']['bwd']['ours']:.0f}, {f['throughput']['bwd']['ours / measured peak']:.0%}; "
+            f"FlashAttention-3 publishes about {f['throughput']['fwd']['FA3 (published)']:.0f} and "
+            f"{f['throughput']['bwd']['FA3 (published)']:.0f})"
+            if "throughput" in f
+            else ""
+        )
+        + ". At the "
         f"8B leaderboard's shape (32 x 32768 x 128) ours equals SDPA-flash ({f['shape_vs_flash']['32 x 32768 x 128']:.2f}x) "
         f"and takes {f['shape_vs_cudnn']['32 x 32768 x 128']:.2f}x cuDNN's time. At d = 80 ours is no slower "
         f"than SDPA-flash from N = {f['d80_no_slower_from']} on; below, our step "
@@ -101,6 +111,24 @@ if nb.have_results(passes, "the per-pass Gluon timings"):
         provenance_from=passes.attrs["source"],
         formats={"tl ms": "{:.3f}", "Gluon ms": "{:.3f}", "Gluon / tl": "{:.2f}"},
     )
+
+# %% [markdown]
+# **Forward and backward alone** at the protocol shape (16 x 16384 x 64, causal, bf16; the latest
+# `flash_bench --leaderboard` split run, with the bf16 matmul peak measured in that run), beside the
+# figures the FlashAttention-3 paper publishes for the H100 (at its own head dims, not measured here).
+
+# %% tags=["remove-input"]
+throughput = flash_hopper.throughput_table(df)
+if nb.have_results(throughput, "the forward/backward throughput"):
+    show_table(
+        throughput,
+        caption=f"TFLOP/s per pass (measured matmul peak {throughput.attrs['peak']:.0f}, datasheet "
+        f"{throughput.attrs['datasheet']:.0f}; FA3: forward {flash_hopper.FA3_PUBLISHED['fwd'][1]}, "
+        f"backward {flash_hopper.FA3_PUBLISHED['bwd'][1]})",
+        provenance_from=throughput.attrs["source"],
+        formats={"ours": "{:.0f}", "cuDNN": "{:.0f}", "FA3 (published)": "{:.0f}",
+                 "ours / measured peak": "{:.0%}", "ours / datasheet": "{:.0%}"},
+    )  # fmt: skip
 
 # %% [markdown]
 # **One pass or two** (`flash_bench --tune-bwd d:bfloat16:16384`: the whole backward, 16 heads,

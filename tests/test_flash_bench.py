@@ -238,3 +238,21 @@ def test_custom_op_floor_has_our_step_structure():
     assert x.grad.shape == x.shape
     step = leaderboard_step("custom_op_floor", x.detach().requires_grad_())
     assert callable(step)  # compiled lazily: the GPU benchmark runs it
+
+
+def test_throughput_table_on_the_committed_results():
+    """Per-pass TFLOP/s from the latest split run, as fractions of that run's measured peak and of
+    the datasheet, beside the published FlashAttention-3 figures."""
+    from cs336_systems.report import load_results
+    from cs336_systems.studies import flash_hopper
+
+    df = load_results(flash_tuning.LEADERBOARD)
+    t = flash_hopper.throughput_table(df).set_index("pass")
+    split = flash_leaderboard.split_table(df).set_index(["impl", "mode"])
+    for mode in ("fwd", "bwd"):
+        ours = split.loc[("flash_triton", mode), "TFLOP/s"]
+        assert t.loc[mode, "ours"] == ours
+        assert t.loc[mode, "ours / measured peak"] == pytest.approx(ours / split.attrs["peak"])
+        assert t.loc[mode, "ours / datasheet"] == pytest.approx(ours / 989.4)
+        assert t.loc[mode, "FA3 (published)"] == flash_hopper.FA3_PUBLISHED[mode][0]
+        assert t.loc[mode, "ours"] < t.loc[mode, "cuDNN"]  # the text: short of cuDNN

@@ -17,9 +17,15 @@ from typing import Any
 
 import pandas as pd
 
+from cs336_systems.accounting.hardware import peak_flops
 from cs336_systems.measure.results import latest_run
 from cs336_systems.studies import flash_backward_tuning
-from cs336_systems.studies.flash_leaderboard import LeaderboardConfig, protocol_runs, run_leaderboard
+from cs336_systems.studies.flash_leaderboard import (
+    LeaderboardConfig,
+    protocol_runs,
+    run_leaderboard,
+    split_table,
+)
 from cs336_systems.studies.flash_sweep import LEADERBOARD
 from cs336_systems.studies.flash_tuning import run_hopper_tuning
 
@@ -35,6 +41,10 @@ SHAPE_IMPLS = (
 # (heads, N, d): the 8B leaderboard's attention (32 heads, 32768, d 128) and the 2.7B model's (batch 4 x
 # 32 heads, d 80) at the contexts issue 18 names.
 MODEL_SHAPES = ((32, 32768, 128), (128, 512, 80), (128, 1024, 80), (128, 2048, 80), (128, 4096, 80))
+# FlashAttention-3's published H100 SXM5 16-bit throughput, the reference points issue 18 quotes from
+# Shah et al. 2024 (arXiv:2407.08608): the forward at causal d = 64, the backward at d = 128, long N.
+# Published figures at their own shapes, not measured here.
+FA3_PUBLISHED = {"fwd": (475.0, "causal, d = 64"), "bwd": (550.0, "d = 128")}
 
 
 def measure(*, results_dir=None, protocol_runs_n: int = 3, device: str = "cuda") -> None:
@@ -129,6 +139,31 @@ def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Forward and backward alone at the protocol shape (the latest split run), TFLOP/s: ours and
+    cuDNN's, ours as a fraction of the matmul peak measured in that run and of the datasheet peak,
+    beside FlashAttention-3's published figures (`FA3_PUBLISHED`, at their own head dims)."""
+    split = split_table(df)
+    if split.empty:
+        return pd.DataFrame()
+    tf = split.set_index(["impl", "mode"])["TFLOP/s"]
+    datasheet = (peak_flops(split.attrs["gpu"], "bf16") or math.nan) / 1e12
+    rows = [
+        {
+            "pass": mode,
+            "ours": tf[("flash_triton", mode)],
+            "cuDNN": tf.get(("sdpa_cudnn", mode), math.nan),
+            "ours / measured peak": tf[("flash_triton", mode)] / split.attrs["peak"],
+            "ours / datasheet": tf[("flash_triton", mode)] / datasheet,
+            "FA3 (published)": FA3_PUBLISHED[mode][0],
+        }
+        for mode in ("fwd", "bwd")
+    ]
+    out = pd.DataFrame(rows)
+    out.attrs |= {"source": split.attrs["source"], "peak": split.attrs["peak"], "datasheet": datasheet}
+    return out
+
+
 def facts(df: pd.DataFrame) -> dict[str, Any]:
     """The numbers the Hopper section states: per-pass Gluon/tl ratios by head dim, the protocol runs
     with the Gluon kernels forced (H100), and the model shapes against SDPA-flash and cuDNN."""
@@ -167,6 +202,9 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
         out["floor_512"] = {
             c: float(shapes.loc[short, c]) for c in ("custom_op_floor", "flash_triton", "sdpa_flash")
         }
+    tp = throughput_table(df)
+    if len(tp):
+        out["throughput"] = tp.set_index("pass").to_dict("index")
     one = flash_backward_tuning.one_pass_table(df)
     out["one_pass_ratio"] = {int(r["head dim"]): r["one-pass / two-pass"] for _, r in one.iterrows()}
     return out
