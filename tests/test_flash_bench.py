@@ -236,13 +236,13 @@ def test_custom_op_floor_has_our_step_structure():
     assert o.shape == q.shape and len(o.grad_fn.saved_tensors) == 5
     o.sum().backward()
     assert x.grad.shape == x.shape
-    step = leaderboard_step("custom_op_floor", x.detach().requires_grad_())
-    assert callable(step)  # compiled lazily: the GPU benchmark runs it
+    leaderboard_step("custom_op_floor", x.detach().requires_grad_())  # a known impl (compiled lazily)
 
 
 def test_throughput_table_on_the_committed_results():
     """Per-pass TFLOP/s from the latest split run, as fractions of that run's measured peak and of
     the datasheet, beside the published FlashAttention-3 figures."""
+    from cs336_systems.accounting.hardware import peak_flops
     from cs336_systems.report import load_results
     from cs336_systems.studies import flash_hopper
 
@@ -253,6 +253,7 @@ def test_throughput_table_on_the_committed_results():
         ours = split.loc[("flash_triton", mode), "TFLOP/s"]
         assert t.loc[mode, "ours"] == ours
         assert t.loc[mode, "ours / measured peak"] == pytest.approx(ours / split.attrs["peak"])
-        assert t.loc[mode, "ours / datasheet"] == pytest.approx(ours / 989.4)
+        datasheet = peak_flops(split.attrs["gpu"], "bf16") / 1e12
+        assert t.loc[mode, "ours / datasheet"] == pytest.approx(ours / datasheet)
         assert t.loc[mode, "FA3 (published)"] == flash_hopper.FA3_PUBLISHED[mode][0]
         assert t.loc[mode, "ours"] < t.loc[mode, "cuDNN"]  # the text: short of cuDNN

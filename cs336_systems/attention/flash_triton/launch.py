@@ -210,9 +210,9 @@ def _plan_key(kind: str, is_causal: bool, *tensors: Tensor) -> tuple:
             *(plans.tensor_signature(t) for t in tensors))  # fmt: skip
 
 
-def _run_planned(cache: plans.PlanCache, key: tuple, full, operands: dict[str, Tensor], *args):
-    """Replay the plan of `key` on `operands`, or run full(operands, *args) while recording one."""
-    plan = cache.get(key)
+def _run_planned(cache: plans.PlanCache, key: tuple, plan, full, operands: dict[str, Tensor], *args) -> None:
+    """Replay `plan` (the cache's plan of `key`) on `operands`, or, if there is none, run
+    full(operands, *args) while recording one."""
     if plan is not None:
         plan.run(operands)
         return
@@ -231,10 +231,11 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> tuple
     if not all(isinstance(t, Tensor) for t in (q, k, v)):
         check_inputs(q, k, v)  # raises the ValueError naming the problem
     key = _plan_key("fwd", is_causal, q, k, v)
-    if _FWD_PLANS.get(key) is None:
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
         check_inputs(q, k, v)
     ops = _fwd_operands(q, k, v)
-    _run_planned(_FWD_PLANS, key, _flash_fwd_full, ops, is_causal)
+    _run_planned(_FWD_PLANS, key, plan, _flash_fwd_full, ops, is_causal)
     return ops["o"], ops["lse"]
 
 
@@ -401,10 +402,11 @@ def flash_bwd(
     if not all(isinstance(t, Tensor) for t in (do, q, k, v, o, lse)):
         _check_backward(do, q, k, v, o, lse)
     key = _plan_key("bwd", is_causal, q, k, v, o, do, lse)
-    if _BWD_PLANS.get(key) is None:
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
         _check_backward(do, q, k, v, o, lse)
     ops = _bwd_operands(do, q, k, v, o, lse)
-    _run_planned(_BWD_PLANS, key, _flash_bwd_full, ops, is_causal)
+    _run_planned(_BWD_PLANS, key, plan, _flash_bwd_full, ops, is_causal)
     return ops["dq"], ops["dk"], ops["dv"]
 
 

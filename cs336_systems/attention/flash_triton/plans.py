@@ -181,9 +181,3 @@ class PlanCache:
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         self._plans[key] = Plan(rec.launches, device)
-
-    def clear(self) -> None:
-        self._plans.clear()
-
-    def __len__(self) -> int:
-        return len(self._plans)
