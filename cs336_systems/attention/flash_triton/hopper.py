@@ -21,7 +21,7 @@ import triton
 from torch import Tensor
 
 from cs336_systems.attention.flash_triton import plans
-from cs336_systems.attention.flash_triton.tiles import interpreting
+from cs336_systems.attention.flash_triton.tiles import interpreting, tma_layout_ok
 
 try:  # Gluon's Hopper API as of Triton 3.6; absent or different elsewhere
     from cs336_systems.attention.flash_triton import hopper_backward_kernels, hopper_kernels
@@ -54,14 +54,6 @@ def split_head_dim(d: int) -> int | None:
     return d0 if d1 >= 16 and d1 & (d1 - 1) == 0 else None
 
 
-def _tma_layout_ok(*tensors4: Tensor) -> bool:
-    for t in tensors4:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any((t.stride(i) * size) % 16 for i in range(3)) or t.stride(-1) != 1:
-            return False
-    return True
-
-
 def unsupported_reason(*tensors4: Tensor) -> str:
     """Why the Hopper kernels cannot take these (B, H, N, d) tensors ("" when they can)."""
     q = tensors4[0]
@@ -75,7 +67,7 @@ def unsupported_reason(*tensors4: Tensor) -> str:
         return f"the Hopper kernels take float16/bfloat16, got {q.dtype}"
     if split_head_dim(q.shape[-1]) is None:
         return f"head dim {q.shape[-1]} is neither a power of two 16..256 nor two such blocks >= 16"
-    if not _tma_layout_ok(*tensors4):
+    if not tma_layout_ok(*tensors4):
         return "TMA needs 16-byte aligned bases and batch/head/row strides"
     return ""
 

@@ -99,18 +99,9 @@ def _empty_f32(shape: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def _tma_ok(*tensors4: Tensor) -> bool:
-    """TMA descriptors need 16-byte aligned bases and 16-byte multiples for the B, H and row strides."""
-    for t in tensors4:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any((t.stride(i) * size) % 16 for i in range(3)) or t.stride(-1) != 1:
-            return False
-    return True
-
-
 def _tma_possible(device: torch.device, *tensors4: Tensor) -> bool:
     """Descriptors work on Hopper or newer (and in the interpreter) for aligned layouts."""
-    if not _tma_ok(*tensors4):
+    if not tiles.tma_layout_ok(*tensors4):
         return False
     return interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
 

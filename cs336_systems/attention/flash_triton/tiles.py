@@ -182,6 +182,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def tma_layout_ok(*tensors4: torch.Tensor) -> bool:
+    """Whether TMA descriptors can read these (B, H, N, d) tensors: 16-byte aligned bases, 16-byte
+    multiples for the B, H and row strides, a contiguous last dimension (the tl and Gluon paths)."""
+    for t in tensors4:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((t.stride(i) * size) % 16 for i in range(3)) or t.stride(-1) != 1:
+            return False
+    return True
+
+
 def block_d(d: int) -> int:
     """The head dim the kernels work in: d padded to a power of two (tl.arange needs one)."""
     return max(MIN_BLOCK, triton.next_power_of_2(d))
