@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cs336_systems.attention import FlashAttentionTriton
-from cs336_systems.attention.flash_triton import KernelOptions, hopper, use_configs
+from cs336_systems.attention.flash_triton import KernelOptions, hopper, launch, tiles, use_configs
 from tests.attention_helpers import check_outputs, make_case, run_impl
 
 HOPPER = KernelOptions(hopper=True)
@@ -40,11 +40,37 @@ def test_cpu_tensors_fall_back_to_the_portable_kernels_and_forcing_is_an_error()
 
 
 @pytest.mark.parametrize(
-    ("d", "default"),
-    [(64, False), (128, False), (80, True), (96, True), (48, True), (72, False), (160, False)],
-)
-def test_the_gluon_kernels_are_preferred_where_the_tl_kernels_would_pad_the_head_dim(d, default):
-    assert hopper.preferred(d) is default
+    ("d", "fwd", "bwd"),
+    [(64, False, False), (128, True, False), (80, True, True), (96, True, True), (48, True, True),
+     (72, False, False), (160, False, False), (256, False, False)],
+)  # fmt: skip
+def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, fwd, bwd):
+    """Split head dims (the tl kernels would pad them) both passes; d = 128 the warp-specialised forward."""
+    assert hopper.preferred(d, "fwd") is fwd
+    assert hopper.preferred(d, "bwd") is bwd
+    with pytest.raises(ValueError, match="kind must be"):
+        hopper.preferred(d, "dq")
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [hopper.WarpSpecializedFwdConfig(), hopper.WarpSpecializedFwdConfig(consumers=3, consumer_regs=160),
+     hopper.WarpSpecializedBwdConfig()],
+    ids=str,
+)  # fmt: skip
+def test_warp_specialized_register_budget_fits_one_program_per_sm(cfg):
+    """The launch cap spread over consumers + 1 warpgroups covers the consumers' and the producer's
+    registers (else setmaxnreg.inc would wait forever) and fits the 64K-register file."""
+    warpgroups = cfg.consumers + 1
+    assert cfg.maxnreg % 8 == 0
+    assert warpgroups * cfg.maxnreg >= cfg.consumers * cfg.consumer_regs + 24
+    assert warpgroups * 128 * cfg.maxnreg <= 65536
+
+
+def test_d128_forward_defaults_to_the_warp_specialized_kernel():
+    assert isinstance(hopper.heuristic_fwd(128), hopper.WarpSpecializedFwdConfig)
+    assert isinstance(hopper.heuristic_fwd(64), hopper.HopperFwdConfig)
+    assert isinstance(hopper.heuristic_fwd(80), hopper.HopperFwdConfig)
 
 
 @pytest.mark.gpu
@@ -56,6 +82,9 @@ def test_gpu_hopper_is_the_default_on_sm90_for_16_bit_inputs_at_padded_head_dims
     q64 = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
     assert not hopper.use_hopper(None, q64, q64, q64)  # power of two: the (faster) tl kernels
     assert hopper.use_hopper(True, q64, q64, q64) == _on_hopper()
+    q128 = torch.randn(1, 2, 128, 128, device="cuda", dtype=torch.bfloat16)
+    assert hopper.use_hopper(None, q128, q128, q128, kind="fwd") == _on_hopper()  # warp-specialised
+    assert not hopper.use_hopper(None, q128, q128, q128, kind="bwd")
 
 
 needs_sm90 = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
@@ -97,6 +126,76 @@ def test_gpu_hopper_forward_tile_candidates_and_every_element_written(cfg, n):
     )
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.double(), want, atol=5e-2, rtol=5e-2)
+
+
+WS_CONFIGS = [
+    hopper.WarpSpecializedFwdConfig(),
+    hopper.WarpSpecializedFwdConfig(pingpong=False),
+    hopper.WarpSpecializedFwdConfig(block_n=64, stages=3),
+    hopper.WarpSpecializedFwdConfig(consumers=3, block_n=64, stages=3, consumer_regs=160),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@pytest.mark.parametrize(
+    ("batch", "n_q", "n_k"), [((2, 3), 1, 1), ((1, 3), 97, 250), ((1, 3), 300, 97), ((2, 2), 1025, 1025)]
+)
+def test_gpu_warp_specialized_forward_matches_float64_and_writes_every_element(
+    cfg, is_causal, d, batch, n_q, n_k
+):
+    """The producer/consumer forward: ragged N (a program's second warpgroup past the last row, key
+    tiles past N_k), causal and not, split head dims (80 = 64 + 16), every output element written."""
+    case = make_case(batch, n_q, n_k, d, torch.bfloat16, device="cuda", is_causal=is_causal)
+    q4, k4, v4 = (t.detach() for t in (case.q, case.k, case.v))
+    o = torch.full_like(q4, float("nan"))
+    lse = torch.full(q4.shape[:-1], float("nan"), device="cuda")
+    hopper.flash_fwd_hopper(q4, k4, v4, o, lse, is_causal, cfg)
+    torch.cuda.synchronize()
+    qd, kd, vd = q4.double(), k4.double(), v4.double()
+    scores = qd @ kd.transpose(-1, -2) / d**0.5
+    if is_causal:  # top-left aligned
+        keep = torch.ones(n_q, n_k, device="cuda", dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    want_lse = torch.logsumexp(scores, -1)
+    want = torch.softmax(scores, -1) @ vd
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(o.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    "cfg", [hopper.WarpSpecializedBwdConfig(), hopper.WarpSpecializedBwdConfig(stages=3)], ids=str
+)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [16, 64, 80])
+@pytest.mark.parametrize(
+    ("batch", "n_q", "n_k"), [((2, 3), 1, 1), ((1, 3), 97, 250), ((1, 3), 300, 97), ((2, 2), 1025, 1025)]
+)
+def test_gpu_warp_specialized_dkdv_matches_the_portable_pass(cfg, is_causal, d, batch, n_q, n_k):
+    """The producer/consumer dK/dV pass against the tl pass on the same operands (itself checked
+    against float64 elsewhere): ragged N (a program's second warpgroup past the last key), causal
+    and not, split head dims, every element of dK and dV written."""
+    case = make_case(batch, n_q, n_k, d, torch.bfloat16, device="cuda", is_causal=is_causal)
+    q, k, v, do = (t.detach() for t in (case.q, case.k, case.v, case.do))
+    with use_configs(options=PORTABLE):
+        o, lse = launch.flash_fwd(q, k, v, is_causal)
+        tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
+        launch.launch_bwd(tensors, is_causal, tiles.current_config("bwd", n_q, n_k, d, q.dtype, is_causal), PORTABLE,
+                          launch.use_tma(PORTABLE, q.device, *tensors[:7]), ("dkdv",))  # fmt: skip
+    want_dk, want_dv = tensors[5].clone(), tensors[6].clone()
+    tensors[5].fill_(float("nan"))
+    tensors[6].fill_(float("nan"))
+    hopper.flash_dkdv_hopper(tensors, is_causal, cfg)
+    torch.cuda.synchronize()
+    for got, want in ((tensors[5], want_dk), (tensors[6], want_dv)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

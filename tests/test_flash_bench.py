@@ -257,3 +257,37 @@ def test_throughput_table_on_the_committed_results():
         assert t.loc[mode, "ours / datasheet"] == pytest.approx(ours / datasheet)
         assert t.loc[mode, "FA3 (published)"] == flash_hopper.FA3_PUBLISHED[mode][0]
         assert t.loc[mode, "ours"] < t.loc[mode, "cuDNN"]  # the text: short of cuDNN
+
+
+def test_pass_table_keeps_the_two_gluon_families_apart():
+    """The fastest one-warpgroup candidate and the fastest warp-specialised one, each against tl;
+    a failed candidate (no p50) never counts, and a pass without warp-specialised rows says so (NaN)."""
+    import json
+    import math
+
+    import pandas as pd
+
+    from cs336_systems.studies import flash_hopper
+
+    def row(impl, mode, p50, d=64, t=0):
+        return {"name": "hopper_tuning", "metric": "latency", "impl": impl, "mode": mode, "p50": p50,
+                "config_json": json.dumps({"d": d}), "timestamp": t}  # fmt: skip
+
+    df = pd.DataFrame(
+        [
+            row("tl FwdConfig(block_m=128)", "fwd", 2.0),
+            row("gluon HopperFwdConfig(block_m=128, block_n=64, stages=3, num_warps=8)", "fwd", 2.2),
+            row("gluon HopperFwdConfig(block_m=64, block_n=64, stages=3, num_warps=4)", "fwd", 2.4),
+            row("gluon WarpSpecializedFwdConfig(consumers=2, block_n=128, stages=2, pingpong=False, consumer_regs=240)", "fwd", 1.8),
+            row("gluon WarpSpecializedFwdConfig(consumers=3, block_n=64, stages=3, pingpong=True, consumer_regs=160)", "fwd", None),
+            row("tl BwdConfig(block_m1=64)", "dkdv", 3.0),
+            row("gluon HopperBwdConfig(block_m=64, block_n=64, stages=2, num_warps=4, maxnreg=None)", "dkdv", 3.3),
+        ]
+    )  # fmt: skip
+    t = flash_hopper.pass_table(df).set_index("pass")
+    assert t.loc["fwd", "Gluon ms"] == 2.2 and math.isclose(t.loc["fwd", "Gluon / tl"], 1.1)
+    assert t.loc["fwd", "WS ms"] == 1.8 and math.isclose(t.loc["fwd", "WS / tl"], 0.9)
+    assert t.loc["fwd", "WS tiles"] == "2 x 64 rows, 128 keys, 2 stages"
+    assert math.isnan(t.loc["dkdv", "WS ms"]) and t.loc["dkdv", "WS tiles"] == ""
+    f = flash_hopper._tiles("WarpSpecializedBwdConfig(block_m=64, stages=5, consumer_regs=240, consumers=2)")
+    assert f == "2 x 64 keys, 64 queries, 5 stages"

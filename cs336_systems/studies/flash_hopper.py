@@ -76,8 +76,15 @@ def _config(row: pd.Series) -> dict[str, Any]:
 
 
 def _tiles(impl: str) -> str:
-    """'gluon HopperBwdConfig(block_m=64, block_n=64, stages=2, num_warps=4, maxnreg=None)' -> '64x64, 4 warps, 2 stages'."""
+    """A Gluon candidate's label -> its tiles in words, e.g.
+    'HopperBwdConfig(block_m=64, block_n=64, stages=2, num_warps=4, maxnreg=None)' -> '64x64, 4 warps, 2 stages';
+    'WarpSpecializedFwdConfig(consumers=2, block_n=128, stages=2, pingpong=False, ...)' -> '2 x 64 rows, 128 keys, 2 stages'."""
     f = dict(re.findall(r"(\w+)=([\w.]+)", impl))
+    if impl.startswith("WarpSpecializedFwdConfig"):
+        pp = ", ping-pong" if f.get("pingpong") == "True" else ""
+        return f"{f['consumers']} x 64 rows, {f['block_n']} keys, {f['stages']} stages{pp}"
+    if impl.startswith("WarpSpecializedBwdConfig"):
+        return f"{f['consumers']} x 64 keys, {f['block_m']} queries, {f['stages']} stages"
     if "block_m" in f and "stages" in f:
         cap = f", <= {f['maxnreg']} regs" if f.get("maxnreg", "None") != "None" else ""
         return f"{f['block_m']}x{f['block_n']}, {f['num_warps']} warps, {f['stages']} stages{cap}"
@@ -85,8 +92,9 @@ def _tiles(impl: str) -> str:
 
 
 def pass_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per head dim and pass (latest tuning run of each): the tl kernels' time, the fastest Gluon
-    candidate and the ratio; failing candidates never count."""
+    """Per head dim and pass (latest tuning run of each candidate): the tl kernels' time, the fastest
+    one-warpgroup Gluon candidate and the fastest warp-specialised one, each against tl; failing
+    candidates never count."""
     tun = df[(df.name == "hopper_tuning") & (df.metric == "latency")].copy()
     if tun.empty:
         return pd.DataFrame()
@@ -95,21 +103,31 @@ def pass_table(df: pd.DataFrame) -> pd.DataFrame:
     tun = tun[tun.p50.notna()]
     rows = []
     for (d, mode), g in tun.groupby(["d", "mode"], sort=False):
-        tl, gluon = g[g.impl.str.startswith("tl ")], g[g.impl.str.startswith("gluon ")]
+        tl = g[g.impl.str.startswith("tl ")]
+        ws = g[g.impl.str.startswith("gluon WarpSpecialized")]
+        gluon = g[g.impl.str.startswith("gluon ") & ~g.index.isin(ws.index)]
         if tl.empty or gluon.empty:
             continue
+        tl_ms = float(tl.p50.iloc[-1])
         best = gluon.loc[gluon.p50.idxmin()]
-        rows.append(
-            {
-                "head dim": int(d),
-                "pass": mode,
-                "tl ms": float(tl.p50.iloc[-1]),
-                "Gluon ms": float(best.p50),
-                "Gluon tiles": _tiles(best.impl.removeprefix("gluon ")),
-                "Gluon / tl": float(best.p50 / tl.p50.iloc[-1]),
-                "candidates": len(gluon),
+        row = {
+            "head dim": int(d),
+            "pass": mode,
+            "tl ms": tl_ms,
+            "Gluon ms": float(best.p50),
+            "Gluon / tl": float(best.p50 / tl_ms),
+            "WS ms": math.nan,
+            "WS / tl": math.nan,
+            "WS tiles": "",
+        }
+        if len(ws):
+            best_ws = ws.loc[ws.p50.idxmin()]
+            row |= {
+                "WS ms": float(best_ws.p50),
+                "WS / tl": float(best_ws.p50 / tl_ms),
+                "WS tiles": _tiles(best_ws.impl.removeprefix("gluon ")),
             }
-        )
+        rows.append(row)
     out = pd.DataFrame(rows)
     out.attrs["source"] = tun
     return out
@@ -176,6 +194,11 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
     shapes = shapes_table(df).set_index("shape")
     out: dict[str, Any] = {
         "pass_ratio": {(int(r["head dim"]), r["pass"]): r["Gluon / tl"] for _, r in passes.iterrows()},
+        "ws_ratio": {
+            (int(r["head dim"]), r["pass"]): r["WS / tl"]
+            for _, r in passes.iterrows()
+            if r["WS / tl"] == r["WS / tl"]
+        },
         "protocol_runs": len(with_gluon),
         "protocol_ratio_min": with_gluon["ours / sdpa_flash"].min(),
         "protocol_ratio_max": with_gluon["ours / sdpa_flash"].max(),

@@ -200,6 +200,14 @@ HOPPER_FWD_CANDIDATES = {
     128: [(128, 64, 2, 8), (128, 128, 2, 8), (64, 64, 3, 4), (64, 128, 2, 4), (128, 64, 3, 8)],
     80: [(128, 64, 3, 8), (128, 64, 2, 8), (128, 128, 2, 8), (64, 64, 3, 4), (64, 128, 3, 4)],
 }
+# The warp-specialised forward: (consumers, block_n, stages, pingpong, consumer_regs).
+HOPPER_WS_FWD_CANDIDATES = {
+    64: [(2, 128, 2, True, 240), (2, 128, 2, False, 240), (3, 64, 3, True, 160), (3, 64, 3, False, 160)],
+    128: [(2, 128, 2, True, 240), (2, 128, 2, False, 240), (2, 64, 3, True, 240)],
+    80: [(2, 128, 2, False, 240), (2, 64, 3, True, 240)],
+}
+# The warp-specialised dK/dV pass: (block_m, stages).
+HOPPER_WS_DKDV_CANDIDATES = {64: [(64, 3), (64, 5)], 128: [(64, 2), (64, 3)], 80: [(64, 2), (64, 4)]}
 HOPPER_DKDV_CANDIDATES = {
     64: [
         (64, 64, 2, 4, None),
@@ -292,9 +300,28 @@ def run_hopper_tuning(
             lambda cfg=cfg: hopper.flash_fwd_hopper(q, k, v, o, lse, True, cfg),
             fwd_check,
         )
+    for cand in HOPPER_WS_FWD_CANDIDATES.get(d, []):
+        cfg = hopper.WarpSpecializedFwdConfig(*cand)
+        o.fill_(float("nan"))
+        record(
+            "fwd",
+            f"gluon {cfg!r}",
+            lambda cfg=cfg: hopper.flash_fwd_hopper(q, k, v, o, lse, True, cfg),
+            fwd_check,
+        )
     dk, dv = tensors[5], tensors[6]
     for cand in HOPPER_DKDV_CANDIDATES.get(d, []):
         cfg = hopper.HopperBwdConfig(*cand)
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
+        record(
+            "dkdv",
+            f"gluon {cfg!r}",
+            lambda cfg=cfg: hopper.flash_dkdv_hopper(tensors, True, cfg),
+            lambda: max(rel_err(dk, dk_ref), rel_err(dv, dv_ref)),
+        )
+    for cand in HOPPER_WS_DKDV_CANDIDATES.get(d, []):
+        cfg = hopper.WarpSpecializedBwdConfig(*cand)
         dk.fill_(float("nan"))
         dv.fill_(float("nan"))
         record(

@@ -1,11 +1,13 @@
-"""Launchers of the Hopper (sm_90) Gluon FlashAttention kernels (`hopper_kernels.py`: forward;
-`hopper_backward_kernels.py`: dK/dV).
+"""Launchers of the Hopper (sm_90) Gluon FlashAttention kernels: the one-warpgroup forward and dK/dV
+(`hopper_kernels.py`, `hopper_backward_kernels.py`) and their warp-specialised versions (a TMA
+producer warp feeding consumer warpgroups: `hopper_ws_kernels.py`, `hopper_ws_backward_kernels.py`).
 
-`launch.flash_fwd` / `launch.flash_bwd` call these when `use_hopper(...)` says so: on an sm_90 GPU,
-for float16/bfloat16 inputs whose head dimension the kernels take (a power of two 16..256, or the
+`launch.flash_fwd` / `launch.flash_bwd` call these when `use_hopper(..., kind=)` says so: on an sm_90
+GPU, for float16/bfloat16 inputs whose head dimension the kernels take (a power of two 16..256, or the
 sum of two powers of two >= 16 such as 80 = 64 + 16, 96, 160, 192) and whose layouts TMA can read
-(16-byte aligned bases and strides). `KernelOptions(hopper=False)` forces the portable tl kernels,
-`hopper=True` makes an unsupported input an error instead of a silent fallback.
+(16-byte aligned bases and strides), by default where they were measured faster than the tl kernels
+(`preferred`). `KernelOptions(hopper=False)` forces the portable tl kernels, `hopper=True` makes an
+unsupported input an error instead of a silent fallback.
 
 Gluon does not run under the Triton interpreter, and Triton builds without it (or with another API)
 simply leave `AVAILABLE` False: the tl kernels then serve every call.
@@ -24,9 +26,14 @@ from cs336_systems.attention.flash_triton import plans
 from cs336_systems.attention.flash_triton.tiles import interpreting, tma_layout_ok
 
 try:  # Gluon's Hopper API as of Triton 3.6; absent or different elsewhere
-    from cs336_systems.attention.flash_triton import hopper_backward_kernels, hopper_kernels
+    from cs336_systems.attention.flash_triton import (
+        hopper_backward_kernels,
+        hopper_kernels,
+        hopper_ws_backward_kernels,
+        hopper_ws_kernels,
+    )
 except Exception as err:  # any import problem means "not available"
-    hopper_kernels = hopper_backward_kernels = None
+    hopper_kernels = hopper_backward_kernels = hopper_ws_kernels = hopper_ws_backward_kernels = None
     UNAVAILABLE_REASON = f"triton.experimental.gluon (Hopper) could not be imported: {err}"
 else:
     UNAVAILABLE_REASON = ""
@@ -41,6 +48,30 @@ class HopperFwdConfig:
     block_n: int = 128
     stages: int = 3
     num_warps: int = 8
+
+
+@dataclass(frozen=True)
+class WarpSpecializedFwdConfig:
+    """The warp-specialised forward (`hopper_ws_kernels.py`): `consumers` warpgroups of 64 query rows
+    share each K/V tile of `block_n` keys, a producer warp fills a `stages`-deep ring; with
+    `pingpong` the consumers take turns issuing their products."""
+
+    consumers: int = 2
+    block_n: int = 128
+    stages: int = 2
+    pingpong: bool = True
+    consumer_regs: int = 240
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def maxnreg(self) -> int:
+        """Registers a thread at launch: the consumers' share plus the producer's 24, spread over the
+        program's consumers + 1 warpgroups, rounded up to 8 (one program per SM at 240 / 160)."""
+        need = self.consumers * self.consumer_regs + 24
+        return math.ceil(need / (self.consumers + 1) / 8) * 8
 
 
 def split_head_dim(d: int) -> int | None:
@@ -72,16 +103,20 @@ def unsupported_reason(*tensors4: Tensor) -> str:
     return ""
 
 
-def preferred(d: int) -> bool:
-    """Whether the Gluon kernels are the default for head dim d: where the tl kernels pad d to a power
-    of two (80 -> 128) and the split column blocks do not, up to d = 128 (beyond, the dK/dV kernel's
-    accumulators spill). At power-of-two head dims the tl kernels
-    were faster on an H100 (OPTIMIZATION_LOG.md, "Gluon"), so they stay the default there."""
-    return d <= 128 and split_head_dim(d) not in (None, d)
+def preferred(d: int, kind: str = "fwd") -> bool:
+    """Whether the Gluon kernels are the default for head dim d and pass `kind` ("fwd" or "bwd", the
+    dK/dV pass): where the tl kernels pad d to a power of two (80 -> 128) and the split column blocks
+    do not, up to d = 128 (beyond, the dK/dV kernel's accumulators spill); and the warp-specialised
+    forward at d = 128 (0.94x the tl forward's time on an H100; OPTIMIZATION_LOG.md, "Session 10").
+    Elsewhere at power-of-two head dims the tl kernels were as fast or faster, so they stay the default."""
+    if kind not in ("fwd", "bwd"):
+        raise ValueError(f"preferred: kind must be 'fwd' or 'bwd', got {kind!r}")
+    split = d <= 128 and split_head_dim(d) not in (None, d)
+    return split or (kind == "fwd" and d == 128)
 
 
-def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
-    """Whether to launch the Hopper kernels (option: KernelOptions.hopper)."""
+def use_hopper(option: bool | None, *tensors4: Tensor, kind: str = "fwd") -> bool:
+    """Whether to launch the Hopper kernels for pass `kind` (option: KernelOptions.hopper)."""
     if option is False:
         return False
     reason = unsupported_reason(*tensors4)
@@ -89,15 +124,19 @@ def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
         raise ValueError(
             f"FlashAttentionTriton: Hopper kernels forced (KernelOptions(hopper=True)) but {reason}"
         )
-    return not reason and (option or preferred(tensors4[0].shape[-1]))
+    return not reason and (option or preferred(tensors4[0].shape[-1], kind))
 
 
-def heuristic_fwd(d: int) -> HopperFwdConfig:
-    """Forward tiles by head dim (the fastest of the H100 sweep in OPTIMIZATION_LOG.md, Gluon section)."""
+def heuristic_fwd(d: int) -> HopperFwdConfig | WarpSpecializedFwdConfig:
+    """Forward tiles by head dim (the fastest of the H100 sweeps in OPTIMIZATION_LOG.md, "Sessions 7-8"
+    and "Session 10"): the warp-specialised kernel at d = 128 (two consumer warpgroups, 128-key tiles,
+    no ping-pong), the one-warpgroup kernel elsewhere."""
     if split_head_dim(d) != d:  # two column blocks (d = 80, 96, ...)
         return HopperFwdConfig(128, 64, 3, 8)
     if d <= 64:
         return HopperFwdConfig(128, 64, 4, 8)
+    if d == 128:
+        return WarpSpecializedFwdConfig(consumers=2, block_n=128, stages=2, pingpong=False)
     return HopperFwdConfig(64, 64, 3, 4)
 
 
@@ -117,12 +156,41 @@ def flash_fwd_hopper(
     o4: Tensor,
     lse: Tensor,
     is_causal: bool,
-    cfg: HopperFwdConfig | None = None,
+    cfg: HopperFwdConfig | WarpSpecializedFwdConfig | None = None,
 ) -> None:
     """Fill o4 (B, H, N_q, d) and lse (B, H, N_q) float32 from (B, H, N, d) q4, k4, v4."""
     batch, heads, n_q, d = q4.shape
     cfg = cfg or heuristic_fwd(d)
     _set_allocator(q4.device)
+    if isinstance(cfg, WarpSpecializedFwdConfig):
+        plans.launch(
+            hopper_ws_kernels.flash_fwd_ws_kernel,
+            (batch * heads, triton.cdiv(n_q, cfg.block_m)),
+            q4,
+            k4,
+            v4,
+            o4,
+            lse,
+            _strides3(q4),
+            _strides3(k4),
+            _strides3(v4),
+            _strides3(o4),
+            heads,
+            n_q,
+            k4.shape[2],
+            (1.0 / math.sqrt(d)) * 1.4426950408889634,
+            D=d,
+            D0=split_head_dim(d),
+            CONSUMERS=cfg.consumers,
+            BLOCK_N=cfg.block_n,
+            STAGES=cfg.stages,
+            IS_CAUSAL=bool(is_causal),
+            PINGPONG=cfg.pingpong,
+            CONSUMER_REGS=cfg.consumer_regs,
+            num_warps=4,
+            maxnreg=cfg.maxnreg,
+        )
+        return
     grid = (batch * heads, triton.cdiv(n_q, cfg.block_m))
     plans.launch(
         hopper_kernels.flash_fwd_hopper_kernel,
@@ -172,13 +240,62 @@ def heuristic_bwd(d: int) -> HopperBwdConfig:
     return HopperBwdConfig(16, 64, 2, 4)
 
 
-def flash_dkdv_hopper(tensors, is_causal: bool, cfg: HopperBwdConfig | None = None) -> None:
+@dataclass(frozen=True)
+class WarpSpecializedBwdConfig:
+    """The warp-specialised dK/dV pass (`hopper_ws_backward_kernels.py`): two consumer warpgroups of
+    64 keys share each Q/dO tile of `block_m` queries, a producer warp fills a `stages`-deep ring."""
+
+    block_m: int = 64
+    stages: int = 2
+    consumer_regs: int = 240
+    consumers: int = 2
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def maxnreg(self) -> int:
+        return math.ceil((self.consumers * self.consumer_regs + 24) / (self.consumers + 1) / 8) * 8
+
+
+def flash_dkdv_hopper(
+    tensors, is_causal: bool, cfg: HopperBwdConfig | WarpSpecializedBwdConfig | None = None
+) -> None:
     """Fill dk4, dv4 of `launch.prepare_backward`'s operands (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta)."""
     q4, k4, v4, do4, _dq4, dk4, dv4, lse, delta = tensors
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
     cfg = cfg or heuristic_bwd(d)
     _set_allocator(q4.device)
+    if isinstance(cfg, WarpSpecializedBwdConfig):
+        plans.launch(
+            hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel,
+            (batch * heads, triton.cdiv(n_k, cfg.block_n)),
+            q4,
+            k4,
+            v4,
+            do4,
+            dk4,
+            dv4,
+            lse,
+            delta,
+            *(_strides3(t) for t in (q4, k4, v4, do4, dk4, dv4)),
+            heads,
+            n_q,
+            n_k,
+            1.0 / math.sqrt(d),
+            D=d,
+            D0=split_head_dim(d),
+            CONSUMERS=cfg.consumers,
+            BLOCK_M=cfg.block_m,
+            STAGES=cfg.stages,
+            IS_CAUSAL=bool(is_causal),
+            CONSUMER_REGS=cfg.consumer_regs,
+            num_warps=4,
+            maxnreg=cfg.maxnreg,
+        )
+        return
     grid = (batch * heads, triton.cdiv(n_k, cfg.block_n))
     plans.launch(
         hopper_backward_kernels.flash_bwd_dkdv_hopper_kernel,

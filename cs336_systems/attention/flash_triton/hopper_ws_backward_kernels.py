@@ -1,0 +1,301 @@
+"""Warp-specialised dK/dV backward for Hopper (sm_90) in Gluon.
+
+Same function and operands as `hopper_backward_kernels.flash_bwd_dkdv_hopper_kernel` (whose
+docstring gives the per-step products); what differs is the split of work inside a program:
+
+    producer warp        K/V of every consumer once, then per query step the Q and dO tiles (TMA) and
+                         L * log2(e), Delta (plain loads stored to shared memory) into a STAGES-deep
+                         ring, refilling a stage once every consumer has released it
+    consumer w = 0..C-1  one warpgroup, 64 keys each (the program's C * 64 keys share every Q/dO
+                         tile): S^T, dP^T, dV += P^T dO, dK += dS^T Q, asynchronous as in the
+                         one-warpgroup kernel, with no CTA-wide barrier per step
+
+dQ stays the tl kernel's pass (`backward_dq_kernels.py`).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from cs336_systems.attention.flash_triton.hopper_backward_kernels import _transposed_product
+from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor
+
+WG_KEYS: gl.constexpr = gl.constexpr(64)  # key rows per consumer warpgroup (one wgmma M)
+WG_WARPS: gl.constexpr = gl.constexpr(4)
+
+
+@gluon.jit
+def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
+    """TMA loads of every consumer's K/V, then the Q/dO/L/Delta ring."""
+    descs, smem, bars, off_bh, start_n, start_m0, n_iters, N_QUERIES, L_ptr, Delta_ptr = args[:10]
+    q0, q1, do0, do1, k0, k1, v0, v1 = descs[:8]
+    q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s = smem
+    kv_bar, ready_bar, empty_bar = bars
+    STAGES: gl.constexpr = q0_s.type.shape[0]
+    BLOCK_M: gl.constexpr = q0_s.type.shape[1]
+    kv_bytes: gl.constexpr = 2 * (k0.block_type.nbytes + (k1.block_type.nbytes if SPLIT else 0))
+    for c in gl.static_range(C):
+        row = start_n + c * WG_KEYS
+        mbarrier.expect(kv_bar.index(c), kv_bytes)
+        tma.async_copy_global_to_shared(k0, [row, 0], kv_bar.index(c), k0_s.index(c))
+        tma.async_copy_global_to_shared(v0, [row, 0], kv_bar.index(c), v0_s.index(c))
+        if SPLIT:
+            tma.async_copy_global_to_shared(k1, [row, 0], kv_bar.index(c), k1_s.index(c))
+            tma.async_copy_global_to_shared(v1, [row, 0], kv_bar.index(c), v1_s.index(c))
+    vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    l_base = L_ptr + off_bh.to(gl.int64) * N_QUERIES
+    delta_base = Delta_ptr + off_bh.to(gl.int64) * N_QUERIES
+    qdo_bytes: gl.constexpr = 2 * (q0.block_type.nbytes + (q1.block_type.nbytes if SPLIT else 0))
+    # L and Delta of step it + 1 are loaded while waiting for step it's stage to empty.
+    offs_m = start_m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
+    l2 = gl.load(l_base + offs_m, mask=offs_m < N_QUERIES, other=float("inf")) * LOG2E
+    delta = gl.load(delta_base + offs_m, mask=offs_m < N_QUERIES, other=0.0)
+    for it in range(n_iters):
+        s = it % STAGES
+        start_m = start_m0 + it * BLOCK_M
+        mbarrier.wait(empty_bar.index(s), ((it // STAGES) & 1) ^ 1)
+        l_s.index(s).store(l2)
+        delta_s.index(s).store(delta)
+        gl.thread_barrier()  # the whole warp's stores before the arrive below (release)
+        mbarrier.expect(ready_bar.index(s), qdo_bytes)
+        tma.async_copy_global_to_shared(q0, [start_m, 0], ready_bar.index(s), q0_s.index(s))
+        tma.async_copy_global_to_shared(do0, [start_m, 0], ready_bar.index(s), do0_s.index(s))
+        if SPLIT:
+            tma.async_copy_global_to_shared(q1, [start_m, 0], ready_bar.index(s), q1_s.index(s))
+            tma.async_copy_global_to_shared(do1, [start_m, 0], ready_bar.index(s), do1_s.index(s))
+        offs_m += BLOCK_M
+        l2 = gl.load(l_base + offs_m, mask=offs_m < N_QUERIES, other=float("inf")) * LOG2E
+        delta = gl.load(delta_base + offs_m, mask=offs_m < N_QUERIES, other=0.0)
+
+
+@gluon.jit
+def _bwd_consumer(args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step."""
+    descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, _L_ptr, _Delta_ptr, scale = args
+    dk0_d, dk1_d, dv0_d, dv1_d = descs[8:]
+    q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s = smem
+    kv_bar, ready_bar, empty_bar = bars
+    STAGES: gl.constexpr = q0_s.type.shape[0]
+    BLOCK_M: gl.constexpr = q0_s.type.shape[1]
+    D0: gl.constexpr = q0_s.type.shape[2]
+    D1: gl.constexpr = q1_s.type.shape[2]
+    G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
+    dtype: gl.constexpr = q0_s.dtype
+    key0 = start_n + w * WG_KEYS
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc0_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, D0, 16]
+    )
+    acc1_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, D1, 16]
+    )
+    a0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc0_layout, k_width=2)
+    a1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    k0_w, k1_w = k0_s.index(w), k1_s.index(w)
+    v0_w, v1_w = v0_s.index(w), v1_s.index(w)
+    offs_n = key0 + gl.arange(0, WG_KEYS, layout=row_layout)
+    qk_scale = scale * LOG2E
+    dk0 = gl.zeros([WG_KEYS, D0], gl.float32, acc0_layout)
+    dv0 = gl.zeros([WG_KEYS, D0], gl.float32, acc0_layout)
+    dk1 = gl.zeros([WG_KEYS, D1], gl.float32, acc1_layout)
+    dv1 = gl.zeros([WG_KEYS, D1], gl.float32, acc1_layout)
+    zero_s = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(kv_bar.index(w), 0)
+
+    for it in range(n_iters):
+        st = it % STAGES
+        start_m = start_m0 + it * BLOCK_M
+        mbarrier.wait(ready_bar.index(st), (it // STAGES) & 1)
+        q0_t, q1_t = q0_s.index(st), q1_s.index(st)
+        do0_t, do1_t = do0_s.index(st), do1_s.index(st)
+        st_tok = _transposed_product(k0_w, k1_w, q0_t, q1_t, zero_s, SPLIT)
+        dpt_tok = _transposed_product(v0_w, v1_w, do0_t, do1_t, zero_s, SPLIT)
+        l2 = l_s.index(st).load(col_layout)
+        delta = delta_s.index(st).load(col_layout)
+        # In flight: dK of the previous step (if any), S^T, dP^T. Wait for all but dP^T.
+        s_t = warpgroup_mma_wait(G, deps=(st_tok,))
+        # The previous step's products are all done: release its stage to the producer.
+        mbarrier.arrive(empty_bar.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
+        pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
+        if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
+            if start_m < key0 + WG_KEYS - 1:  # a step that straddles (or precedes) the diagonal
+                offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+                keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
+                pt = gl.where(keep, pt, 0.0)
+        pt_b = pt.to(dtype)
+        pt_a0 = gl.convert_layout(pt_b, a0_layout)
+        dv0 = warpgroup_mma(pt_a0, do0_t, dv0, is_async=True)
+        if SPLIT:
+            pt_a1 = gl.convert_layout(pt_b, a1_layout)
+            dv1 = warpgroup_mma(pt_a1, do1_t, dv1, is_async=True)
+        dpt = warpgroup_mma_wait(G, deps=(dpt_tok,))
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        dst_a0 = gl.convert_layout(dst, a0_layout)
+        dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
+        if SPLIT:
+            dst_a1 = gl.convert_layout(dst, a1_layout)
+            dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
+            dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1 = warpgroup_mma_wait(
+                G, deps=(dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1)
+            )
+        else:
+            dv0, dk0, pt_a0, dst_a0 = warpgroup_mma_wait(G, deps=(dv0, dk0, pt_a0, dst_a0))
+    if SPLIT:
+        dv0, dv1, dk0, dk1 = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1))
+    else:
+        dv0, dk0 = warpgroup_mma_wait(0, deps=(dv0, dk0))
+
+    # dK, dV through this warpgroup's K and V buffers (only its own products read them, all done).
+    k0_w.store((dk0 * scale).to(dtype))
+    v0_w.store(dv0.to(dtype))
+    if SPLIT:
+        k1_w.store((dk1 * scale).to(dtype))
+        v1_w.store(dv1.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk0_d, [key0, 0], k0_w)
+    tma.async_copy_shared_to_global(dv0_d, [key0, 0], v0_w)
+    if SPLIT:
+        tma.async_copy_shared_to_global(dk1_d, [key0, 0], k1_w)
+        tma.async_copy_shared_to_global(dv1_d, [key0, 0], v1_w)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_consumer0(args, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL)
+
+
+@gluon.jit
+def _bwd_worker(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Worker partition w: consumer w for 1 <= w < C, the producer for w == C."""
+    if w == C:
+        _bwd_producer(args, C, SPLIT)
+    else:
+        _bwd_consumer(args, w, SPLIT, IS_CAUSAL)
+
+
+@gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
+def flash_bwd_dkdv_ws_kernel(
+    Q_ptr,
+    K_ptr,
+    V_ptr,
+    DO_ptr,
+    DK_ptr,
+    DV_ptr,
+    L_ptr,
+    Delta_ptr,
+    q_strides,
+    k_strides,
+    v_strides,
+    do_strides,
+    dk_strides,
+    dv_strides,
+    NUM_HEADS,
+    N_QUERIES,
+    N_KEYS,
+    scale,
+    D: gl.constexpr,
+    D0: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H, cdiv(N_KEYS, CONSUMERS * 64)); num_warps 4."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    SPLIT: gl.constexpr = D0 != D
+    D1: gl.constexpr = D - D0 if SPLIT else D0
+    C: gl.constexpr = CONSUMERS
+    BLOCK_N: gl.constexpr = C * WG_KEYS
+    dtype: gl.constexpr = Q_ptr.dtype.element_ty
+    off_bh = gl.program_id(0)
+    k_tile = gl.program_id(1)
+    if IS_CAUSAL:
+        k_tile = gl.num_programs(1) - 1 - k_tile  # most query steps first (keys at the start)
+    off_b = (off_bh // NUM_HEADS).to(gl.int64)
+    off_h = (off_bh % NUM_HEADS).to(gl.int64)
+    start_n = k_tile * BLOCK_N
+
+    q0 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
+    do0 = head_descriptor(DO_ptr, do_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
+    k0 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, WG_KEYS, D0)
+    v0 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, WG_KEYS, D0)
+    dk0 = head_descriptor(DK_ptr, dk_strides, off_b, off_h, N_KEYS, 0, WG_KEYS, D0)
+    dv0 = head_descriptor(DV_ptr, dv_strides, off_b, off_h, N_KEYS, 0, WG_KEYS, D0)
+    q0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], q0.layout)
+    do0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], do0.layout)
+    k0_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D0], k0.layout)
+    v0_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D0], v0.layout)
+    if SPLIT:
+        q1 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
+        do1 = head_descriptor(DO_ptr, do_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
+        k1 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, D0, WG_KEYS, D1)
+        v1 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, D0, WG_KEYS, D1)
+        dk1 = head_descriptor(DK_ptr, dk_strides, off_b, off_h, N_KEYS, D0, WG_KEYS, D1)
+        dv1 = head_descriptor(DV_ptr, dv_strides, off_b, off_h, N_KEYS, D0, WG_KEYS, D1)
+        q1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], q1.layout)
+        do1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], do1.layout)
+        k1_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D1], k1.layout)
+        v1_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D1], v1.layout)
+    else:
+        q1, do1, k1, v1, dk1, dv1 = q0, do0, k0, v0, dk0, dv0
+        q1_s, do1_s, k1_s, v1_s = q0_s, do0_s, k0_s, v0_s
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    l_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    delta_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+
+    kv_bar = gl.allocate_shared_memory(gl.int64, [C, 1], mbarrier.MBarrierLayout())
+    ready_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(C):
+        mbarrier.init(kv_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=C)
+
+    # Query steps: (causal) from the step holding query start_n, else from 0.
+    if IS_CAUSAL:
+        start_m0 = (start_n // BLOCK_M) * BLOCK_M
+    else:
+        start_m0 = 0
+    n_iters = gl.cdiv(N_QUERIES - start_m0, BLOCK_M)
+
+    args = (
+        (q0, q1, do0, do1, k0, k1, v0, v1, dk0, dk1, dv0, dv1),
+        (q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s),
+        (kv_bar, ready_bar, empty_bar),
+        off_bh,
+        start_n,
+        start_m0,
+        n_iters,
+        N_QUERIES,
+        L_ptr,
+        Delta_ptr,
+        scale,
+    )
+    gl.static_assert(C == 2, "two consumer warpgroups")
+    gl.warp_specialize(
+        [
+            (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL)),
+            (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL)),
+            (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )
