@@ -55,7 +55,7 @@ def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, fwd,
 @pytest.mark.parametrize(
     "cfg",
     [hopper.WarpSpecializedFwdConfig(), hopper.WarpSpecializedFwdConfig(consumers=3, consumer_regs=160),
-     hopper.WarpSpecializedBwdConfig()],
+     hopper.WarpSpecializedBwdConfig(), hopper.WarpSpecializedBwdConfig(consumers=3, consumer_regs=160)],
     ids=str,
 )  # fmt: skip
 def test_warp_specialized_register_budget_fits_one_program_per_sm(cfg):
@@ -170,7 +170,13 @@ def test_gpu_warp_specialized_forward_matches_float64_and_writes_every_element(
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(
-    "cfg", [hopper.WarpSpecializedBwdConfig(), hopper.WarpSpecializedBwdConfig(stages=3)], ids=str
+    "cfg",
+    [
+        hopper.WarpSpecializedBwdConfig(),
+        hopper.WarpSpecializedBwdConfig(stages=3),
+        hopper.WarpSpecializedBwdConfig(block_m=32, stages=4, consumer_regs=160, consumers=3),
+    ],
+    ids=str,
 )
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [16, 64, 80])

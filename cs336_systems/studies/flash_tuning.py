@@ -206,8 +206,12 @@ HOPPER_WS_FWD_CANDIDATES = {
     128: [(2, 128, 2, True, 240), (2, 128, 2, False, 240), (2, 64, 3, True, 240)],
     80: [(2, 128, 2, False, 240), (2, 64, 3, True, 240)],
 }
-# The warp-specialised dK/dV pass: (block_m, stages).
-HOPPER_WS_DKDV_CANDIDATES = {64: [(64, 3), (64, 5)], 128: [(64, 2), (64, 3)], 80: [(64, 2), (64, 4)]}
+# The warp-specialised dK/dV pass: (block_m, stages, consumer_regs, consumers).
+HOPPER_WS_DKDV_CANDIDATES = {
+    64: [(64, 3, 240, 2), (64, 5, 240, 2), (32, 4, 160, 3), (64, 3, 160, 3)],
+    128: [(64, 2, 240, 2), (64, 3, 240, 2)],
+    80: [(64, 2, 240, 2), (64, 4, 240, 2), (32, 4, 160, 3)],
+}
 HOPPER_DKDV_CANDIDATES = {
     64: [
         (64, 64, 2, 4, None),

@@ -242,8 +242,9 @@ def heuristic_bwd(d: int) -> HopperBwdConfig:
 
 @dataclass(frozen=True)
 class WarpSpecializedBwdConfig:
-    """The warp-specialised dK/dV pass (`hopper_ws_backward_kernels.py`): two consumer warpgroups of
-    64 keys share each Q/dO tile of `block_m` queries, a producer warp fills a `stages`-deep ring."""
+    """The warp-specialised dK/dV pass (`hopper_ws_backward_kernels.py`): `consumers` (2 or 3)
+    warpgroups of 64 keys share each Q/dO tile of `block_m` queries, a producer warp fills a
+    `stages`-deep ring; three consumers fit the register file at 160 a thread with 32-query steps."""
 
     block_m: int = 64
     stages: int = 2

@@ -217,7 +217,8 @@ def flash_bwd_dkdv_ws_kernel(
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H, cdiv(N_KEYS, CONSUMERS * 64)); num_warps 4."""
+    """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H, cdiv(N_KEYS, CONSUMERS * 64)); num_warps 4
+    (the default partition is consumer 0; consumers 1.. and the producer warp are worker partitions)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
@@ -289,13 +290,25 @@ def flash_bwd_dkdv_ws_kernel(
         Delta_ptr,
         scale,
     )
-    gl.static_assert(C == 2, "two consumer warpgroups")
-    gl.warp_specialize(
-        [
-            (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL)),
-            (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL)),
-            (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL)),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, 24],
-    )
+    gl.static_assert(C == 2 or C == 3, "two or three consumer warpgroups")
+    if C == 2:
+        gl.warp_specialize(
+            [
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL)),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, 24],
+        )
