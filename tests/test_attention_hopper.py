@@ -41,11 +41,11 @@ def test_cpu_tensors_fall_back_to_the_portable_kernels_and_forcing_is_an_error()
 
 @pytest.mark.parametrize(
     ("d", "fwd", "bwd"),
-    [(64, False, False), (128, True, False), (80, True, True), (96, True, True), (48, True, True),
+    [(64, False, False), (128, True, True), (80, True, True), (96, True, True), (48, True, True),
      (72, False, False), (160, False, False), (256, False, False)],
 )  # fmt: skip
 def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, fwd, bwd):
-    """Split head dims (the tl kernels would pad them) both passes; d = 128 the warp-specialised forward."""
+    """Split head dims (the tl kernels would pad them) and d = 128 (the warp-specialised kernels)."""
     assert hopper.preferred(d, "fwd") is fwd
     assert hopper.preferred(d, "bwd") is bwd
     with pytest.raises(ValueError, match="kind must be"):
@@ -67,8 +67,10 @@ def test_warp_specialized_register_budget_fits_one_program_per_sm(cfg):
     assert warpgroups * 128 * cfg.maxnreg <= 65536
 
 
-def test_d128_forward_defaults_to_the_warp_specialized_kernel():
+def test_d128_defaults_to_the_warp_specialized_kernels():
     assert isinstance(hopper.heuristic_fwd(128), hopper.WarpSpecializedFwdConfig)
+    assert isinstance(hopper.heuristic_bwd(128), hopper.WarpSpecializedBwdConfig)
+    assert isinstance(hopper.heuristic_bwd(64), hopper.HopperBwdConfig)
     assert isinstance(hopper.heuristic_fwd(64), hopper.HopperFwdConfig)
     assert isinstance(hopper.heuristic_fwd(80), hopper.HopperFwdConfig)
 
@@ -84,7 +86,7 @@ def test_gpu_hopper_is_the_default_on_sm90_for_16_bit_inputs_at_padded_head_dims
     assert hopper.use_hopper(True, q64, q64, q64) == _on_hopper()
     q128 = torch.randn(1, 2, 128, 128, device="cuda", dtype=torch.bfloat16)
     assert hopper.use_hopper(None, q128, q128, q128, kind="fwd") == _on_hopper()  # warp-specialised
-    assert not hopper.use_hopper(None, q128, q128, q128, kind="bwd")
+    assert hopper.use_hopper(None, q128, q128, q128, kind="bwd") == _on_hopper()
 
 
 needs_sm90 = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")

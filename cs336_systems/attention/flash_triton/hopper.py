@@ -107,12 +107,12 @@ def preferred(d: int, kind: str = "fwd") -> bool:
     """Whether the Gluon kernels are the default for head dim d and pass `kind` ("fwd" or "bwd", the
     dK/dV pass): where the tl kernels pad d to a power of two (80 -> 128) and the split column blocks
     do not, up to d = 128 (beyond, the dK/dV kernel's accumulators spill); and the warp-specialised
-    forward at d = 128 (0.94x the tl forward's time on an H100; OPTIMIZATION_LOG.md, "Session 10").
-    Elsewhere at power-of-two head dims the tl kernels were as fast or faster, so they stay the default."""
+    kernels at d = 128 (on an H100 the forward 0.91-0.94x and the dK/dV pass 0.98-0.99x the tl
+    kernels' time; OPTIMIZATION_LOG.md, "Session 10"). At d <= 64 the tl kernels were as fast or
+    faster, so they stay the default there."""
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"preferred: kind must be 'fwd' or 'bwd', got {kind!r}")
-    split = d <= 128 and split_head_dim(d) not in (None, d)
-    return split or (kind == "fwd" and d == 128)
+    return d == 128 or (d <= 128 and split_head_dim(d) not in (None, d))
 
 
 def use_hopper(option: bool | None, *tensors4: Tensor, kind: str = "fwd") -> bool:
@@ -229,12 +229,16 @@ class HopperBwdConfig:
     maxnreg: int | None = None
 
 
-def heuristic_bwd(d: int) -> HopperBwdConfig:
-    """dK/dV tiles by head dim: 64 keys x 64-query steps, two stages, one warpgroup, the fastest
-    candidate on an H100 at d = 64, 80 and 128 (flash_bench --tune-hopper; at d = 80 3.50 ms against
-    4.06 for 32-query steps, which need fewer registers, 190 instead of 254, but issue twice the
-    waits). Above d = 128 the two fp32 accumulators (dK, dV: 64 key rows x d per warpgroup) spill
-    whatever the step, so the step shrinks to 16 queries to keep the score tiles small."""
+def heuristic_bwd(d: int) -> HopperBwdConfig | WarpSpecializedBwdConfig:
+    """dK/dV tiles by head dim: at d = 128 the warp-specialised pass (two consumer warpgroups of 64
+    keys, 64-query steps, two stages); elsewhere 64 keys x 64-query steps, two stages, one
+    warpgroup, the fastest one-warpgroup candidate on an H100 at d = 64 and 80 (flash_bench
+    --tune-hopper; at d = 80 3.50 ms against 4.06 for 32-query steps, which need fewer registers,
+    190 instead of 254, but issue twice the waits). Above d = 128 the two fp32 accumulators (dK, dV:
+    64 key rows x d per warpgroup) spill whatever the step, so the step shrinks to 16 queries to
+    keep the score tiles small."""
+    if d == 128:
+        return WarpSpecializedBwdConfig(block_m=64, stages=2)
     if d <= 128:
         return HopperBwdConfig(64, 64, 2, 4)
     return HopperBwdConfig(16, 64, 2, 4)
