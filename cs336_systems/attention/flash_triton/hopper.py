@@ -248,16 +248,12 @@ def heuristic_bwd(d: int) -> HopperBwdConfig | WarpSpecializedBwdConfig:
 class WarpSpecializedBwdConfig:
     """The warp-specialised dK/dV pass (`hopper_ws_backward_kernels.py`): `consumers` (2 or 3)
     warpgroups of 64 keys share each Q/dO tile of `block_m` queries, a producer warp fills a
-    `stages`-deep ring; three consumers fit the register file at 160 a thread with 32-query steps.
-    `pipeline` issues each step's dV product, then the next step's S^T and dP^T, then its dK product
-    (dS^T through shared memory), so the elementwise work of a step overlaps up to three products
-    (power-of-two head dims, stages >= 3)."""
+    `stages`-deep ring; three consumers fit the register file at 160 a thread with 32-query steps."""
 
     block_m: int = 64
     stages: int = 2
     consumer_regs: int = 240
     consumers: int = 2
-    pipeline: bool = False
 
     @property
     def block_n(self) -> int:
@@ -278,11 +274,6 @@ def flash_dkdv_hopper(
     cfg = cfg or heuristic_bwd(d)
     _set_allocator(q4.device)
     if isinstance(cfg, WarpSpecializedBwdConfig):
-        if cfg.pipeline and (split_head_dim(d) != d or cfg.stages < 3):
-            raise ValueError(
-                f"WarpSpecializedBwdConfig(pipeline=True) needs a power-of-two head dim and stages >= 3, "
-                f"got d = {d}, stages = {cfg.stages}"
-            )
         plans.launch(
             hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel,
             (batch * heads, triton.cdiv(n_k, cfg.block_n)),
@@ -306,7 +297,6 @@ def flash_dkdv_hopper(
             STAGES=cfg.stages,
             IS_CAUSAL=bool(is_causal),
             CONSUMER_REGS=cfg.consumer_regs,
-            PIPELINE=cfg.pipeline,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )

@@ -79,7 +79,7 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
 @gluon.jit
 def _bwd_consumer(args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step."""
-    descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, _L_ptr, _Delta_ptr, scale = args[:11]
+    descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, _L_ptr, _Delta_ptr, scale = args
     dk0_d, dk1_d, dv0_d, dv1_d = descs[8:]
     q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s = smem
     kv_bar, ready_bar, empty_bar = bars
@@ -175,149 +175,15 @@ def _bwd_consumer(args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.cons
 
 
 @gluon.jit
-def _pipelined_step(
-    it,
-    s_t,
-    dpt_tok,
-    dk,
-    dv,
-    pt_prev,
-    args,
-    w: gl.constexpr,
-    FIRST: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    s_layout: gl.constexpr,
-    a_layout: gl.constexpr,
-):
-    """Query step `it` of the pipelined consumer, S^T already waited for (`s_t`). Issue order per step:
-    dV_it, then the next step's S^T and dP^T, then dK_it, so that dS_it's elementwise work overlaps
-    three products and the next step's P^T overlaps dP^T_{it+1} and dK_it. dS^T goes through shared
-    memory (double-buffered), so only P^T's registers must outlive their product by one step."""
-    _descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, _L_ptr, _Delta_ptr, scale, ds_s = (
-        args
-    )
-    q0_s, _q1_s, do0_s, _do1_s, k0_s, _k1_s, v0_s, _v1_s, l_s, delta_s = smem
-    ready_bar = bars[1]
-    STAGES: gl.constexpr = q0_s.type.shape[0]
-    BLOCK_M: gl.constexpr = q0_s.type.shape[1]
-    dtype: gl.constexpr = q0_s.dtype
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    key0 = start_n + w * WG_KEYS
-    st = it % STAGES
-    start_m = start_m0 + it * BLOCK_M
-    q_t = q0_s.index(st)
-    l2 = l_s.index(st).load(col_layout)
-    pt = gl.exp2(s_t * (scale * LOG2E) - gl.expand_dims(l2, 0))
-    if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
-        if start_m < key0 + WG_KEYS - 1:  # a step that straddles (or precedes) the diagonal
-            offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-            offs_n = key0 + gl.arange(0, WG_KEYS, layout=row_layout)
-            keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
-            pt = gl.where(keep, pt, 0.0)
-    pt_a = gl.convert_layout(pt.to(dtype), a_layout)
-    dv = warpgroup_mma(pt_a, do0_s.index(st), dv, is_async=True)
-    # The next step's products. Past the last step they read a stale (or never filled) stage and
-    # their results are dropped: the wait counts below stay the same on every step.
-    nxt = (it + 1) % STAGES
-    mbarrier.wait(ready_bar.index(nxt), ((it + 1) // STAGES) & 1, pred=it + 1 < n_iters)
-    zero_s = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, s_layout)
-    st_next = warpgroup_mma(
-        k0_s.index(w), q0_s.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True
-    )
-    dpt_next = warpgroup_mma(
-        v0_s.index(w), do0_s.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True
-    )
-    # In flight after dP^T_it, in issue order: [dK_{it-1}], dV_it, S^T_{it+1}, dP^T_{it+1}.
-    if FIRST:
-        dpt = warpgroup_mma_wait(3, deps=(dpt_tok,))
-    else:
-        dpt, pt_prev = warpgroup_mma_wait(4, deps=(dpt_tok, pt_prev))
-    delta = delta_s.index(st).load(col_layout)
-    ds_t = ds_s.index(2 * w + it % 2)  # dK_{it-2}, its last reader, is done (waited for at this step's S^T)
-    ds_t.store((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()  # the whole warpgroup's dS^T rows before the product reads them
-    dk = warpgroup_mma(ds_t, q_t, dk, is_async=True)
-    return dk, dv, st_next, dpt_next, pt_a
+def _bwd_consumer0(args, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL)
 
 
 @gluon.jit
-def _bwd_consumer_pipelined(args, w: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """One warpgroup (one column block), steps software-pipelined by `_pipelined_step`."""
-    descs, smem, bars, _off_bh, start_n, _start_m0, n_iters, _N_QUERIES, _L_ptr, _Delta_ptr, scale, _ds_s = (
-        args
-    )
-    dk_d, dv_d = descs[8], descs[10]
-    q0_s, _q1_s, do0_s, _do1_s, k0_s, _k1_s, v0_s, _v1_s, _l_s, _delta_s = smem
-    kv_bar, ready_bar, empty_bar = bars
-    STAGES: gl.constexpr = q0_s.type.shape[0]
-    BLOCK_M: gl.constexpr = q0_s.type.shape[1]
-    D0: gl.constexpr = q0_s.type.shape[2]
-    dtype: gl.constexpr = q0_s.dtype
-    key0 = start_n + w * WG_KEYS
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, D0, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    k_w, v_w = k0_s.index(w), v0_s.index(w)
-    dk = gl.zeros([WG_KEYS, D0], gl.float32, acc_layout)
-    dv = gl.zeros([WG_KEYS, D0], gl.float32, acc_layout)
-    zero_s = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, s_layout)
-    mbarrier.wait(kv_bar.index(w), 0)
-    if n_iters > 0:
-        mbarrier.wait(ready_bar.index(0), 0)
-        st_tok = warpgroup_mma(k_w, q0_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dpt_tok = warpgroup_mma(v_w, do0_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_t = warpgroup_mma_wait(1, deps=(st_tok,))
-        pt_prev = gl.zeros([WG_KEYS, BLOCK_M], dtype, a_layout)
-        dk, dv, st_tok, dpt_tok, pt_prev = _pipelined_step(
-            0, s_t, dpt_tok, dk, dv, pt_prev, args, w, True, IS_CAUSAL, s_layout, a_layout
-        )
-        for it in range(1, n_iters):
-            # In flight, in issue order: dV_{it-1}, S^T_it, dP^T_it, dK_{it-1}; wait for S^T_it.
-            s_t, pt_prev = warpgroup_mma_wait(2, deps=(st_tok, pt_prev))
-            # dK_{it-2} (issued before dV_{it-1}) is done: step it - 2's stage goes back to the producer.
-            mbarrier.arrive(empty_bar.index((it + STAGES - 2) % STAGES), count=1, pred=it >= 2)
-            dk, dv, st_tok, dpt_tok, pt_prev = _pipelined_step(
-                it, s_t, dpt_tok, dk, dv, pt_prev, args, w, False, IS_CAUSAL, s_layout, a_layout
-            )
-        dk, dv, st_tok, dpt_tok, pt_prev = warpgroup_mma_wait(0, deps=(dk, dv, st_tok, dpt_tok, pt_prev))
-    k_w.store((dk * scale).to(dtype))
-    v_w.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_d, [key0, 0], k_w)
-    tma.async_copy_shared_to_global(dv_d, [key0, 0], v_w)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _bwd_consumer0(
-    args, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, PIPELINE: gl.constexpr
-):
-    if PIPELINE:
-        _bwd_consumer_pipelined(args, 0, IS_CAUSAL)
-    else:
-        _bwd_consumer(args, 0, SPLIT, IS_CAUSAL)
-
-
-@gluon.jit
-def _bwd_worker(
-    args,
-    w: gl.constexpr,
-    C: gl.constexpr,
-    SPLIT: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    PIPELINE: gl.constexpr,
-):
+def _bwd_worker(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C."""
     if w == C:
         _bwd_producer(args, C, SPLIT)
-    elif PIPELINE:
-        _bwd_consumer_pipelined(args, w, IS_CAUSAL)
     else:
         _bwd_consumer(args, w, SPLIT, IS_CAUSAL)
 
@@ -349,7 +215,6 @@ def flash_bwd_dkdv_ws_kernel(
     STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
-    PIPELINE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H, cdiv(N_KEYS, CONSUMERS * 64)); num_warps 4
@@ -396,13 +261,6 @@ def flash_bwd_dkdv_ws_kernel(
     l_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
     delta_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
 
-    if PIPELINE:  # dS^T of the pipelined consumers, double-buffered per consumer
-        gl.static_assert(not SPLIT, "the pipelined consumers take one column block")
-        gl.static_assert(STAGES >= 3, "the pipelined consumers hold three steps' Q/dO stages")
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BLOCK_M], dtype)
-        ds_s = gl.allocate_shared_memory(dtype, [2 * C, WG_KEYS, BLOCK_M], ds_layout)
-    else:
-        ds_s = l_s  # unused
     kv_bar = gl.allocate_shared_memory(gl.int64, [C, 1], mbarrier.MBarrierLayout())
     ready_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -431,15 +289,14 @@ def flash_bwd_dkdv_ws_kernel(
         L_ptr,
         Delta_ptr,
         scale,
-        ds_s,
     )
     gl.static_assert(C == 2 or C == 3, "two or three consumer warpgroups")
     if C == 2:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, PIPELINE)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, PIPELINE)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, PIPELINE)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL)),
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
@@ -447,10 +304,10 @@ def flash_bwd_dkdv_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, PIPELINE)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, PIPELINE)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, PIPELINE)),
-                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, PIPELINE)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL)),
+                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, 24],
