@@ -104,9 +104,10 @@ if len(protocol) and not quick:
         f"counted on the products it issues it runs at {facts['bwd_tflops_issued']:.0f} TFLOP/s. The compiled "
         "kernels (Triton's TTGIR, read offline) wait for each product whose result the softmax uses right after "
         "issuing it; Gluon kernels that defer those waits (the Hopper FlashAttention section) were not faster at "
-        "this head dim, and a one-pass tl backward that reduces dQ by TMA was slower than the two passes (the "
-        "same section): in one warpgroup the fifth product and its reduction serialise. Going further needs "
-        "warp-specialised producer/consumer pipelines (FlashAttention-3), not only later waits."
+        "this head dim, nor were warp-specialised ones (a TMA producer warp feeding consumer warpgroups, "
+        "FlashAttention-3's structure; they paid at d = 128), and a one-pass tl backward that reduces dQ by TMA "
+        "was slower than the two passes (the same section): in one warpgroup the fifth product and its "
+        "reduction serialise."
     )
 
 # %% [markdown]

@@ -15,14 +15,20 @@
 # FlashAttention kernels in Gluon for Hopper.
 # Triton 3.6 ships `triton.experimental.gluon`, which exposes what `tl.dot` hides on Hopper:
 # asynchronous `warpgroup_mma` with explicit `warpgroup_mma_wait`, TMA copies into shared-memory
-# rings tracked by mbarriers, and explicit register and shared-memory layouts. We wrote a forward
-# (the softmax of key tile t overlaps the P V product of tile t-1 on the tensor cores) and a dK/dV
-# pass (four asynchronous products per query step, each overlapping one elementwise phase), both
-# splitting a head dim that is not a power of two into two power-of-two blocks (80 = 64 + 16) instead
-# of padding it; dQ stays the portable tl kernel. `FlashAttentionTriton` picks them by default where
-# the tl kernels would pad the head dim; `KernelOptions(hopper=True/False)` forces either way.
-# Kernels: `cs336_systems/attention/flash_triton/hopper_kernels.py`, `hopper_backward_kernels.py`;
-# the measurement log: `OPTIMIZATION_LOG.md` ("Sessions 7-8", "Session 9").
+# rings tracked by mbarriers, explicit register and shared-memory layouts, and warp specialisation
+# (`gl.warp_specialize`: partitions of warps with their own register budgets). Two families of
+# kernels were written. One warpgroup per program: a forward (the softmax of key tile t overlaps the
+# P V product of tile t-1 on the tensor cores) and a dK/dV pass (four asynchronous products per query
+# step, each overlapping one elementwise phase). Warp-specialised (FlashAttention-3's structure): a
+# producer warp feeds a ring of K/V (forward) or Q/dO/L/Delta (dK/dV) stages by TMA, and two or three
+# consumer warpgroups share each stage, the forward optionally in ping-pong (the consumers take turns
+# issuing products). All split a head dim that is not a power of two into two power-of-two blocks
+# (80 = 64 + 16) instead of padding it; dQ stays the portable tl kernel. `FlashAttentionTriton` picks
+# them by default where they were measured faster (`hopper.preferred`: split head dims, and the
+# warp-specialised kernels at d = 128); `KernelOptions(hopper=True/False)` forces either way.
+# Kernels: `cs336_systems/attention/flash_triton/hopper_kernels.py`, `hopper_backward_kernels.py`,
+# `hopper_ws_kernels.py`, `hopper_ws_backward_kernels.py`; the measurement log: `OPTIMIZATION_LOG.md`
+# ("Sessions 7-8", "Session 9", "Session 10").
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure on an sm_90 GPU, else render the committed results
@@ -51,12 +57,22 @@ passes, shapes = flash_hopper.pass_table(df), flash_hopper.shapes_table(df)
 if len(passes) and len(shapes) and not quick:
     f = flash_hopper.facts(df)
     r = f["pass_ratio"]
+    w = f["ws_ratio"]
     nb.md(
-        f"**Answer.** Deferring the waits did not make the kernels faster where nothing is padded: on the "
-        f"{f['gpu']} the Gluon forward takes {r[(64, 'fwd')]:.2f}x and the Gluon dK/dV {r[(64, 'dkdv')]:.2f}x the "
-        f"tl kernels' time at d = 64 ({r[(128, 'fwd')]:.2f}x and {r[(128, 'dkdv')]:.2f}x at d = 128). At d = 80, "
-        f"where the tl kernels pad to 128, they take {r[(80, 'fwd')]:.2f}x and {r[(80, 'dkdv')]:.2f}x, less than the "
-        f"1.6x product work the padding adds (the softmax work is not padded), so they are the default there. On the 2025 protocol our default (tl) kernels "
+        f"**Answer.** Deferring the waits did not make the one-warpgroup kernels faster where nothing is "
+        f"padded: on the {f['gpu']} the Gluon forward takes {r[(64, 'fwd')]:.2f}x and the Gluon dK/dV "
+        f"{r[(64, 'dkdv')]:.2f}x the tl kernels' time at d = 64 ({r[(128, 'fwd')]:.2f}x and "
+        f"{r[(128, 'dkdv')]:.2f}x at d = 128). Warp specialisation paid at d = 128: the producer/consumer "
+        f"forward takes {w[(128, 'fwd')]:.2f}x the tl forward there (its dK/dV {w[(128, 'dkdv')]:.2f}x, within "
+        f"run-to-run noise), both the default at d = 128; at d = 80 the warp-specialised kernels take "
+        f"{w[(80, 'fwd')]:.2f}x and {w[(80, 'dkdv')]:.2f}x the (padded) tl time, level with the one-warpgroup ones; "
+        f"at d = 64 they take {w[(64, 'fwd')]:.2f}x (forward) and "
+        f"{w[(64, 'dkdv')]:.2f}x (dK/dV): two consumer warpgroups keep fewer warps per SM than the tl dK/dV pass's "
+        "three one-warpgroup programs, and at d = 64 a tile's exponentials take as long as its products, so "
+        "there is little for the producer structure to overlap (OPTIMIZATION_LOG.md, Session 10). "
+        f"At d = 80, where the tl kernels pad to 128, the one-warpgroup kernels take {r[(80, 'fwd')]:.2f}x and "
+        f"{r[(80, 'dkdv')]:.2f}x, less than the 1.6x product work the padding adds (the softmax work is not "
+        f"padded), so they are the default there. On the 2025 protocol our default (tl) kernels "
         f"stay at {f['protocol_ratio_min']:.3f}-{f['protocol_ratio_max']:.3f}x SDPA-flash in "
         f"{f['protocol_runs']} runs (the Gluon kernels forced: {f['protocol_gluon_ratio']:.3f}x; cuDNN "
         f"{f['protocol_cudnn_ratio']:.3f}x): the goals of cuDNN's speed, or at least 0.70x, are not met"
@@ -69,9 +85,9 @@ if len(passes) and len(shapes) and not quick:
             if "throughput" in f
             else ""
         )
-        + ". At the "
-        f"8B leaderboard's shape (32 x 32768 x 128) ours equals SDPA-flash ({f['shape_vs_flash']['32 x 32768 x 128']:.2f}x) "
-        f"and takes {f['shape_vs_cudnn']['32 x 32768 x 128']:.2f}x cuDNN's time. At d = 80 ours is no slower "
+        + ". At the 8B leaderboard's shape (32 x 32768 x 128) ours takes "
+        f"{f['shape_vs_flash']['32 x 32768 x 128']:.2f}x SDPA-flash's time and "
+        f"{f['shape_vs_cudnn']['32 x 32768 x 128']:.2f}x cuDNN's. At d = 80 ours is no slower "
         f"than SDPA-flash from N = {f['d80_no_slower_from']} on; below, our step "
         f"({f['d80_short_ms'][0]:.2f}-{f['d80_short_ms'][1]:.2f} ms; "
         f"{f['shape_vs_flash']['128 x 512 x 80']:.2f}x SDPA-flash at N = 512) is host time, not kernel time. "
@@ -92,16 +108,16 @@ if len(passes) and len(shapes) and not quick:
             if {64, 128} <= set(f["one_pass_ratio"])
             else ""
         )
-        + "What the kernels lack, and FlashAttention-3 has: warp specialisation (a TMA producer warp, consumer "
-        "warpgroups in ping-pong so one's softmax overlaps the other's products, a warpgroup that reduces dQ "
-        "while the others compute)."
+        + "Untried: a dK/dV pass that keeps more warps per SM with 64-query steps, and a one-pass backward "
+        "whose dQ reduction runs in its own warpgroup (Gluon 3.6 has no TMA reduction on Hopper)."
     )
 
 # %% [markdown]
 # **Each pass alone** (`flash_bench --tune-hopper d:bfloat16:16384`: 16 heads, N = 16384, causal,
 # bf16). The tl kernels run their heuristic tiles; every Gluon candidate is first checked against the
-# tl result on NaN-poisoned outputs, then timed (do_bench median). The table keeps the fastest Gluon
-# candidate per pass.
+# tl result on NaN-poisoned outputs, then timed (do_bench median). The table keeps the fastest
+# candidate of each family per pass: "Gluon", one warpgroup per program; "WS", warp-specialised
+# (consumer warpgroups x 64 rows or keys, key tile or query step, ring stages).
 
 # %% tags=["remove-input"]
 if nb.have_results(passes, "the per-pass Gluon timings"):
@@ -109,7 +125,13 @@ if nb.have_results(passes, "the per-pass Gluon timings"):
         passes,
         caption="Gluon against tl, each pass alone (median ms)",
         provenance_from=passes.attrs["source"],
-        formats={"tl ms": "{:.3f}", "Gluon ms": "{:.3f}", "Gluon / tl": "{:.2f}"},
+        formats={
+            "tl ms": "{:.3f}",
+            "Gluon ms": "{:.3f}",
+            "Gluon / tl": "{:.2f}",
+            "WS ms": "{:.3f}",
+            "WS / tl": "{:.2f}",
+        },
     )
 
 # %% [markdown]
@@ -150,8 +172,8 @@ if nb.have_results(one_pass, "the one-pass backward timings"):
 # **The models' shapes** (`flash_bench --leaderboard --lb-shapes ...`, the protocol's step:
 # compiled `apply`, forward + `o.sum().backward()`, batch 1 with B x H heads): the 8B leaderboard's
 # attention (32 heads, N = 32768, d = 128) and the 2.7B model's (batch 4 x 32 heads, d = 80). "ours"
-# is the default choice (Gluon at d = 80, tl at d = 128); "portable" forces the tl kernels, "gluon"
-# the Gluon ones; "custom_op_floor" launches nothing but is built like ours (its step is the host
+# is the default choice (the one-warpgroup Gluon kernels at d = 80, the warp-specialised ones at
+# d = 128); "portable" forces the tl kernels, "gluon" the Gluon ones; "custom_op_floor" launches nothing but is built like ours (its step is the host
 # floor of the design). SDPA's steps are eager calls, ours compiled, as in the protocol. Each row is
 # one run (one process, interleaved with nothing else); host CPUs differ between machines of one kind,
 # so compare within a row (a blank: not timed in that row's run).
