@@ -291,8 +291,9 @@ def run_hopper_tuning(
         )
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], device=device)
-    for bm, bn, stages, warps in HOPPER_FWD_CANDIDATES.get(d, []):
-        cfg = hopper.HopperFwdConfig(bm, bn, stages, warps)
+    fwd_cands = [hopper.HopperFwdConfig(*c) for c in HOPPER_FWD_CANDIDATES.get(d, [])]
+    fwd_cands += [hopper.WarpSpecializedFwdConfig(*c) for c in HOPPER_WS_FWD_CANDIDATES.get(d, [])]
+    for cfg in fwd_cands:
 
         def fwd_check() -> float:
             return max(rel_err(o, o_ref), rel_err(lse, lse_ref))
@@ -304,28 +305,10 @@ def run_hopper_tuning(
             lambda cfg=cfg: hopper.flash_fwd_hopper(q, k, v, o, lse, True, cfg),
             fwd_check,
         )
-    for cand in HOPPER_WS_FWD_CANDIDATES.get(d, []):
-        cfg = hopper.WarpSpecializedFwdConfig(*cand)
-        o.fill_(float("nan"))
-        record(
-            "fwd",
-            f"gluon {cfg!r}",
-            lambda cfg=cfg: hopper.flash_fwd_hopper(q, k, v, o, lse, True, cfg),
-            fwd_check,
-        )
     dk, dv = tensors[5], tensors[6]
-    for cand in HOPPER_DKDV_CANDIDATES.get(d, []):
-        cfg = hopper.HopperBwdConfig(*cand)
-        dk.fill_(float("nan"))
-        dv.fill_(float("nan"))
-        record(
-            "dkdv",
-            f"gluon {cfg!r}",
-            lambda cfg=cfg: hopper.flash_dkdv_hopper(tensors, True, cfg),
-            lambda: max(rel_err(dk, dk_ref), rel_err(dv, dv_ref)),
-        )
-    for cand in HOPPER_WS_DKDV_CANDIDATES.get(d, []):
-        cfg = hopper.WarpSpecializedBwdConfig(*cand)
+    dkdv_cands = [hopper.HopperBwdConfig(*c) for c in HOPPER_DKDV_CANDIDATES.get(d, [])]
+    dkdv_cands += [hopper.WarpSpecializedBwdConfig(*c) for c in HOPPER_WS_DKDV_CANDIDATES.get(d, [])]
+    for cfg in dkdv_cands:
         dk.fill_(float("nan"))
         dv.fill_(float("nan"))
         record(

@@ -163,58 +163,36 @@ def flash_fwd_hopper(
     cfg = cfg or heuristic_fwd(d)
     _set_allocator(q4.device)
     if isinstance(cfg, WarpSpecializedFwdConfig):
-        plans.launch(
-            hopper_ws_kernels.flash_fwd_ws_kernel,
-            (batch * heads, triton.cdiv(n_q, cfg.block_m)),
-            q4,
-            k4,
-            v4,
-            o4,
-            lse,
-            _strides3(q4),
-            _strides3(k4),
-            _strides3(v4),
-            _strides3(o4),
-            heads,
-            n_q,
-            k4.shape[2],
-            (1.0 / math.sqrt(d)) * 1.4426950408889634,
-            D=d,
-            D0=split_head_dim(d),
+        kernel = hopper_ws_kernels.flash_fwd_ws_kernel
+        specific = dict(
             CONSUMERS=cfg.consumers,
-            BLOCK_N=cfg.block_n,
-            STAGES=cfg.stages,
-            IS_CAUSAL=bool(is_causal),
             PINGPONG=cfg.pingpong,
             CONSUMER_REGS=cfg.consumer_regs,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )
-        return
-    grid = (batch * heads, triton.cdiv(n_q, cfg.block_m))
+    else:
+        kernel = hopper_kernels.flash_fwd_hopper_kernel
+        specific = dict(BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
     plans.launch(
-        hopper_kernels.flash_fwd_hopper_kernel,
-        grid,
+        kernel,
+        (batch * heads, triton.cdiv(n_q, cfg.block_m)),
         q4,
         k4,
         v4,
         o4,
         lse,
-        _strides3(q4),
-        _strides3(k4),
-        _strides3(v4),
-        _strides3(o4),
+        *(_strides3(t) for t in (q4, k4, v4, o4)),
         heads,
         n_q,
         k4.shape[2],
         (1.0 / math.sqrt(d)) * 1.4426950408889634,
         D=d,
         D0=split_head_dim(d),
-        BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
         IS_CAUSAL=bool(is_causal),
-        num_warps=cfg.num_warps,
+        **specific,
     )
 
 
@@ -274,37 +252,18 @@ def flash_dkdv_hopper(
     cfg = cfg or heuristic_bwd(d)
     _set_allocator(q4.device)
     if isinstance(cfg, WarpSpecializedBwdConfig):
-        plans.launch(
-            hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel,
-            (batch * heads, triton.cdiv(n_k, cfg.block_n)),
-            q4,
-            k4,
-            v4,
-            do4,
-            dk4,
-            dv4,
-            lse,
-            delta,
-            *(_strides3(t) for t in (q4, k4, v4, do4, dk4, dv4)),
-            heads,
-            n_q,
-            n_k,
-            1.0 / math.sqrt(d),
-            D=d,
-            D0=split_head_dim(d),
-            CONSUMERS=cfg.consumers,
-            BLOCK_M=cfg.block_m,
-            STAGES=cfg.stages,
-            IS_CAUSAL=bool(is_causal),
-            CONSUMER_REGS=cfg.consumer_regs,
-            num_warps=4,
-            maxnreg=cfg.maxnreg,
+        kernel = hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel
+        specific = dict(
+            CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg
         )
-        return
-    grid = (batch * heads, triton.cdiv(n_k, cfg.block_n))
+    else:
+        kernel = hopper_backward_kernels.flash_bwd_dkdv_hopper_kernel
+        specific = dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+        if cfg.maxnreg:
+            specific["maxnreg"] = cfg.maxnreg
     plans.launch(
-        hopper_backward_kernels.flash_bwd_dkdv_hopper_kernel,
-        grid,
+        kernel,
+        (batch * heads, triton.cdiv(n_k, cfg.block_n)),
         q4,
         k4,
         v4,
@@ -321,9 +280,7 @@ def flash_dkdv_hopper(
         D=d,
         D0=split_head_dim(d),
         BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
         IS_CAUSAL=bool(is_causal),
-        num_warps=cfg.num_warps,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        **specific,
     )

@@ -59,6 +59,65 @@ def _transposed_product(a0_s, a1_s, b0_t, b1_t, zero, SPLIT: gl.constexpr):
     return acc
 
 
+@gluon.jit
+def _dkdv_after_scores(
+    s_t,
+    dpt_tok,
+    l2,
+    delta,
+    start_m,
+    key0,
+    q0_t,
+    q1_t,
+    do0_t,
+    do1_t,
+    dk0,
+    dk1,
+    dv0,
+    dv1,
+    qk_scale,
+    s_layout: gl.constexpr,
+    a0_layout: gl.constexpr,
+    a1_layout: gl.constexpr,
+    SPLIT: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+):
+    """The rest of a query step once S^T (keys key0.. on rows) is ready: P^T = exp2(S^T c - L) (masked
+    on steps that straddle or precede the diagonal), dV += P^T dO issued, dP^T waited for,
+    dS^T = P^T (dP^T - Delta), dK += dS^T Q issued. Returns (dk0, dk1, dv0, dv1) with the dK product
+    still in flight. l2 (L * log2 e) and delta: the step's queries, laid out along S^T's columns."""
+    G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
+    KEYS: gl.constexpr = s_t.type.shape[0]
+    BLOCK_M: gl.constexpr = s_t.type.shape[1]
+    dtype: gl.constexpr = q0_t.dtype
+    pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
+    if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
+        if start_m < key0 + KEYS - 1:
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            offs_n = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+            keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
+            pt = gl.where(keep, pt, 0.0)
+    pt_b = pt.to(dtype)
+    pt_a0 = gl.convert_layout(pt_b, a0_layout)
+    dv0 = warpgroup_mma(pt_a0, do0_t, dv0, is_async=True)
+    if SPLIT:
+        pt_a1 = gl.convert_layout(pt_b, a1_layout)
+        dv1 = warpgroup_mma(pt_a1, do1_t, dv1, is_async=True)
+    dpt = warpgroup_mma_wait(G, deps=(dpt_tok,))
+    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    dst_a0 = gl.convert_layout(dst, a0_layout)
+    dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
+    if SPLIT:
+        dst_a1 = gl.convert_layout(dst, a1_layout)
+        dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
+        dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1 = warpgroup_mma_wait(
+            G, deps=(dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1)
+        )
+    else:
+        dv0, dk0, pt_a0, dst_a0 = warpgroup_mma_wait(G, deps=(dv0, dk0, pt_a0, dst_a0))
+    return dk0, dk1, dv0, dv1
+
+
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
 def flash_bwd_dkdv_hopper_kernel(
     Q_ptr,
@@ -124,7 +183,6 @@ def flash_bwd_dkdv_hopper_kernel(
     a0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc0_layout, k_width=2)
     a1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     k0 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
     v0 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
@@ -173,7 +231,6 @@ def flash_bwd_dkdv_hopper_kernel(
 
     l_base = L_ptr + off_bh.to(gl.int64) * N_QUERIES
     delta_base = Delta_ptr + off_bh.to(gl.int64) * N_QUERIES
-    offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
     qk_scale = scale * LOG2E
     dk0 = gl.zeros([BLOCK_N, D0], gl.float32, acc0_layout)
     dv0 = gl.zeros([BLOCK_N, D0], gl.float32, acc0_layout)
@@ -216,29 +273,10 @@ def flash_bwd_dkdv_hopper_kernel(
                 STAGES,
                 SPLIT,
             )
-        pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
-        if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
-            if start_m < start_n + BLOCK_N - 1:  # a step that straddles the diagonal
-                keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
-                pt = gl.where(keep, pt, 0.0)
-        pt_b = pt.to(dtype)
-        pt_a0 = gl.convert_layout(pt_b, a0_layout)
-        dv0 = warpgroup_mma(pt_a0, do0_t, dv0, is_async=True)
-        if SPLIT:
-            pt_a1 = gl.convert_layout(pt_b, a1_layout)
-            dv1 = warpgroup_mma(pt_a1, do1_t, dv1, is_async=True)
-        dpt = warpgroup_mma_wait(G, deps=(dpt_tok,))
-        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        dst_a0 = gl.convert_layout(dst, a0_layout)
-        dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
-        if SPLIT:
-            dst_a1 = gl.convert_layout(dst, a1_layout)
-            dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
-            dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1 = warpgroup_mma_wait(
-                G, deps=(dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1)
-            )
-        else:
-            dv0, dk0, pt_a0, dst_a0 = warpgroup_mma_wait(G, deps=(dv0, dk0, pt_a0, dst_a0))
+        dk0, dk1, dv0, dv1 = _dkdv_after_scores(
+            s_t, dpt_tok, l2, delta, start_m, start_n, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
+            s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL,
+        )  # fmt: skip
     if SPLIT:
         dv0, dv1, dk0, dk1 = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1))
     else:

@@ -21,11 +21,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.flash_triton.hopper_backward_kernels import _transposed_product
+from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
+    _dkdv_after_scores,
+    _transposed_product,
+)
 from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor
 
 WG_KEYS: gl.constexpr = gl.constexpr(64)  # key rows per consumer warpgroup (one wgmma M)
@@ -103,11 +105,9 @@ def _bwd_consumer(args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.cons
     a0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc0_layout, k_width=2)
     a1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     k0_w, k1_w = k0_s.index(w), k1_s.index(w)
     v0_w, v1_w = v0_s.index(w), v1_s.index(w)
-    offs_n = key0 + gl.arange(0, WG_KEYS, layout=row_layout)
     qk_scale = scale * LOG2E
     dk0 = gl.zeros([WG_KEYS, D0], gl.float32, acc0_layout)
     dv0 = gl.zeros([WG_KEYS, D0], gl.float32, acc0_layout)
@@ -130,30 +130,10 @@ def _bwd_consumer(args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.cons
         s_t = warpgroup_mma_wait(G, deps=(st_tok,))
         # The previous step's products are all done: release its stage to the producer.
         mbarrier.arrive(empty_bar.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
-        pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
-        if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
-            if start_m < key0 + WG_KEYS - 1:  # a step that straddles (or precedes) the diagonal
-                offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-                keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
-                pt = gl.where(keep, pt, 0.0)
-        pt_b = pt.to(dtype)
-        pt_a0 = gl.convert_layout(pt_b, a0_layout)
-        dv0 = warpgroup_mma(pt_a0, do0_t, dv0, is_async=True)
-        if SPLIT:
-            pt_a1 = gl.convert_layout(pt_b, a1_layout)
-            dv1 = warpgroup_mma(pt_a1, do1_t, dv1, is_async=True)
-        dpt = warpgroup_mma_wait(G, deps=(dpt_tok,))
-        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        dst_a0 = gl.convert_layout(dst, a0_layout)
-        dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
-        if SPLIT:
-            dst_a1 = gl.convert_layout(dst, a1_layout)
-            dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
-            dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1 = warpgroup_mma_wait(
-                G, deps=(dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1)
-            )
-        else:
-            dv0, dk0, pt_a0, dst_a0 = warpgroup_mma_wait(G, deps=(dv0, dk0, pt_a0, dst_a0))
+        dk0, dk1, dv0, dv1 = _dkdv_after_scores(
+            s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
+            s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL,
+        )  # fmt: skip
     if SPLIT:
         dv0, dv1, dk0, dk1 = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1))
     else:
