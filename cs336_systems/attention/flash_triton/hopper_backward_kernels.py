@@ -51,7 +51,7 @@ def _load_qdo(
 
 
 @gluon.jit
-def _transposed_product(a0_s, a1_s, b0_t, b1_t, zero, SPLIT: gl.constexpr):
+def transposed_product(a0_s, a1_s, b0_t, b1_t, zero, SPLIT: gl.constexpr):
     """Issue X^T = A B^T over both column blocks (async): K Q^T or V dO^T with keys on rows."""
     acc = warpgroup_mma(a0_s, b0_t.permute((1, 0)), zero, use_acc=False, is_async=True)
     if SPLIT:
@@ -60,7 +60,7 @@ def _transposed_product(a0_s, a1_s, b0_t, b1_t, zero, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_after_scores(
+def dkdv_after_scores(
     s_t,
     dpt_tok,
     l2,
@@ -245,8 +245,8 @@ def flash_bwd_dkdv_hopper_kernel(
         mbarrier.wait(bar.index(st), (it // STAGES) & 1)
         q0_t, q1_t = q0_s.index(st), q1_s.index(st)
         do0_t, do1_t = do0_s.index(st), do1_s.index(st)
-        st_tok = _transposed_product(k0_s, k1_s, q0_t, q1_t, zero_s, SPLIT)
-        dpt_tok = _transposed_product(v0_s, v1_s, do0_t, do1_t, zero_s, SPLIT)
+        st_tok = transposed_product(k0_s, k1_s, q0_t, q1_t, zero_s, SPLIT)
+        dpt_tok = transposed_product(v0_s, v1_s, do0_t, do1_t, zero_s, SPLIT)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
         in_q = offs_m < N_QUERIES
         l2 = gl.load(l_base + offs_m, mask=in_q, other=float("inf")) * LOG2E
@@ -273,7 +273,7 @@ def flash_bwd_dkdv_hopper_kernel(
                 STAGES,
                 SPLIT,
             )
-        dk0, dk1, dv0, dv1 = _dkdv_after_scores(
+        dk0, dk1, dv0, dv1 = dkdv_after_scores(
             s_t, dpt_tok, l2, delta, start_m, start_n, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
             s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL,
         )  # fmt: skip

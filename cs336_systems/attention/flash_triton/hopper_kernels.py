@@ -87,7 +87,7 @@ def _load_kv(
 
 
 @gluon.jit
-def _scores(
+def issue_scores(
     q0_s,
     q1_s,
     k0_s,
@@ -106,7 +106,7 @@ def _scores(
 
 
 @gluon.jit
-def _softmax_step(
+def softmax_step(
     s,
     m_i,
     l_i,
@@ -244,16 +244,16 @@ def flash_fwd_hopper_kernel(
     # Tile 0: S_0 and its softmax, nothing to overlap with yet.
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_bar.index(0), 0)
-    s_tok0 = _scores(q0_s, q1_s, k0_s.index(0), k1_s.index(0), s_layout, BLOCK_M, BLOCK_N, SPLIT)
+    s_tok0 = issue_scores(q0_s, q1_s, k0_s.index(0), k1_s.index(0), s_layout, BLOCK_M, BLOCK_N, SPLIT)
     s0 = warpgroup_mma_wait(0, deps=(s_tok0,))
-    p, m_i, l_i, alpha = _softmax_step(
+    p, m_i, l_i, alpha = softmax_step(
         s0, m_i, l_i, 0, start_m, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
     )
     for t in range(1, n_tiles):
         st = t % STAGES
         prev = (t - 1) % STAGES
         mbarrier.wait(k_bar.index(st), (t // STAGES) & 1)
-        s_tok = _scores(q0_s, q1_s, k0_s.index(st), k1_s.index(st), s_layout, BLOCK_M, BLOCK_N, SPLIT)
+        s_tok = issue_scores(q0_s, q1_s, k0_s.index(st), k1_s.index(st), s_layout, BLOCK_M, BLOCK_N, SPLIT)
         mbarrier.wait(v_bar.index(prev), ((t - 1) // STAGES) & 1)
         pb = p.to(dtype)
         p0 = gl.convert_layout(pb, p0_layout)
@@ -265,7 +265,7 @@ def flash_fwd_hopper_kernel(
         else:
             s_t = warpgroup_mma_wait(1, deps=(s_tok,))
         # The softmax of tile t runs on the CUDA cores while P_{t-1} V_{t-1} runs on the tensor cores.
-        p, m_i, l_i, alpha = _softmax_step(
+        p, m_i, l_i, alpha = softmax_step(
             s_t, m_i, l_i, t * BLOCK_N, start_m, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
         )
         if SPLIT:

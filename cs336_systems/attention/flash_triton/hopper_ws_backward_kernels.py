@@ -25,8 +25,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
-    _dkdv_after_scores,
-    _transposed_product,
+    dkdv_after_scores,
+    transposed_product,
 )
 from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor
 
@@ -122,15 +122,15 @@ def _bwd_consumer(args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.cons
         mbarrier.wait(ready_bar.index(st), (it // STAGES) & 1)
         q0_t, q1_t = q0_s.index(st), q1_s.index(st)
         do0_t, do1_t = do0_s.index(st), do1_s.index(st)
-        st_tok = _transposed_product(k0_w, k1_w, q0_t, q1_t, zero_s, SPLIT)
-        dpt_tok = _transposed_product(v0_w, v1_w, do0_t, do1_t, zero_s, SPLIT)
+        st_tok = transposed_product(k0_w, k1_w, q0_t, q1_t, zero_s, SPLIT)
+        dpt_tok = transposed_product(v0_w, v1_w, do0_t, do1_t, zero_s, SPLIT)
         l2 = l_s.index(st).load(col_layout)
         delta = delta_s.index(st).load(col_layout)
         # In flight: dK of the previous step (if any), S^T, dP^T. Wait for all but dP^T.
         s_t = warpgroup_mma_wait(G, deps=(st_tok,))
         # The previous step's products are all done: release its stage to the producer.
         mbarrier.arrive(empty_bar.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
-        dk0, dk1, dv0, dv1 = _dkdv_after_scores(
+        dk0, dk1, dv0, dv1 = dkdv_after_scores(
             s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
             s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL,
         )  # fmt: skip

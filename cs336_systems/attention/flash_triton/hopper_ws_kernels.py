@@ -31,7 +31,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.flash_triton.hopper_kernels import LN2, _scores, _softmax_step, head_descriptor
+from cs336_systems.attention.flash_triton.hopper_kernels import (
+    LN2,
+    head_descriptor,
+    issue_scores,
+    softmax_step,
+)
 
 WG_ROWS: gl.constexpr = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 WG_WARPS: gl.constexpr = gl.constexpr(4)
@@ -125,10 +130,10 @@ def _fwd_consumer(
     mbarrier.wait(q_bar.index(w), 0)
     mbarrier.wait(k_bar.index(0), 0)
     _turn_wait(turn_bar, w, 0, PINGPONG)
-    s_tok0 = _scores(q0_w, q1_w, k0_s.index(0), k1_s.index(0), s_layout, WG_ROWS, BLOCK_N, SPLIT)
+    s_tok0 = issue_scores(q0_w, q1_w, k0_s.index(0), k1_s.index(0), s_layout, WG_ROWS, BLOCK_N, SPLIT)
     _turn_pass(turn_bar, w, C, PINGPONG)
     s0 = warpgroup_mma_wait(0, deps=(s_tok0,))
-    p, m_i, l_i, alpha = _softmax_step(
+    p, m_i, l_i, alpha = softmax_step(
         s0, m_i, l_i, 0, row0, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
     )
     for t in range(1, n_tiles):
@@ -139,7 +144,7 @@ def _fwd_consumer(
         pb = p.to(dtype)
         p0 = gl.convert_layout(pb, p0_layout)
         _turn_wait(turn_bar, w, t, PINGPONG)
-        s_tok = _scores(q0_w, q1_w, k0_s.index(st), k1_s.index(st), s_layout, WG_ROWS, BLOCK_N, SPLIT)
+        s_tok = issue_scores(q0_w, q1_w, k0_s.index(st), k1_s.index(st), s_layout, WG_ROWS, BLOCK_N, SPLIT)
         acc0 = warpgroup_mma(p0, v0_s.index(prev), acc0, is_async=True)
         if SPLIT:
             p1 = gl.convert_layout(pb, p1_layout)
@@ -150,7 +155,7 @@ def _fwd_consumer(
         else:
             s_t = warpgroup_mma_wait(1, deps=(s_tok,))
         # Softmax of tile t on the CUDA cores while P_{t-1} V_{t-1} runs on the tensor cores.
-        p, m_i, l_i, alpha = _softmax_step(
+        p, m_i, l_i, alpha = softmax_step(
             s_t, m_i, l_i, t * BLOCK_N, row0, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
         )
         if SPLIT:
