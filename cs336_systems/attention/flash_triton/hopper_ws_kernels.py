@@ -13,10 +13,12 @@ them); what differs is who does what inside a program (FlashAttention-3's struct
 
 With PINGPONG the consumers also take turns issuing their products (warpgroup w waits for its turn
 barrier, issues, then passes the turn to w + 1): one warpgroup's softmax then runs while the
-other's products occupy the tensor cores, instead of both contending at the same moments.
+other's products occupy the tensor cores, instead of both contending at the same moments. On an
+H100 it was slower in every configuration measured (OPTIMIZATION_LOG.md, "Session 10"), so it is off
+by default.
 
 Registers are set per partition (`setmaxnreg`): the producer keeps 24 a thread, the consumers share
-the rest of the register file (`hopper.HopperFwdConfig.consumer_regs`).
+the rest of the register file (`hopper.WarpSpecializedFwdConfig.consumer_regs`).
 """
 
 from __future__ import annotations
