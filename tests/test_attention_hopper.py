@@ -131,10 +131,10 @@ def test_gpu_hopper_forward_tile_candidates_and_every_element_written(cfg, n):
 
 
 WS_CONFIGS = [
-    hopper.WarpSpecializedFwdConfig(),
+    hopper.WarpSpecializedFwdConfig(pingpong=True),
     hopper.WarpSpecializedFwdConfig(pingpong=False),
-    hopper.WarpSpecializedFwdConfig(block_n=64, stages=3),
-    hopper.WarpSpecializedFwdConfig(consumers=3, block_n=64, stages=3, consumer_regs=160),
+    hopper.WarpSpecializedFwdConfig(block_n=64, stages=3, pingpong=True),
+    hopper.WarpSpecializedFwdConfig(consumers=3, block_n=64, stages=3, consumer_regs=160, pingpong=True),
 ]
 
 
