@@ -40,16 +40,12 @@ def test_cpu_tensors_fall_back_to_the_portable_kernels_and_forcing_is_an_error()
 
 
 @pytest.mark.parametrize(
-    ("d", "fwd", "bwd"),
-    [(64, False, False), (128, True, True), (80, True, True), (96, True, True), (48, True, True),
-     (72, False, False), (160, False, False), (256, False, False)],
-)  # fmt: skip
-def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, fwd, bwd):
+    ("d", "default"),
+    [(64, False), (128, True), (80, True), (96, True), (48, True), (72, False), (160, False), (256, False)],
+)
+def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, default):
     """Split head dims (the tl kernels would pad them) and d = 128 (the warp-specialised kernels)."""
-    assert hopper.preferred(d, "fwd") is fwd
-    assert hopper.preferred(d, "bwd") is bwd
-    with pytest.raises(ValueError, match="kind must be"):
-        hopper.preferred(d, "dq")
+    assert hopper.preferred(d) is default
 
 
 @pytest.mark.parametrize(
@@ -85,8 +81,7 @@ def test_gpu_hopper_is_the_default_on_sm90_for_16_bit_inputs_at_padded_head_dims
     assert not hopper.use_hopper(None, q64, q64, q64)  # power of two: the (faster) tl kernels
     assert hopper.use_hopper(True, q64, q64, q64) == _on_hopper()
     q128 = torch.randn(1, 2, 128, 128, device="cuda", dtype=torch.bfloat16)
-    assert hopper.use_hopper(None, q128, q128, q128, kind="fwd") == _on_hopper()  # warp-specialised
-    assert hopper.use_hopper(None, q128, q128, q128, kind="bwd") == _on_hopper()
+    assert hopper.use_hopper(None, q128, q128, q128) == _on_hopper()  # the warp-specialised kernels
 
 
 needs_sm90 = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")

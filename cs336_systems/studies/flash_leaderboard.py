@@ -105,7 +105,7 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
         "tiles_bwd": repr(tiles.current_config("bwd", cfg.seq_len, cfg.seq_len, cfg.d, dt, True)),
         "tiles_source": "tuned" if tiles.cached("fwd", key) else "heuristic",
         # the Gluon (sm_90) kernels: chosen by default for this head dim?, and their tiles
-        "hopper_default": {kind: hopper.preferred(cfg.d, kind) for kind in ("fwd", "bwd")},
+        "hopper_default": hopper.preferred(cfg.d),
         "hopper_fwd": repr(hopper.heuristic_fwd(cfg.d)),
         "hopper_dkdv": repr(hopper.heuristic_bwd(cfg.d)),
     }

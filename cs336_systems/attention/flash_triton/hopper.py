@@ -2,7 +2,7 @@
 (`hopper_kernels.py`, `hopper_backward_kernels.py`) and their warp-specialised versions (a TMA
 producer warp feeding consumer warpgroups: `hopper_ws_kernels.py`, `hopper_ws_backward_kernels.py`).
 
-`launch.flash_fwd` / `launch.flash_bwd` call these when `use_hopper(..., kind=)` says so: on an sm_90
+`launch.flash_fwd` / `launch.flash_bwd` call these when `use_hopper(...)` says so: on an sm_90
 GPU, for float16/bfloat16 inputs whose head dimension the kernels take (a power of two 16..256, or the
 sum of two powers of two >= 16 such as 80 = 64 + 16, 96, 160, 192) and whose layouts TMA can read
 (16-byte aligned bases and strides), by default where they were measured faster than the tl kernels
@@ -50,6 +50,17 @@ class HopperFwdConfig:
     num_warps: int = 8
 
 
+PRODUCER_REGS = 24  # the producer warp's registers a thread (the least setmaxnreg allows)
+
+
+def warp_specialized_maxnreg(consumers: int, consumer_regs: int) -> int:
+    """Registers a thread at launch of a warp-specialised kernel: the consumers' share plus the
+    producer's, spread over the program's consumers + 1 warpgroups, rounded up to 8 (one program per
+    SM at 2 x 240 or 3 x 160). setmaxnreg then moves registers between the partitions."""
+    need = consumers * consumer_regs + PRODUCER_REGS
+    return math.ceil(need / (consumers + 1) / 8) * 8
+
+
 @dataclass(frozen=True)
 class WarpSpecializedFwdConfig:
     """The warp-specialised forward (`hopper_ws_kernels.py`): `consumers` warpgroups of 64 query rows
@@ -68,10 +79,7 @@ class WarpSpecializedFwdConfig:
 
     @property
     def maxnreg(self) -> int:
-        """Registers a thread at launch: the consumers' share plus the producer's 24, spread over the
-        program's consumers + 1 warpgroups, rounded up to 8 (one program per SM at 240 / 160)."""
-        need = self.consumers * self.consumer_regs + 24
-        return math.ceil(need / (self.consumers + 1) / 8) * 8
+        return warp_specialized_maxnreg(self.consumers, self.consumer_regs)
 
 
 def split_head_dim(d: int) -> int | None:
@@ -103,20 +111,17 @@ def unsupported_reason(*tensors4: Tensor) -> str:
     return ""
 
 
-def preferred(d: int, kind: str = "fwd") -> bool:
-    """Whether the Gluon kernels are the default for head dim d and pass `kind` ("fwd" or "bwd", the
-    dK/dV pass): where the tl kernels pad d to a power of two (80 -> 128) and the split column blocks
-    do not, up to d = 128 (beyond, the dK/dV kernel's accumulators spill); and the warp-specialised
-    kernels at d = 128 (on an H100 the forward 0.91-0.94x and the dK/dV pass 0.98-0.99x the tl
-    kernels' time; OPTIMIZATION_LOG.md, "Session 10"). At d <= 64 the tl kernels were as fast or
-    faster, so they stay the default there."""
-    if kind not in ("fwd", "bwd"):
-        raise ValueError(f"preferred: kind must be 'fwd' or 'bwd', got {kind!r}")
+def preferred(d: int) -> bool:
+    """Whether the Gluon kernels are the default for head dim d (forward and dK/dV alike): where the tl
+    kernels pad d to a power of two (80 -> 128) and the split column blocks do not, up to d = 128
+    (beyond, the dK/dV kernel's accumulators spill); and d = 128, where the warp-specialised kernels
+    were faster on an H100 (OPTIMIZATION_LOG.md, "Session 10"). At d <= 64 the tl kernels were as
+    fast or faster, so they stay the default there."""
     return d == 128 or (d <= 128 and split_head_dim(d) not in (None, d))
 
 
-def use_hopper(option: bool | None, *tensors4: Tensor, kind: str = "fwd") -> bool:
-    """Whether to launch the Hopper kernels for pass `kind` (option: KernelOptions.hopper)."""
+def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
+    """Whether to launch the Hopper kernels (option: KernelOptions.hopper)."""
     if option is False:
         return False
     reason = unsupported_reason(*tensors4)
@@ -124,7 +129,7 @@ def use_hopper(option: bool | None, *tensors4: Tensor, kind: str = "fwd") -> boo
         raise ValueError(
             f"FlashAttentionTriton: Hopper kernels forced (KernelOptions(hopper=True)) but {reason}"
         )
-    return not reason and (option or preferred(tensors4[0].shape[-1], kind))
+    return not reason and (option or preferred(tensors4[0].shape[-1]))
 
 
 def heuristic_fwd(d: int) -> HopperFwdConfig | WarpSpecializedFwdConfig:
@@ -168,6 +173,7 @@ def flash_fwd_hopper(
             CONSUMERS=cfg.consumers,
             PINGPONG=cfg.pingpong,
             CONSUMER_REGS=cfg.consumer_regs,
+            PRODUCER_REGS=PRODUCER_REGS,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )
@@ -239,7 +245,7 @@ class WarpSpecializedBwdConfig:
 
     @property
     def maxnreg(self) -> int:
-        return math.ceil((self.consumers * self.consumer_regs + 24) / (self.consumers + 1) / 8) * 8
+        return warp_specialized_maxnreg(self.consumers, self.consumer_regs)
 
 
 def flash_dkdv_hopper(
@@ -254,7 +260,11 @@ def flash_dkdv_hopper(
     if isinstance(cfg, WarpSpecializedBwdConfig):
         kernel = hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel
         specific = dict(
-            CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg
+            CONSUMERS=cfg.consumers,
+            CONSUMER_REGS=cfg.consumer_regs,
+            PRODUCER_REGS=PRODUCER_REGS,
+            num_warps=4,
+            maxnreg=cfg.maxnreg,
         )
     else:
         kernel = hopper_backward_kernels.flash_bwd_dkdv_hopper_kernel

@@ -195,6 +195,7 @@ def flash_bwd_dkdv_ws_kernel(
     STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H, cdiv(N_KEYS, CONSUMERS * 64)); num_warps 4
@@ -279,7 +280,7 @@ def flash_bwd_dkdv_ws_kernel(
                 (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL)),
             ],
             [4, 1],
-            [CONSUMER_REGS, 24],
+            [CONSUMER_REGS, PRODUCER_REGS],
         )
     else:
         gl.warp_specialize(
@@ -290,5 +291,5 @@ def flash_bwd_dkdv_ws_kernel(
                 (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL)),
             ],
             [4, 4, 1],
-            [CONSUMER_REGS, CONSUMER_REGS, 24],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
         )

@@ -17,7 +17,7 @@ other's products occupy the tensor cores, instead of both contending at the same
 H100 it was slower in every configuration measured (OPTIMIZATION_LOG.md, "Session 10"), so it is off
 by default.
 
-Registers are set per partition (`setmaxnreg`): the producer keeps 24 a thread, the consumers share
+Registers are set per partition (`setmaxnreg`): the producer keeps 24 a thread (`hopper.PRODUCER_REGS`), the consumers share
 the rest of the register file (`hopper.WarpSpecializedFwdConfig.consumer_regs`).
 """
 
@@ -241,6 +241,7 @@ def flash_fwd_ws_kernel(
     IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """O and L like `flash_fwd_hopper_kernel`; a program covers CONSUMERS * 64 query rows.
@@ -322,7 +323,7 @@ def flash_fwd_ws_kernel(
                 (_fwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, PINGPONG)),
             ],
             [4, 1],
-            [CONSUMER_REGS, 24],
+            [CONSUMER_REGS, PRODUCER_REGS],
         )
     else:
         gl.warp_specialize(
@@ -333,5 +334,5 @@ def flash_fwd_ws_kernel(
                 (_fwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, PINGPONG)),
             ],
             [4, 4, 1],
-            [CONSUMER_REGS, CONSUMER_REGS, 24],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
         )

@@ -236,7 +236,7 @@ def _flash_fwd_full(ops: dict[str, Tensor], is_causal: bool) -> None:
     n_q, d = q4.shape[2:]
     n_k = k4.shape[2]
     opts = tiles.pinned_options()
-    if hopper.use_hopper(opts.hopper, q4, k4, v4, o4, kind="fwd"):
+    if hopper.use_hopper(opts.hopper, q4, k4, v4, o4):
         hopper.flash_fwd_hopper(q4, k4, v4, o4, lse, is_causal)
         return
     tma = use_tma(opts, q4.device, q4, k4, v4, o4)
@@ -408,7 +408,7 @@ def _flash_bwd_full(ops: dict[str, Tensor], is_causal: bool) -> None:
     n_k = k4.shape[2]
     opts = tiles.pinned_options()
     tma = use_tma(opts, q4.device, *tensors[:7])
-    if hopper.use_hopper(opts.hopper, *tensors[:7], kind="bwd"):
+    if hopper.use_hopper(opts.hopper, *tensors[:7]):
         # dK/dV by the Gluon kernel, dQ by the tl kernel (deterministic, no atomics).
         hopper.flash_dkdv_hopper(tensors, is_causal)
         passes = ("dq",)
