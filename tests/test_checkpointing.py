@@ -1,6 +1,7 @@
 """Activation checkpointing: exact gradients for every strategy, saved-bytes accounting, cost model."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ from cs336_systems.model import (
     get_config,
 )
 from cs336_systems.model.checkpointing import (
+    KEPT_ATTENTION_OPS,
     activation_peak_model,
+    checkpoint_keeping_attention,
     checkpoint_sub_blocks,
     make_block_runner,
     optimal_group_size,
@@ -190,3 +193,79 @@ def test_checkpointing_lowers_peak_memory_on_gpu():
         peaks[strategy] = torch.cuda.max_memory_allocated()
         del model
     assert peaks["block"] < peaks["none"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Selective checkpointing: the attention core's outputs kept, the rest recomputed
+# ----------------------------------------------------------------------------------------------------
+
+
+class _CountKeptOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in KEPT_ATTENTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def _block_and_input():
+    torch.manual_seed(0)
+    block = BasicsTransformerLM.from_config(CFG, attention_impl="sdpa").layers[0]
+    x = torch.randn(2, CFG.context_length, CFG.d_model, requires_grad=True)
+    return block, x
+
+
+def _grads(block, y, x):
+    return torch.autograd.grad(y.sum(), [x, *block.parameters()])
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_keeping_the_attention_skips_only_its_recompute(keep):
+    """Exact gradients either way; backward reruns the attention forward only under a plain checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    block, x = _block_and_input()
+    expected = _grads(block, block(x), x)
+    y = checkpoint_keeping_attention(block.forward, x) if keep else checkpoint(block, x, use_reentrant=False)
+    counter = _CountKeptOps()
+    with counter:
+        grads = _grads(block, y, x)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    assert counter.calls == (0 if keep else 1)
+
+
+def test_keeping_the_attention_holds_under_compile():
+    """Compiled with the checkpoint inside (as the leaderboard step does), the partitioner keeps the
+    attention's outputs: its backward graph has no attention forward, and the gradients match eager."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs: list[str] = []
+
+    def record(gm, _example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    backend = aot_autograd(
+        fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition
+    )
+    block, x = _block_and_input()
+    expected = _grads(block, block(x), x)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: checkpoint_keeping_attention(block.forward, t), backend=backend)
+    grads = _grads(block, compiled(x), x)
+    torch._dynamo.reset()
+    assert len(graphs) == 2
+    forward_graph, backward_graph = graphs
+    kept = {str(op) for op in KEPT_ATTENTION_OPS}  # "aten.<name>.default"
+
+    def ops(graph: str) -> list[str]:
+        return re.findall(r"torch\.ops\.(aten\.\w+\.\w+)", graph)
+
+    assert sum(op in kept for op in ops(forward_graph)) == 1
+    assert sum(op in kept for op in ops(backward_graph)) == 0
+    assert any(op.removesuffix(".default") + "_backward.default" in ops(backward_graph) for op in kept)
+    for a, b in zip(grads, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

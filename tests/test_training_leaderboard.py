@@ -71,7 +71,9 @@ def _reference(model: BasicsTransformerLM, mode: str, x, y) -> list[float]:
     return losses
 
 
-def _compare(rank, world_size, device, mode: str, attention: str, compile_blocks: bool) -> None:
+def _compare(
+    rank, world_size, device, mode: str, attention: str, compile_blocks: bool, keep_attention: bool = True
+) -> None:
     torch.manual_seed(0)
     ref = BasicsTransformerLM(**SMALL, attention_impl="sdpa", device=device)
     ours = copy.deepcopy(ref)
@@ -82,6 +84,7 @@ def _compare(rank, world_size, device, mode: str, attention: str, compile_blocks
         attention=attention,
         compile=compile_blocks,
         checkpoint_blocks=1,  # one block recomputed, one not
+        keep_attention=keep_attention,
         loss_chunk=100,  # ragged chunks: 256 = 100 + 100 + 56
         lr=LR,
         eps=EPS[mode],
@@ -116,8 +119,10 @@ def test_leaderboard_step_on_two_ranks_matches_the_single_process_step(mode, mon
     spawn(_compare, 2, mode, "sdpa", False, timeout_s=200)
 
 
-def test_leaderboard_step_without_a_process_group_matches_too():
-    _compare(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), "fp32", "sdpa", False)
+@pytest.mark.parametrize("keep_attention", [True, False])
+def test_leaderboard_step_without_a_process_group_matches_too(keep_attention):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _compare(0, 1, device, "fp32", "sdpa", False, keep_attention)
 
 
 def test_leaderboard_config_rejects_bad_values():
@@ -129,7 +134,7 @@ def test_leaderboard_config_rejects_bad_values():
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("attention", ["flash_triton", "sdpa"])
+@pytest.mark.parametrize("attention", ["flash_triton", "sdpa", "sdpa_cudnn"])
 def test_leaderboard_step_on_one_gpu_compiled_matches_the_reference_gpu(attention):
     """The real path on one GPU (NCCL, one rank): compiled blocks, our attention, side-stream updates."""
     spawn(_compare, 1, "bf16", attention, True, backend="nccl", timeout_s=500)
@@ -138,7 +143,7 @@ def test_leaderboard_step_on_one_gpu_compiled_matches_the_reference_gpu(attentio
 @pytest.mark.multigpu
 @pytest.mark.timeout(600)
 def test_leaderboard_step_on_two_gpus_matches_the_reference_gpu():
-    spawn(_compare, 2, "bf16", "flash_triton", True, backend="nccl", timeout_s=500)
+    spawn(_compare, 2, "bf16", "sdpa_cudnn", True, backend="nccl", timeout_s=500)
 
 
 # --------------------------------------------------------------------------------------------------

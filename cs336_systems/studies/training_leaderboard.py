@@ -10,7 +10,8 @@ The protocol (HANDOUT_SPEC 5.2) and the choices made here:
   sequence per GPU by default: batch 2 on 2 GPUs, batch 1 on one);
 * the project's BasicsTransformerLM in the config (`--size`, `--layers` overrides the depth for the
   full-width model at fewer layers), causal, initialised from one seed (the same weights for both
-  paths); attention: ours `--attention` (our FlashAttention or SDPA), stock SDPA;
+  paths); attention: ours `--attention` (default SDPA pinned to cuDNN, the fastest at this shape on
+  Hopper; our FlashAttention or plain SDPA), stock plain SDPA (PyTorch picks the backend);
 * precision (`--param-modes`): "bf16" = parameters and AdamW state in bf16 (the config's torch_dtype
   read literally, the headline); "fp32_master" = float32 master parameters, bf16 compute;
   both paths run in the same mode (training_leaderboard_stock.py says how stock does);
@@ -27,8 +28,9 @@ The protocol (HANDOUT_SPEC 5.2) and the choices made here:
 
 Ours (cs336_systems.training.leaderboard): ZeRO-2 over flat per-unit buffers, the fused AdamW in the
 mode's precision on the local shard, the chunked fused LM-head + cross-entropy, each block compiled,
-and only the first k blocks checkpointed, k from `--checkpoint-blocks` or planned ("auto"): one step
-with every block checkpointed gives the peak P; an unchecked block costs its measured saved bytes A;
+and only the first k blocks checkpointed (`--keep-attention`: keeping their attention's outputs), k
+from `--checkpoint-blocks` or planned ("auto"): one step with every block checkpointed gives the peak
+P; an unchecked block costs A, its measured saved bytes beyond a checkpointed block's;
 k = L - floor((device memory - margin - P) / A) (the ranks agree on the largest k). After an OOM
 (one rank only) the step is retried with 2 more checkpointed blocks, up to 3 times.
 
@@ -95,8 +97,9 @@ class LeaderboardRunConfig:
     batch_per_rank: int = 1
     param_modes: tuple[str, ...] = ("bf16",)
     paths: tuple[str, ...] = PATHS
-    attention: str = "flash_triton"
+    attention: str = "sdpa_cudnn"
     checkpoint_blocks: str = "auto"
+    keep_attention: bool = True
     loss_chunk: int = 4096
     compile: bool = True
     overlap: bool = True
@@ -174,6 +177,7 @@ def build_path(cfg: LeaderboardRunConfig, label: str, device: torch.device):
         attention=attention,
         compile=cfg.compile,
         checkpoint_blocks=k,
+        keep_attention=cfg.keep_attention,
         loss_chunk=cfg.loss_chunk,
         overlap=cfg.overlap,
     )
@@ -384,6 +388,12 @@ def _parser():
         help="attention of ours",
     )
     p.add_argument("--checkpoint-blocks", default=d.checkpoint_blocks, help="ours: 'auto' or how many blocks")
+    p.add_argument(
+        "--keep-attention",
+        type=cli.boolean,
+        default=d.keep_attention,
+        help="ours: recomputed blocks keep the attention's outputs (selective checkpointing)",
+    )
     p.add_argument("--loss-chunk", type=int, default=d.loss_chunk, help="tokens per LM-head + loss chunk")
     p.add_argument("--compile", type=cli.boolean, default=d.compile, help="compile each block (both paths)")
     p.add_argument(
@@ -424,7 +434,8 @@ def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.D
         given = dict(
             size=args.size, layers=tuple(args.layers), context_length=args.context_length,
             batch_per_rank=args.batch_per_rank, param_modes=tuple(args.param_modes), paths=tuple(args.paths),
-            attention=args.attention, checkpoint_blocks=args.checkpoint_blocks, loss_chunk=args.loss_chunk,
+            attention=args.attention, checkpoint_blocks=args.checkpoint_blocks,
+            keep_attention=args.keep_attention, loss_chunk=args.loss_chunk,
             compile=args.compile, overlap=args.overlap, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
             estimate_calls=args.estimate_calls, trace=args.trace, margin_gib=args.margin_gib, cold=args.cold,
             backend=args.backend,

@@ -4,8 +4,9 @@ phases marked, the "auto" choice of checkpointed blocks, do_bench with OOM retri
 [Note: choosing the checkpointed blocks]
 Only as many blocks are recomputed as memory needs. One step with every block checkpointed is run
 (it also compiles), then a second one whose allocator peak P is read; the last block's forward on a
-random input, outside checkpointing, gives A = the bytes an unchecked block keeps (allocated after
-minus before minus its output). With M the device memory and `margin_gib` left for fragmentation and
+random input gives A = the bytes an unchecked block keeps beyond what its checkpointed region keeps
+(allocated after minus before minus the output, run plainly and then as the region, which keeps the
+attention's outputs with `keep_attention`). With M the device memory and `margin_gib` left for fragmentation and
 the allocator's workspace, floor((M - margin - P) / A) blocks can keep their activations, so the first
 k = L - that many are checkpointed (the largest k of all ranks). The first blocks are the ones
 recomputed (any choice gives the same peak: every block's activations are alive at the end of forward).
@@ -86,18 +87,25 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, f
     shape = (cfg.batch_per_rank, cfg.context_length, block.ln1.weight.shape[0])
     with step.on_stream():
         x = torch.randn(shape, device=device, dtype=step.optimizer.compute_dtype, requires_grad=True)
-        synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        y = block(x)
-        synchronize(device)
-        saved = torch.cuda.memory_allocated(device) - before - y.untyped_storage().nbytes()
-        del x, y
+        saved = _kept_bytes(block, x, device) - _kept_bytes(step.regions[-1], x, device)
+        del x
     room = torch.cuda.mem_get_info(device)[1] - cfg.margin_gib * 2**30 - peak
     unchecked = min(layers, max(0, int(room // max(saved, 1))))
     k = torch.tensor([layers - unchecked], device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(k, op=dist.ReduceOp.MAX)
     return {"checkpoint_blocks": int(k), "peak_all_checkpointed": peak, "block_saved": saved}
+
+
+def _kept_bytes(fn, x, device) -> int:
+    """Bytes that `fn(x)` leaves allocated for backward (its output not counted)."""
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    y = fn(x)
+    synchronize(device)
+    kept = torch.cuda.memory_allocated(device) - before - y.untyped_storage().nbytes()
+    del y
+    return kept
 
 
 def bench(protocol: ProtocolStep, cfg, device) -> dict[str, Any]:

@@ -15,11 +15,13 @@ calling it runs the protocol's step on this rank's batch:
 * Loss: the chunked LM-head + cross-entropy (`kernels.linear_cross_entropy`): the logits of one
   sequence at vocabulary 151936 would be 10 GB in bf16; a chunk of `loss_chunk` tokens is all that
   exists at a time. `fused_loss=False` computes `cross_entropy(model(x), y)` (small configs, tests).
-* Blocks: attention by name (`cfg.attention`: our FlashAttention "flash_triton" or "sdpa"), each
-  block compiled on its own ([Note: compile per block] in training/step.py), and the first
-  `checkpoint_blocks` blocks recomputed in backward (`torch.utils.checkpoint` around the compiled
-  block; the rest keep their activations). `set_checkpoint_blocks` changes the count without
-  recompiling.
+* Blocks: attention by name (`cfg.attention`: our FlashAttention "flash_triton", "sdpa", or SDPA
+  pinned to cuDNN "sdpa_cudnn"), each block compiled on its own ([Note: compile per block] in
+  training/step.py), and the first `checkpoint_blocks` blocks recomputed in backward, the rest keeping
+  their activations. With `keep_attention` (the default) a recomputed block keeps its attention core's
+  outputs and backward recomputes only the rest (a selective checkpoint compiled with the block,
+  [Note: keeping the attention] in model/checkpointing.py); without it the whole compiled block is
+  recomputed. `set_checkpoint_blocks` changes the count without recompiling.
 * Streams: forward and backward run on a stream of the highest priority, the unit updates on
   ZeroAdamW's side stream ([Note: stream priorities] in training/step.py).
 
@@ -40,7 +42,9 @@ for equal token counts per rank is the gradient of the mean over the global batc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from cs336_systems.distributed.zero import PARAM_MODES, ZeroAdamW
 from cs336_systems.kernels.linear_cross_entropy import linear_cross_entropy
 from cs336_systems.model import BasicsTransformerLM, cross_entropy
+from cs336_systems.model.checkpointing import checkpoint_keeping_attention
 from cs336_systems.training.step import stream_scope
 
 
@@ -60,6 +65,7 @@ class LeaderboardConfig:
     attention: str = "flash_triton"
     compile: bool = True  # torch.compile each block
     checkpoint_blocks: int = 0  # the first k blocks are recomputed in backward
+    keep_attention: bool = True  # recomputed blocks keep the attention core's outputs
     fused_loss: bool = True
     loss_chunk: int | None = None  # tokens per LM-head chunk (None: the kernel's default)
     overlap: bool = True  # reduce-scatter / update / all-gather of a unit from inside backward
@@ -89,15 +95,38 @@ def transformer_units(model: BasicsTransformerLM) -> list[tuple[str, list[nn.Par
     return units
 
 
-class _PartlyCheckpointed:
-    """Block runner: the first `k` blocks recomputed in backward, the others run plainly."""
+class KeepAttentionBlock(nn.Module):
+    """One block recomputed in backward except its attention core (compile this module, not the block
+    inside: the selective checkpoint has to be part of the compiled graph)."""
 
-    def __init__(self, k: int):
-        self.k = k
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint_keeping_attention(self.block.forward, x)
+
+
+def checkpointed_regions(blocks: nn.ModuleList, cfg: LeaderboardConfig) -> list[Callable[[Tensor], Tensor]]:
+    """Per block, what runs it when it is recomputed in backward (module docstring, "Blocks")."""
+    if not cfg.keep_attention:
+        return [functools.partial(checkpoint, block, use_reentrant=False) for block in blocks]
+    regions = [KeepAttentionBlock(block) for block in blocks]
+    if cfg.compile:
+        for region in regions:
+            region.compile()
+    return regions
+
+
+class _PartlyCheckpointed:
+    """Block runner: the first `k` blocks run by their checkpointed region, the others plainly."""
+
+    def __init__(self, k: int, regions: list[Callable[[Tensor], Tensor]]):
+        self.k, self.regions = k, regions
 
     def __call__(self, blocks: nn.ModuleList, x: Tensor) -> Tensor:
         for i, block in enumerate(blocks):
-            x = checkpoint(block, x, use_reentrant=False) if i < self.k else block(x)
+            x = self.regions[i](x) if i < self.k else block(x)
         return x
 
 
@@ -107,6 +136,7 @@ class LeaderboardStep:
     optimizer: ZeroAdamW
     cfg: LeaderboardConfig
     stream: torch.cuda.Stream | None = None
+    regions: list[Callable[[Tensor], Tensor]] = field(default_factory=list)  # per block, recomputed
 
     def on_stream(self):
         """Run the enclosed work on the step's stream (ordered after, and before, the caller's)."""
@@ -122,7 +152,7 @@ class LeaderboardStep:
         if k < 0:
             raise ValueError(f"checkpoint blocks must be >= 0, got {k}")
         k = min(k, len(self.model.layers))
-        self.model.set_block_runner(_PartlyCheckpointed(k) if k else None)
+        self.model.set_block_runner(_PartlyCheckpointed(k, self.regions) if k else None)
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of this rank's batch: tokens, targets (batch, T) int64 -> scalar float32."""
@@ -161,6 +191,7 @@ def build_leaderboard_step(
     stream = None
     if next(model.parameters()).is_cuda:
         stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
-    step = LeaderboardStep(model=model, optimizer=optimizer, cfg=cfg, stream=stream)
+    regions = checkpointed_regions(model.layers, cfg)
+    step = LeaderboardStep(model=model, optimizer=optimizer, cfg=cfg, stream=stream, regions=regions)
     step.set_checkpoint_blocks(cfg.checkpoint_blocks)
     return step
