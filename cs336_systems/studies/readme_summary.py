@@ -108,7 +108,12 @@ def leaderboard_section() -> str:
         f"global batch {head['batch']}; {', '.join(facts['devices'])}): ours {head['ours_ms']:.0f} ms vs stock "
         f"FSDP2 {head['stock_ms']:.0f} ms per step in the same run ({head['ratio']:.3f}x), MFU "
         f"{head['ours_mfu']:.1%} vs {head['stock_mfu']:.1%} of the datasheet bf16 peak"
-        + (" (one GPU only: the two-GPU run was not possible)." if head["GPUs"] == 1 else ".")
+        + (" (one GPU only: the two-GPU run was not possible)" if head["GPUs"] == 1 else "")
+        + (
+            f"; from empty caches the whole run took {facts['cold_wall_s']:.0f} s."
+            if "cold_wall_s" in facts
+            else "."
+        )
     )
 
 

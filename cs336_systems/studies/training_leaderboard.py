@@ -291,14 +291,27 @@ def failure_rows(cfg: LeaderboardRunConfig, label: str, note: str, world_size: i
 
 
 def finish_rows(cfg: LeaderboardRunConfig, kept: dict, world_size: int) -> list[dict]:
-    """The matmul rate measured by rank 0 (the reference of mfu_measured_peak)."""
+    """The matmul rate measured by rank 0 (the reference of mfu_measured_peak), and the backend that
+    plain SDPA (the stock step's attention) picks for the config's attention on this device."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
     keys = dict(problem=PROBLEM, name="matmul_peak", impl="torch.mm", dtype="bf16", config=asdict(cfg))
-    return [make_row(metric="tflops", unit="TFLOP/s", value=measured_matmul_peak(device) / 1e12, **keys)]
+    rows = [make_row(metric="tflops", unit="TFLOP/s", value=measured_matmul_peak(device) / 1e12, **keys)]
+    keys = dict(problem=PROBLEM, name="sdpa_backend", impl="stock", dtype="bf16", config=asdict(cfg))
+    backend = sdpa_backend(get_config(cfg.size, context_length=cfg.context_length), device)
+    return [*rows, make_row(metric="backend", unit="", value=math.nan, note=backend, **keys)]
+
+
+def sdpa_backend(mcfg, device: torch.device) -> str:
+    """The SDPBackend PyTorch chooses for one sequence of `mcfg`'s causal attention in bf16."""
+    from torch.nn.attention import SDPBackend
+
+    head = mcfg.d_model // mcfg.num_heads
+    q = torch.empty(1, mcfg.num_heads, mcfg.context_length, head, device=device, dtype=torch.bfloat16)
+    return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
 
 
 STUDY = runner.Study(

@@ -23,15 +23,25 @@ from cs336_systems.studies.distributed import trace_plot
 from cs336_systems.studies.training_leaderboard import PROBLEM
 from cs336_systems.studies.training_leaderboard_memory import GiB, memory_plan
 
-KEYS = ("name", "impl", "dtype", "x_name", "x_value", "metric")
+KEYS = ("name", "impl", "dtype", "world_size", "x_name", "x_value", "metric")
 PHASE_METRICS = ("forward_ms", "backward_ms", "optimizer_step_ms")
 GOAL_RATIO = 0.85  # the issue's goal: ours at most 0.85x the stock step time
 TIME_LIMIT_S = 600.0  # the protocol's limit of a run from empty caches
 
 
 def latest(df: pd.DataFrame) -> pd.DataFrame:
-    """The most recent row of every (configuration, path, metric)."""
-    return latest_run(df, keys=KEYS)
+    """The most recent row of every (configuration, path, metric), a configuration including its
+    world size (column `world_size`: x_value of the per-run rows, the run's for per-rank rows)."""
+    if df.empty:
+        return df
+    return latest_run(with_world_size(df), keys=KEYS)
+
+
+def with_world_size(df: pd.DataFrame) -> pd.DataFrame:
+    per_run = df.x_name == "world_size"
+    from_config = [_config(r).get("world_size", math.nan) for r in df.itertuples()]
+    world = pd.to_numeric(df.x_value.where(per_run, pd.Series(from_config, index=df.index)), errors="coerce")
+    return df.assign(world_size=world)
 
 
 def _config(row) -> dict:
@@ -57,7 +67,7 @@ def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
             mean = float(row["mean"].iloc[-1]) if len(row) else math.nan
             rec[f"{path}_ms"] = mean
             rec[f"{path}_note"] = row.note.iloc[-1] if len(row) else "not run"
-            sel = d[(d.name == name) & (d.dtype == dtype) & (d.impl == path)]
+            sel = d[(d.name == name) & (d.dtype == dtype) & (d.impl == path) & (d.world_size == float(world))]
             rec[f"{path}_mfu"] = _last_mean(sel, "mfu_datasheet")
             rec[f"{path}_mfu_mm"] = _last_mean(sel, "mfu_measured_peak")
             peaks = sel[sel.metric == "peak_memory_gib"]["mean"]
@@ -68,17 +78,21 @@ def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def attention_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Every run of each configuration by the attention of ours, with stock from the same run (rows
-    of one invocation share the commit and the resolved configuration, which names the attention)."""
+    """Every run of each configuration by the attention of ours and what its checkpointed blocks
+    recompute, with stock from the same run (rows of one invocation share the commit and the resolved
+    configuration, which names both)."""
     steps = df[(df.metric == "step_ms") & (df.x_name == "world_size")].copy()
     if steps.empty:
         return pd.DataFrame()
     steps["attention"] = [_config(r).get("attention", "") for r in steps.itertuples()]
+    # runs from before the option recomputed whole blocks
+    steps["kept"] = [_config(r).get("keep_attention", False) for r in steps.itertuples()]
     out = []
-    keys = ["name", "dtype", "x_value", "git_sha", "attention"]
-    for (name, dtype, world, sha, attention), g in steps.groupby(keys, sort=False):
+    keys = ["name", "dtype", "x_value", "git_sha", "attention", "kept"]
+    for (name, dtype, world, sha, attention, kept), g in steps.groupby(keys, sort=False):
         ms = g.groupby("impl")["mean"].last()
         rec = {"config": name, "mode": dtype, "GPUs": int(world), "attention of ours": attention}
+        rec["recompute"] = "all but attention" if kept else "whole block"
         rec |= {"ours_ms": ms.get("ours", math.nan), "stock_ms": ms.get("stock", math.nan), "git": sha[:10]}
         rec["ratio"] = rec["ours_ms"] / rec["stock_ms"]
         out.append(rec)
@@ -116,10 +130,17 @@ def memory_plan_table(
     return pd.DataFrame(rows)
 
 
-def trace_path(df: pd.DataFrame, results_dir) -> Path | None:
-    """The saved trace of the latest profiled variant (the headline configuration's ours), if any."""
+def trace_path(
+    df: pd.DataFrame, results_dir, mode: str | None = None, world_size: int | None = None
+) -> Path | None:
+    """The saved trace of the latest profiled variant of ours (in `mode` on `world_size` GPUs if given:
+    the headline's), if any."""
     d = latest(df)
     comm = d[d.metric == "comm_ms"]
+    if mode is not None:
+        comm = comm[comm.dtype == mode]
+    if world_size is not None:
+        comm = comm[comm.world_size == float(world_size)]
     if comm.empty:
         return None
     row = comm.iloc[-1]
@@ -158,6 +179,11 @@ def facts(df: pd.DataFrame) -> dict:
             & (phases.x_value == head["GPUs"])
         ]
         by_path = at.set_index("impl")
+        if "ours" in by_path.index:  # what ours recomputed and how much of its communication showed
+            ours = by_path.loc["ours"]
+            out["ours_extra"] = {
+                m: float(ours[m]) for m in ("checkpoint_blocks", "comm_ms", "comm_exposed_ms") if m in ours
+            }
         out["phases"] = {  # mean ms of each phase, ours and stock, of the headline configuration
             m.removesuffix("_ms"): {
                 p: float(by_path.at[p, m]) for p in ("ours", "stock") if p in by_path.index
@@ -177,6 +203,9 @@ def facts(df: pd.DataFrame) -> dict:
         out["wall_s"] = float(last["mean"])
         out["wall_cold"] = last.note == "cold caches"
         out["wall_within_limit"] = out["wall_s"] <= TIME_LIMIT_S
+    backend = d[(d.name == "sdpa_backend") & (d.metric == "backend")]
+    if len(backend):
+        out["stock_sdpa_backend"] = str(backend.note.iloc[-1])
     matmul = d[d.name == "matmul_peak"]
     if len(matmul):
         out["matmul_tflops"] = float(matmul["mean"].iloc[-1])

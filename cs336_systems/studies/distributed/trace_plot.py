@@ -162,6 +162,16 @@ def trace_frame(trace: Mapping[str, Any]) -> pd.DataFrame:
     return df.drop(columns=["start_us", "dur_us"]).sort_values("start_ms", ignore_index=True)
 
 
+_COLLECTIVES = {"allreduce": "all-reduce", "reducescatter": "reduce-scatter", "allgather": "all-gather"}
+
+
+def _comm_label(names: pd.Series, on_gpu: bool) -> str:
+    """'NCCL all-reduce', 'NCCL reduce-scatter + all-gather', ...: the collectives the names show."""
+    squashed = " ".join(names.str.lower().str.replace(r"[_\s-]", "", regex=True).unique())
+    kinds = [label for key, label in _COLLECTIVES.items() if key in squashed] or ["all-reduce"]
+    return ("NCCL " if on_gpu else "gloo ") + " + ".join(kinds)
+
+
 def plot_timeline(trace: Mapping[str, Any], *, ax=None, title: str | None = None, legend: bool = True):
     """One step: a row per stream (thread on CPU traces), communication in red, phases on top.
 
@@ -186,7 +196,7 @@ def plot_timeline(trace: Mapping[str, Any], *, ax=None, title: str | None = None
             spans.append(("phases", name, start, (sel.start_ms + sel.dur_ms).max() - start))
     bands = pd.DataFrame(spans, columns=["band", "name", "start_ms", "dur_ms"])
     on_gpu = act.row.str.startswith("stream").any()
-    entries = [("compute", COMPUTE_COLOR), ("NCCL all-reduce" if on_gpu else "gloo all-reduce", COMM_COLOR)]
+    entries = [("compute", COMPUTE_COLOR), (_comm_label(act[act.is_comm].name, on_gpu), COMM_COLOR)]
     entries += [(p, PHASE_COLORS[p]) for p in PHASES if (df.phase == p).any()]
     what = "GPU time since the step's first kernel" if on_gpu else "CPU time since the step's first event"
     return draw_timeline(
