@@ -97,17 +97,35 @@ else:
         if len(runs)
         else runs
     )
-    by_recompute = same.groupby("recompute").last() if len(same) else same
-    kept_effect = (
-        f" Keeping the attention took ours from {by_recompute.at['whole block', 'ours_ms']:.0f} ms (whole blocks "
-        f"recomputed, git {by_recompute.at['whole block', 'git']}) to "
-        f"{by_recompute.at['all but attention', 'ours_ms']:.0f} ms (git {by_recompute.at['all but attention', 'git']}), "
-        f"stock {by_recompute.at['whole block', 'stock_ms']:.0f} and {by_recompute.at['all but attention', 'stock_ms']:.0f} ms "
-        "in those runs."
-        if {"whole block", "all but attention"} <= set(by_recompute.index)
-        else ""
-    )
+    kept_effect = ""
+    if len(same) and {"whole block", "all but attention"} <= set(same.recompute):
+
+        def ratios(kind: str) -> str:
+            return " and ".join(
+                f"{r.ratio:.3f}x (git {r.git})" for r in same[same.recompute == kind].itertuples()
+            )
+
+        kept_effect = (
+            f" Keeping the attention moved ours from {ratios('whole block')} of stock's step (whole blocks "
+            f"recomputed) to {ratios('all but attention')}, each ratio within one run."
+        )
     extra = facts.get("ours_extra", {})
+    profiled = facts.get("profiled", {})
+    comm_text = (
+        f"ours' NCCL kernels ran {extra['comm_ms']:.0f} ms in the profiled step, of which "
+        f"{extra['comm_exposed_ms']:.0f} ms were not under compute."
+        if extra.get("comm_ms") == extra.get("comm_ms") and "comm_ms" in extra
+        else (
+            "the headline run's profiler recorded no GPU activity (CUPTI did not start on that machine), so "
+            + (
+                f"the latest profiled run of this configuration (git {profiled['git']}) stands in: ours' NCCL "
+                f"kernels ran {profiled['comm_ms']:.0f} ms in its profiled step, {profiled['comm_exposed_ms']:.0f} ms "
+                "of it not under compute."
+                if "comm_ms" in profiled
+                else "communication was not measured."
+            )
+        )
+    )
     breakdown_text = ""
     if {"forward", "backward", "optimizer_step"} <= set(phases) and head.get("GPUs", 1) > 1:
         f, b, o = phases["forward"], phases["backward"], phases["optimizer_step"]
@@ -125,8 +143,7 @@ Where the difference comes from (ours vs stock per phase: {gaps}):
   AdamW step of {o["stock"]:.0f} ms.
 * **Forward** ({f["ours"] - f["stock"]:.0f} ms more): by design, the fused LM-head + loss computes the
   head's gradients in forward (stock does that work in backward).
-* **Communication**: ours' NCCL kernels ran {extra.get("comm_ms", float("nan")):.0f} ms in the profiled step, of which
-  {extra.get("comm_exposed_ms", float("nan")):.0f} ms were not under compute."""
+* **Communication**: {comm_text}"""
     mfu_mm = (
         f" ({head['ours_mfu_mm']:.1%} and {head['stock_mfu_mm']:.1%} of the bf16 matmul rate measured in the run)"
         if "ours_mfu_mm" in head
@@ -235,7 +252,9 @@ trace = (
 if trace is not None:
     save_figure(
         training_leaderboard_results.plot_step_timeline(
-            trace, title=f"one step of ours, rank 0 ({head.get('mode')}, {head.get('GPUs')} GPUs)"
+            trace,
+            title=f"one step of ours, rank 0 ({head.get('mode')}, {head.get('GPUs')} GPUs, "
+            f"git {facts.get('profiled', {}).get('git', '?')})",
         ),
         "training_leaderboard__timeline",
     )

@@ -28,6 +28,7 @@ the 3 steps, |(p_ours - p_0) - (p_ref - p_0)| / |p_ref - p_0|:
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pandas as pd
@@ -200,6 +201,7 @@ def _row(
         "warmup_ms": 10000.0,
         "bench": {"n_repeat": 5},
         "world_size": 2,
+        "variant": f"{impl}-{dtype}-L34",
     }
     return make_row(problem="training_leaderboard", name=name, impl=impl, dtype=dtype, mode="train",
                     x_name=x_name, x_value=x_value, metric=metric, unit="", value=value, note=note,
@@ -300,11 +302,36 @@ def test_facts_on_the_committed_runs():
     runs = pd.DataFrame(facts["by_attention"])
     one = runs[runs.GPUs == 1].set_index("attention of ours")
     assert one.at["flash_triton", "ratio"] > 1 > one.at["sdpa", "ratio"]  # our kernel loses at d=128, N=32768
-    two = runs[(runs.GPUs == 2) & (runs["mode"] == "bf16")].set_index("recompute")
-    assert two.at["all but attention", "ours_ms"] < two.at["whole block", "ours_ms"]
+    two = runs[(runs.GPUs == 2) & (runs["mode"] == "bf16")]
+    kept, whole = (two[two.recompute == kind].ratio for kind in ("all but attention", "whole block"))
+    assert len(kept) >= 1 and len(whole) >= 1 and kept.max() < whole.min()  # ratios: each within one run
     configs = pd.DataFrame(facts["configs"]).set_index(["mode", "GPUs"])
     assert (
         configs.at[("bf16", 1), "stock_peak_gib"] > configs.at[("bf16", 2), "stock_peak_gib"]
     )  # FSDP2 shards
     cold = df[(df.metric == "wall_s") & (df.note == "cold caches")]["mean"]
     assert facts["cold_wall_s"] == cold.iloc[-1] <= results.TIME_LIMIT_S
+
+
+def test_a_profile_without_gpu_events_is_not_measured_and_an_earlier_profile_stands_in(tmp_path):
+    """A run whose profiler saw no GPU activity records its communication as not measured (never 0);
+    the timeline and the quoted communication then come from the latest run that was profiled."""
+    from cs336_systems.studies import training_leaderboard as study
+    from cs336_systems.studies import training_leaderboard_results as results
+
+    assert study._missing_note("comm_ms", math.nan) == study.NO_GPU_PROFILE
+    assert study._missing_note("comm_ms", 0.0) == "" and study._missing_note("tflops", math.nan) == ""
+    earlier = [_row("ours", "comm_ms", 800.0), _row("ours", "comm_exposed_ms", 12.0)]
+    for r in earlier:
+        r["git_sha"], r["timestamp"] = "a" * 40, "2026-11-26T00:00:00"
+    later = [_row("stock", "step_ms", 6000.0), _row("ours", "step_ms", 4800.0)]
+    later += [_row("ours", m, math.nan, note=study.NO_GPU_PROFILE) for m in ("comm_ms", "comm_exposed_ms")]
+    for r in later:
+        r["git_sha"], r["timestamp"] = "b" * 40, "2026-11-26T01:00:00"
+    df = pd.DataFrame(earlier + later)
+    variant = json.loads(earlier[0]["config_json"])["variant"]
+    (tmp_path / f"training_leaderboard__trace_{variant}_ws2.json.gz").write_bytes(b"")
+    assert results.trace_path(df, tmp_path, "bf16", 2) is not None
+    facts = results.facts(df)
+    assert math.isnan(facts["ours_extra"]["comm_ms"])
+    assert facts["profiled"] == {"comm_ms": 800.0, "comm_exposed_ms": 12.0, "git": "a" * 10}

@@ -254,6 +254,13 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     return _rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device)
 
 
+NO_GPU_PROFILE = "the profiler recorded no GPU activity (CUPTI unavailable): not measured"
+
+
+def _missing_note(metric: str, value: float) -> str:
+    return NO_GPU_PROFILE if metric.startswith("comm") and math.isnan(value) else ""
+
+
 def _rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device) -> list[dict]:
     """step / phase rows (ms per timed call), throughput and MFU, peak memory per rank, `extra`."""
     keys = _keys(cfg, label, world)
@@ -270,7 +277,10 @@ def _rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device) -> 
     extra["mfu_measured_peak"] = ("fraction", flops / mean_s / measured_matmul_peak(device))
     if (datasheet := peak_flops(device_name(device), "bf16")) is not None:
         extra["mfu_datasheet"] = ("fraction", flops / mean_s / datasheet)
-    rows += [make_row(metric=m, unit=u, value=float(v), **at, **keys) for m, (u, v) in extra.items()]
+    rows += [
+        make_row(metric=m, unit=u, value=float(v), note=_missing_note(m, v), **at, **keys)
+        for m, (u, v) in extra.items()
+    ]
     rows += [
         make_row(metric="peak_memory_gib", unit="GiB", value=p / 2**30, x_name="rank", x_value=r, **keys)
         for r, p in enumerate(peaks)

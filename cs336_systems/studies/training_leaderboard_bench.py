@@ -14,6 +14,7 @@ recomputed (any choice gives the same peak: every block's activations are alive 
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -150,6 +151,11 @@ def profile_step(protocol: ProtocolStep, device, path: Path) -> dict[str, float]
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
         compact = trace_plot.compact_trace(load_trace(Path(tmp) / "trace.json"))
+    frame = trace_plot.trace_frame(compact)
+    if device.type == "cuda" and not frame.row.str.startswith("stream").any():
+        # CUPTI failed to start (seen on one machine): a trace without kernels would read as "no
+        # communication"; nothing is saved and the rows say not measured
+        return {"comm_ms": math.nan, "comm_exposed_ms": math.nan}
     save_trace(compact, path)
-    stats = trace_plot.overlap_stats(trace_plot.trace_frame(compact))
+    stats = trace_plot.overlap_stats(frame)
     return {"comm_ms": stats["comm_ms"], "comm_exposed_ms": stats["exposed_ms"]}

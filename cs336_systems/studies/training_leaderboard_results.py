@@ -105,9 +105,13 @@ def breakdown_table(df: pd.DataFrame) -> pd.DataFrame:
     d = d[d.x_name == "world_size"]
     metrics = ("step_ms", *PHASE_METRICS, "comm_ms", "comm_exposed_ms", "setup_s", "checkpoint_blocks")
     t = d[d.metric.isin(metrics)].pivot_table(
-        index=["name", "dtype", "x_value", "impl"], columns="metric", values="mean", aggfunc="last"
+        index=["name", "dtype", "x_value", "impl"],
+        columns="metric",
+        values="mean",
+        aggfunc="last",
     )
-    return t.reindex(columns=[m for m in metrics if m in t.columns]).reset_index()
+    present = set(d.metric)  # a metric with no value (not measured) stays a column of NaN
+    return t.reindex(columns=[m for m in metrics if m in present]).reset_index()
 
 
 def memory_plan_table(
@@ -135,7 +139,7 @@ def trace_path(
 ) -> Path | None:
     """The saved trace of the latest profiled variant of ours (in `mode` on `world_size` GPUs if given:
     the headline's), if any."""
-    d = latest(df)
+    d = latest(df[~((df.metric == "comm_ms") & df["mean"].isna())])  # runs whose profile had no GPU events
     comm = d[d.metric == "comm_ms"]
     if mode is not None:
         comm = comm[comm.dtype == mode]
@@ -184,6 +188,18 @@ def facts(df: pd.DataFrame) -> dict:
             out["ours_extra"] = {
                 m: float(ours[m]) for m in ("checkpoint_blocks", "comm_ms", "comm_exposed_ms") if m in ours
             }
+        profiled = df[
+            (df.metric.isin(["comm_ms", "comm_exposed_ms"]))
+            & (df.impl == "ours")
+            & (df.dtype == head["mode"])
+            & (df.x_name == "world_size")
+            & (pd.to_numeric(df.x_value, errors="coerce") == head["GPUs"])
+            & df["mean"].notna()
+        ]
+        if len(profiled):  # the latest run of the headline configuration whose profile had GPU events
+            sha = profiled.sort_values("timestamp").git_sha.iloc[-1]
+            of_run = profiled[profiled.git_sha == sha].groupby("metric")["mean"].last()
+            out["profiled"] = {m: float(v) for m, v in of_run.items()} | {"git": str(sha)[:10]}
         out["phases"] = {  # mean ms of each phase, ours and stock, of the headline configuration
             m.removesuffix("_ms"): {
                 p: float(by_path.at[p, m]) for p in ("ours", "stock") if p in by_path.index
