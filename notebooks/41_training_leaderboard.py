@@ -132,6 +132,7 @@ else:
         breakdown_text = f"""
 
 Where the difference comes from (ours vs stock per phase: {gaps}):
+
 * **Attention** is the same kernel in both steps: plain SDPA picks cuDNN's on this GPU with torch 2.11
   (`figures/data/training_leaderboard__stock_sdpa_kernels.log`{"; the run's sdpa_backend row: " + facts["stock_sdpa_backend"] if "stock_sdpa_backend" in facts else ""}), and ours pins it.
 * **Backward** ({b["stock"] - b["ours"]:.0f} ms less): ours recomputes {extra.get("checkpoint_blocks", float("nan")):.0f}
@@ -234,8 +235,11 @@ if len(breakdown):
 by_attention = training_leaderboard_results.attention_table(df)
 if len(by_attention) > 1:
     show_table(
-        by_attention,
-        caption="Every run: the attention of ours and what its recomputed blocks recompute, stock from the same run (do_bench mean, ms)",
+        by_attention.drop(columns=["config"] if by_attention.config.nunique() == 1 else []).rename(
+            columns={"attention of ours": "attention"}
+        ),
+        caption=f"Every run of {', '.join(by_attention.config.unique())}: the attention of ours and what its "
+        "recomputed blocks recompute, stock from the same run (do_bench mean, ms)",
         formats={"ours_ms": "{:.0f}", "stock_ms": "{:.0f}", "ratio": "{:.3f}"},
         provenance_from=df,
         note="stock always uses plain SDPA (PyTorch's backend choice, cuDNN on the H200 with torch 2.11); "
