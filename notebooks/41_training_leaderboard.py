@@ -36,6 +36,8 @@ rep_ms = 30000
 warmup_ms = 10000
 
 # %% tags=["remove-input"]
+import math
+
 import pandas as pd
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
@@ -114,7 +116,7 @@ else:
     comm_text = (
         f"ours' NCCL kernels ran {extra['comm_ms']:.0f} ms in the profiled step, of which "
         f"{extra['comm_exposed_ms']:.0f} ms were not under compute."
-        if extra.get("comm_ms") == extra.get("comm_ms") and "comm_ms" in extra
+        if not math.isnan(extra.get("comm_ms", math.nan))
         else (
             "the headline run's profiler recorded no GPU activity (CUPTI did not start on that machine), so "
             + (
@@ -126,6 +128,14 @@ else:
             )
         )
     )
+    backend = facts.get("stock_sdpa_backend")
+    ours_attention = same["attention of ours"].iloc[-1] if len(same) else "?"
+    attention_text = (
+        "the same kernel in both steps: the run records that plain SDPA (stock) picks CUDNN_ATTENTION "
+        "here, and ours pins SDPA to cuDNN."
+        if backend == "CUDNN_ATTENTION" and ours_attention == "sdpa_cudnn"
+        else f"stock's plain SDPA picks {backend or 'a backend this run did not record'}; ours runs {ours_attention}."
+    )
     breakdown_text = ""
     if {"forward", "backward", "optimizer_step"} <= set(phases) and head.get("GPUs", 1) > 1:
         f, b, o = phases["forward"], phases["backward"], phases["optimizer_step"]
@@ -133,8 +143,7 @@ else:
 
 Where the difference comes from (ours vs stock per phase: {gaps}):
 
-* **Attention** is the same kernel in both steps: plain SDPA picks cuDNN's on this GPU with torch 2.11
-  (`figures/data/training_leaderboard__stock_sdpa_kernels.log`{"; the run's sdpa_backend row: " + facts["stock_sdpa_backend"] if "stock_sdpa_backend" in facts else ""}), and ours pins it.
+* **Attention**: {attention_text}
 * **Backward** ({b["stock"] - b["ours"]:.0f} ms less): ours recomputes {extra.get("checkpoint_blocks", float("nan")):.0f}
   of the 34 blocks, as many as memory needs, and in those only the norms, projections and MLP; stock
   recomputes all 34 blocks whole, which is why its peak is {head.get("stock_peak_gib", float("nan")):.0f} GiB per GPU
@@ -242,8 +251,9 @@ if len(by_attention) > 1:
         "recomputed blocks recompute, stock from the same run (do_bench mean, ms)",
         formats={"ours_ms": "{:.0f}", "stock_ms": "{:.0f}", "ratio": "{:.3f}"},
         provenance_from=df,
-        note="stock always uses plain SDPA (PyTorch's backend choice, cuDNN on the H200 with torch 2.11); "
-        "recompute: what ours recomputes of a checkpointed block",
+        note="stock always uses plain SDPA, PyTorch choosing the backend"
+        + (f" ({facts['stock_sdpa_backend']} in the latest run)" if "stock_sdpa_backend" in facts else "")
+        + "; recompute: what ours recomputes of a checkpointed block",
     )
 
 # %% tags=["remove-input"]

@@ -259,8 +259,11 @@ def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
     ):
         assert metric in set(df.metric), metric
     assert len(list(tmp_path.glob("training_leaderboard__trace_ours-*_ws2.json.gz"))) == 2
+    backend = df[(df.name == "sdpa_backend") & (df.metric == "backend")].note
+    assert len(backend) == 1 and backend.iloc[0] in torch.nn.attention.SDPBackend.__members__
     facts = training_leaderboard_results.facts(df)
     assert facts["status"] == "quick CPU run" and facts["wall_s"] > 0 and not facts["failures"]
+    assert facts["stock_sdpa_backend"] == backend.iloc[0]
     assert set(facts["phases"]) == {"forward", "backward", "optimizer_step"}
     assert all(set(v) == {"ours", "stock"} for v in facts["phases"].values())
 

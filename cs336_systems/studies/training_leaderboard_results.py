@@ -134,22 +134,36 @@ def memory_plan_table(
     return pd.DataFrame(rows)
 
 
-def trace_path(
-    df: pd.DataFrame, results_dir, mode: str | None = None, world_size: int | None = None
-) -> Path | None:
-    """The saved trace of the latest profiled variant of ours (in `mode` on `world_size` GPUs if given:
-    the headline's), if any."""
-    d = latest(df[~((df.metric == "comm_ms") & df["mean"].isna())])  # runs whose profile had no GPU events
-    comm = d[d.metric == "comm_ms"]
+def latest_profiled(df: pd.DataFrame, mode: str | None = None, world_size: int | None = None) -> pd.DataFrame:
+    """The comm rows (comm_ms, comm_exposed_ms) of the latest run of ours whose profiled step had GPU
+    events, in `mode` on `world_size` GPUs if given; empty if none. A run whose profiler recorded no
+    GPU activity has NaN comm rows and no trace, so an earlier profiled run stands in for it."""
+    comm = with_world_size(df)
+    comm = comm[
+        comm.metric.isin(["comm_ms", "comm_exposed_ms"]) & (comm.impl == "ours") & comm["mean"].notna()
+    ]
     if mode is not None:
         comm = comm[comm.dtype == mode]
     if world_size is not None:
         comm = comm[comm.world_size == float(world_size)]
     if comm.empty:
+        return comm
+    comm = comm.sort_values("timestamp")
+    return comm[comm.git_sha == comm.git_sha.iloc[-1]]
+
+
+def trace_path(
+    df: pd.DataFrame, results_dir, mode: str | None = None, world_size: int | None = None
+) -> Path | None:
+    """The saved trace of `latest_profiled`'s run (the headline configuration's when `mode` and
+    `world_size` are given), if the file exists."""
+    comm = latest_profiled(df, mode, world_size)
+    if comm.empty:
         return None
     row = comm.iloc[-1]
-    cfg = _config(row)
-    path = Path(results_dir) / f"{PROBLEM}__trace_{cfg.get('variant')}_ws{int(row.x_value)}.json.gz"
+    path = (
+        Path(results_dir) / f"{PROBLEM}__trace_{_config(row).get('variant')}_ws{int(row.world_size)}.json.gz"
+    )
     return path if path.exists() else None
 
 
@@ -188,18 +202,10 @@ def facts(df: pd.DataFrame) -> dict:
             out["ours_extra"] = {
                 m: float(ours[m]) for m in ("checkpoint_blocks", "comm_ms", "comm_exposed_ms") if m in ours
             }
-        profiled = df[
-            (df.metric.isin(["comm_ms", "comm_exposed_ms"]))
-            & (df.impl == "ours")
-            & (df.dtype == head["mode"])
-            & (df.x_name == "world_size")
-            & (pd.to_numeric(df.x_value, errors="coerce") == head["GPUs"])
-            & df["mean"].notna()
-        ]
-        if len(profiled):  # the latest run of the headline configuration whose profile had GPU events
-            sha = profiled.sort_values("timestamp").git_sha.iloc[-1]
-            of_run = profiled[profiled.git_sha == sha].groupby("metric")["mean"].last()
-            out["profiled"] = {m: float(v) for m, v in of_run.items()} | {"git": str(sha)[:10]}
+        profiled = latest_profiled(df, head["mode"], head["GPUs"])
+        if len(profiled):
+            out["profiled"] = profiled.groupby("metric")["mean"].last().astype(float).to_dict()
+            out["profiled"]["git"] = str(profiled.git_sha.iloc[-1])[:10]
         out["phases"] = {  # mean ms of each phase, ours and stock, of the headline configuration
             m.removesuffix("_ms"): {
                 p: float(by_path.at[p, m]) for p in ("ours", "stock") if p in by_path.index
