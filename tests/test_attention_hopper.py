@@ -13,6 +13,7 @@ import torch
 
 from cs336_systems.attention import FlashAttentionTriton
 from cs336_systems.attention.flash_triton import KernelOptions, hopper, launch, tiles, use_configs
+from cs336_systems.studies.flash_tuning import HOPPER_ONE_PASS_CANDIDATES
 from tests.attention_helpers import check_outputs, make_case, run_impl
 
 HOPPER = KernelOptions(hopper=True)
@@ -40,33 +41,53 @@ def test_cpu_tensors_fall_back_to_the_portable_kernels_and_forcing_is_an_error()
 
 
 @pytest.mark.parametrize(
-    ("d", "default"),
-    [(64, False), (128, True), (80, True), (96, True), (48, True), (72, False), (160, False), (256, False)],
-)
-def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, default):
-    """Split head dims (the tl kernels would pad them) and d = 128 (the warp-specialised kernels)."""
+    ("d", "default", "default_bwd"),
+    [(64, False, True), (128, True, True), (80, True, True), (96, True, True), (48, True, True),
+     (32, False, False), (72, False, False), (160, False, False), (256, False, False)],
+)  # fmt: skip
+def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, default, default_bwd):
+    """Split head dims (the tl kernels would pad them) and d = 128 (the warp-specialised kernels); the
+    backward also at d = 64, where the one-pass kernel beats the tl passes."""
     assert hopper.preferred(d) is default
+    assert hopper.preferred(d, "bwd") is default_bwd
+
+
+@pytest.mark.parametrize("d", [64, 80])
+def test_the_one_pass_backward_is_the_default_where_it_was_measured_faster(d):
+    cfg = hopper.heuristic_bwd(d)
+    assert isinstance(cfg, hopper.WarpSpecializedBwdConfig) and cfg.one_pass
+    assert not hopper.heuristic_bwd(128).one_pass  # does not fit at d = 128
 
 
 @pytest.mark.parametrize(
     "cfg",
     [hopper.WarpSpecializedFwdConfig(), hopper.WarpSpecializedFwdConfig(consumers=3, consumer_regs=160),
-     hopper.WarpSpecializedBwdConfig(), hopper.WarpSpecializedBwdConfig(consumers=3, consumer_regs=160)],
+     hopper.WarpSpecializedBwdConfig(), hopper.WarpSpecializedBwdConfig(consumers=3, consumer_regs=160),
+     *hopper.ONE_PASS_CONFIGS.values(),
+     *(hopper.WarpSpecializedBwdConfig(*c) for cands in HOPPER_ONE_PASS_CANDIDATES.values() for c in cands)],
     ids=str,
 )  # fmt: skip
 def test_warp_specialized_register_budget_fits_one_program_per_sm(cfg):
-    """The launch cap spread over consumers + 1 warpgroups covers the consumers' and the producer's
-    registers (else setmaxnreg.inc would wait forever) and fits the 64K-register file."""
-    warpgroups = cfg.consumers + 1
+    """The launch cap spread over the program's warpgroups (consumers, the producer, a one-pass
+    backward's dQ warpgroup) covers their registers (else setmaxnreg.inc would wait forever) and fits
+    the 64K-register file."""
+    dq_regs = getattr(cfg, "dq_regs", 0)
+    warpgroups = cfg.consumers + 1 + (dq_regs > 0)
     assert cfg.maxnreg % 8 == 0
-    assert warpgroups * cfg.maxnreg >= cfg.consumers * cfg.consumer_regs + 24
+    assert warpgroups * cfg.maxnreg >= cfg.consumers * cfg.consumer_regs + 24 + dq_regs
     assert warpgroups * 128 * cfg.maxnreg <= 65536
+
+
+@pytest.mark.parametrize("bad", [dict(consumers=3, consumer_regs=160), dict(block_m=32)], ids=str)
+def test_the_one_pass_backward_takes_two_consumers_and_64_query_steps(bad):
+    with pytest.raises(ValueError, match="one-pass backward takes two consumers and 64-query steps"):
+        hopper.WarpSpecializedBwdConfig(dq_regs=136, **bad)
 
 
 def test_d128_defaults_to_the_warp_specialized_kernels():
     assert isinstance(hopper.heuristic_fwd(128), hopper.WarpSpecializedFwdConfig)
     assert isinstance(hopper.heuristic_bwd(128), hopper.WarpSpecializedBwdConfig)
-    assert isinstance(hopper.heuristic_bwd(64), hopper.HopperBwdConfig)
+    assert isinstance(hopper.heuristic_bwd(96), hopper.HopperBwdConfig)
     assert isinstance(hopper.heuristic_fwd(64), hopper.HopperFwdConfig)
     assert isinstance(hopper.heuristic_fwd(80), hopper.HopperFwdConfig)
 
@@ -78,7 +99,8 @@ def test_gpu_hopper_is_the_default_on_sm90_for_16_bit_inputs_at_padded_head_dims
     assert not hopper.use_hopper(None, q.float(), q.float(), q.float())  # fp32: the tl kernels
     assert not hopper.use_hopper(False, q, q, q)
     q64 = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
-    assert not hopper.use_hopper(None, q64, q64, q64)  # power of two: the (faster) tl kernels
+    assert not hopper.use_hopper(None, q64, q64, q64)  # power of two: the (faster) tl forward
+    assert hopper.use_hopper(None, q64, q64, q64, kind="bwd") == _on_hopper()  # the one-pass backward
     assert hopper.use_hopper(True, q64, q64, q64) == _on_hopper()
     q128 = torch.randn(1, 2, 128, 128, device="cuda", dtype=torch.bfloat16)
     assert hopper.use_hopper(None, q128, q128, q128) == _on_hopper()  # the warp-specialised kernels
@@ -194,11 +216,49 @@ def test_gpu_warp_specialized_dkdv_matches_the_portable_pass(cfg, is_causal, d, 
     want_dk, want_dv = tensors[5].clone(), tensors[6].clone()
     tensors[5].fill_(float("nan"))
     tensors[6].fill_(float("nan"))
-    hopper.flash_dkdv_hopper(tensors, is_causal, cfg)
+    assert not hopper.flash_bwd_hopper(tensors, is_causal, cfg)
     torch.cuda.synchronize()
     for got, want in ((tensors[5], want_dk), (tensors[6], want_dv)):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+ONE_PASS_CONFIGS = [
+    hopper.WarpSpecializedBwdConfig(consumer_regs=200, dq_regs=88),
+    hopper.WarpSpecializedBwdConfig(stages=3, consumer_regs=208, dq_regs=72, ds_slots=3, dq_buffers=3),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("cfg", ONE_PASS_CONFIGS, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [16, 64, 80])
+@pytest.mark.parametrize(
+    ("batch", "n_q", "n_k"),
+    [((2, 3), 1, 1), ((1, 3), 97, 250), ((1, 3), 300, 97), ((2, 2), 1025, 1025), ((1, 2), 4096, 4096)],
+)
+def test_gpu_one_pass_backward_matches_the_portable_passes(cfg, is_causal, d, batch, n_q, n_k):
+    """dQ (added by the dQ warpgroup with atomics), dK and dV of the one-pass kernel against the tl
+    passes on the same operands: ragged N (keys past the end zeroed out of dS before dQ reads them),
+    causal and not, split head dims, poisoned outputs; repeated to catch a race between the
+    consumers' dS ring and the dQ warpgroup."""
+    case = make_case(batch, n_q, n_k, d, torch.bfloat16, device="cuda", is_causal=is_causal)
+    q, k, v, do = (t.detach() for t in (case.q, case.k, case.v, case.do))
+    with use_configs(options=PORTABLE):
+        o, lse = launch.flash_fwd(q, k, v, is_causal)
+        tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
+        launch.launch_bwd(tensors, is_causal, tiles.current_config("bwd", n_q, n_k, d, q.dtype, is_causal), PORTABLE,
+                          launch.use_tma(PORTABLE, q.device, *tensors[:7]))  # fmt: skip
+    wants = [t.clone() for t in tensors[4:7]]
+    for _ in range(3):
+        for t in tensors[4:7]:
+            t.fill_(float("nan"))
+        assert hopper.flash_bwd_hopper(tensors, is_causal, cfg)
+        torch.cuda.synchronize()
+        for got, want in zip(tensors[4:7], wants, strict=True):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
@@ -243,7 +303,51 @@ def test_gpu_hopper_dkdv_tile_candidates_and_every_element_written(cfg, d, n):
     tensors, (_dq, dk, dv) = launch.prepare_backward(do, q, k, v, o, lse)
     dk.fill_(float("nan"))
     dv.fill_(float("nan"))
-    hopper.flash_dkdv_hopper(tensors, True, cfg)
+    hopper.flash_bwd_hopper(tensors, True, cfg)
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
     torch.testing.assert_close(dk.double(), k64.grad, atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(dv.double(), v64.grad, atol=5e-2, rtol=5e-2)
+
+
+def _ptxas_serialization(kernel) -> list[str]:
+    """ptxas's notes that it serialised the wgmma instructions of any compiled variant of `kernel`
+    (the JIT's cache on the current device), from re-assembling each variant's PTX for sm_90a."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    kernel_cache = kernel.device_caches[torch.cuda.current_device()][0]
+    assert kernel_cache, "the kernel was not compiled on this device"
+    notes = []
+    for compiled in kernel_cache.values():
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(compiled.asm["ptx"])
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                                 capture_output=True, text=True, check=True)  # fmt: skip
+        notes += [line for line in out.stderr.splitlines() if "serialized" in line]
+    return notes
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_warp_specialized_backward_keeps_its_products_asynchronous():
+    """ptxas serialises every wgmma of a warp-specialised kernel whose partitions leave a product in
+    flight across a loop's back edge ("insufficient register resources") or touch an in-flight
+    accumulator; the consumers and the dQ warpgroup therefore complete each step's products within
+    the step. Checked on the compiled two-pass and one-pass kernels at d = 64, 80 and 128."""
+    from cs336_systems.attention.flash_triton import hopper_ws_backward_kernels
+
+    for d, cfg in ((64, hopper.WarpSpecializedBwdConfig()), (128, hopper.heuristic_bwd(128)),
+                   (64, hopper.ONE_PASS_CONFIGS[64]), (80, hopper.ONE_PASS_CONFIGS[80])):  # fmt: skip
+        case = make_case((1, 2), 256, 256, d, torch.bfloat16, device="cuda", is_causal=True)
+        q, k, v, do = (t.detach() for t in (case.q, case.k, case.v, case.do))
+        with use_configs(options=PORTABLE):
+            o, lse = launch.flash_fwd(q, k, v, True)
+        tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
+        hopper.flash_bwd_hopper(tensors, True, cfg)
+    assert _ptxas_serialization(hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel) == []

@@ -286,6 +286,10 @@ def test_pass_table_keeps_the_two_gluon_families_apart():
             row("gluon WarpSpecializedFwdConfig(consumers=3, block_n=64, stages=3, pingpong=True, consumer_regs=160)", "fwd", None),
             row("tl BwdConfig(block_m1=64)", "dkdv", 3.0),
             row("gluon HopperBwdConfig(block_m=64, block_n=64, stages=2, num_warps=4, maxnreg=None)", "dkdv", 3.3),
+            row("tl BwdConfig(block_m1=64)", "bwd", 4.0),
+            row("default WarpSpecializedBwdConfig(block_m=64, dq_regs=88) (+ tl dQ unless one pass)", "bwd", 3.0),
+            row("gluon one pass WarpSpecializedBwdConfig(block_m=64, stages=2, consumer_regs=200, consumers=2, "
+                "dq_regs=88, ds_slots=2, dq_buffers=2)", "bwd", 3.2),
         ]
     )  # fmt: skip
     t = flash_hopper.pass_table(df).set_index("pass")
@@ -293,5 +297,8 @@ def test_pass_table_keeps_the_two_gluon_families_apart():
     assert t.loc["fwd", "WS ms"] == 1.8 and math.isclose(t.loc["fwd", "WS / tl"], 0.9)
     assert t.loc["fwd", "WS tiles"] == "2 x 64 rows, 128 keys, 2 stages"
     assert math.isnan(t.loc["dkdv", "WS ms"]) and t.loc["dkdv", "WS tiles"] == ""
+    # the whole backward: the one-pass kernel is warp-specialised; the default row is not a candidate
+    assert math.isnan(t.loc["bwd", "Gluon ms"]) and t.loc["bwd", "WS ms"] == 3.2
+    assert t.loc["bwd", "WS tiles"] == "2 x 64 keys, 64 queries, 2 stages, one pass"
     f = flash_hopper._tiles("WarpSpecializedBwdConfig(block_m=64, stages=5, consumer_regs=240, consumers=2)")
     assert f == "2 x 64 keys, 64 queries, 5 stages"

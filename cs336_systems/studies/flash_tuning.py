@@ -212,6 +212,12 @@ HOPPER_WS_DKDV_CANDIDATES = {
     128: [(64, 2, 240, 2), (64, 3, 240, 2)],
     80: [(64, 2, 240, 2), (64, 4, 240, 2), (32, 4, 160, 3)],
 }
+# One-pass backward (dQ by a third warpgroup): (block_m, stages, consumer_regs, consumers, dq_regs
+# [, ds_slots, dq_buffers]): register splits that compile without spills for sm_90 (Triton 3.6).
+HOPPER_ONE_PASS_CANDIDATES = {
+    64: [(64, 2, 184, 2, 120), (64, 3, 184, 2, 120), (64, 2, 200, 2, 88), (64, 2, 184, 2, 120, 3, 3)],
+    80: [(64, 2, 208, 2, 72), (64, 3, 208, 2, 72)],
+}
 HOPPER_DKDV_CANDIDATES = {
     64: [
         (64, 64, 2, 4, None),
@@ -262,7 +268,7 @@ def run_hopper_tuning(
     bwd_cfg = tiles.current_config("bwd", n, n, d, dtype, True)
     with tiles.use_configs(options=portable):
         launch.launch_bwd(tensors, True, bwd_cfg, portable, tma)
-    dk_ref, dv_ref = tensors[5].clone(), tensors[6].clone()
+    dq_ref, dk_ref, dv_ref = (t.clone() for t in tensors[4:7])
     config = {"heads": heads, "seq_len": n, "d": d, "causal": True, "batch": 1}
 
     def record(kind: str, label: str, call: Callable[[], object], check: Callable[[], float] | None) -> None:
@@ -314,8 +320,33 @@ def run_hopper_tuning(
         record(
             "dkdv",
             f"gluon {cfg!r}",
-            lambda cfg=cfg: hopper.flash_dkdv_hopper(tensors, True, cfg),
+            lambda cfg=cfg: hopper.flash_bwd_hopper(tensors, True, cfg),
             lambda: max(rel_err(dk, dk_ref), rel_err(dv, dv_ref)),
+        )
+    one_pass = [hopper.WarpSpecializedBwdConfig(*c) for c in HOPPER_ONE_PASS_CANDIDATES.get(d, [])]
+    if one_pass:  # the whole backward (Delta excluded), against the tl passes and the default
+        with tiles.use_configs(options=portable):
+            record(
+                "bwd",
+                f"tl {bwd_cfg!r}",
+                lambda: launch.launch_bwd(tensors, True, bwd_cfg, portable, tma),
+                None,
+            )
+
+        def default_bwd() -> None:
+            if not hopper.flash_bwd_hopper(tensors, True):
+                launch.launch_bwd(tensors, True, bwd_cfg, portable, tma, ("dq",))
+
+        record("bwd", f"default {hopper.heuristic_bwd(d)!r} (+ tl dQ unless one pass)", default_bwd, None)
+    dq = tensors[4]
+    for cfg in one_pass:
+        for t in (dq, dk, dv):
+            t.fill_(float("nan"))
+        record(
+            "bwd",
+            f"gluon one pass {cfg!r}",
+            lambda cfg=cfg: hopper.flash_bwd_hopper(tensors, True, cfg),
+            lambda: max(rel_err(dq, dq_ref), rel_err(dk, dk_ref), rel_err(dv, dv_ref)),
         )
     append_rows(LEADERBOARD, rows, results_dir)
     return rows

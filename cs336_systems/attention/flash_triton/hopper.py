@@ -53,12 +53,13 @@ class HopperFwdConfig:
 PRODUCER_REGS = 24  # the producer warp's registers a thread (the least setmaxnreg allows)
 
 
-def warp_specialized_maxnreg(consumers: int, consumer_regs: int) -> int:
+def warp_specialized_maxnreg(consumers: int, consumer_regs: int, dq_regs: int = 0) -> int:
     """Registers a thread at launch of a warp-specialised kernel: the consumers' share plus the
-    producer's, spread over the program's consumers + 1 warpgroups, rounded up to 8 (one program per
-    SM at 2 x 240 or 3 x 160). setmaxnreg then moves registers between the partitions."""
-    need = consumers * consumer_regs + PRODUCER_REGS
-    return math.ceil(need / (consumers + 1) / 8) * 8
+    producer's (and a one-pass backward's dQ warpgroup's), spread over the program's warpgroups,
+    rounded up to 8 (one program per SM at 2 x 240 or 3 x 160). setmaxnreg then moves registers
+    between the partitions."""
+    need = consumers * consumer_regs + PRODUCER_REGS + dq_regs
+    return math.ceil(need / (consumers + 1 + (dq_regs > 0)) / 8) * 8
 
 
 @dataclass(frozen=True)
@@ -111,17 +112,26 @@ def unsupported_reason(*tensors4: Tensor) -> str:
     return ""
 
 
-def preferred(d: int) -> bool:
-    """Whether the Gluon kernels are the default for head dim d (forward and dK/dV alike): where the tl
-    kernels pad d to a power of two (80 -> 128) and the split column blocks do not, up to d = 128
-    (beyond, the dK/dV kernel's accumulators spill); and d = 128, where the warp-specialised kernels
-    were faster on an H100 (OPTIMIZATION_LOG.md, "Session 10"). At d <= 64 the tl kernels were as
-    fast or faster, so they stay the default there."""
+# Head dims whose backward defaults to the one-pass kernel (dQ added by a third warpgroup), where it
+# was measured faster than the two passes (OPTIMIZATION_LOG.md, "Session 11"); read at call time.
+# At d = 128 it does not fit: the consumers' accumulators spill and shared memory exceeds 227 KB.
+ONE_PASS_HEAD_DIMS: frozenset[int] = frozenset({64, 80})
+
+
+def preferred(d: int, kind: str = "fwd") -> bool:
+    """Whether the Gluon kernels are the default for head dim d and pass kind ("fwd" or "bwd"): where
+    the tl kernels pad d to a power of two (80 -> 128) and the split column blocks do not, up to
+    d = 128 (beyond, the dK/dV kernel's accumulators spill); d = 128, where the warp-specialised
+    kernels were faster on an H100 (OPTIMIZATION_LOG.md, "Session 10"); and the backward at the
+    head dims of `ONE_PASS_HEAD_DIMS`. Elsewhere at d <= 64 the tl kernels were as fast or faster,
+    so they stay the default there."""
+    if kind == "bwd" and d in ONE_PASS_HEAD_DIMS:
+        return True
     return d == 128 or (d <= 128 and split_head_dim(d) not in (None, d))
 
 
-def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
-    """Whether to launch the Hopper kernels (option: KernelOptions.hopper)."""
+def use_hopper(option: bool | None, *tensors4: Tensor, kind: str = "fwd") -> bool:
+    """Whether to launch the Hopper kernels for a pass of `kind` (option: KernelOptions.hopper)."""
     if option is False:
         return False
     reason = unsupported_reason(*tensors4)
@@ -129,7 +139,7 @@ def use_hopper(option: bool | None, *tensors4: Tensor) -> bool:
         raise ValueError(
             f"FlashAttentionTriton: Hopper kernels forced (KernelOptions(hopper=True)) but {reason}"
         )
-    return not reason and (option or preferred(tensors4[0].shape[-1]))
+    return not reason and (option or preferred(tensors4[0].shape[-1], kind))
 
 
 def heuristic_fwd(d: int) -> HopperFwdConfig | WarpSpecializedFwdConfig:
@@ -220,7 +230,9 @@ def heuristic_bwd(d: int) -> HopperBwdConfig | WarpSpecializedBwdConfig:
     --tune-hopper; at d = 80 3.50 ms against 4.06 for 32-query steps, which need fewer registers,
     190 instead of 254, but issue twice the waits). Above d = 128 the two fp32 accumulators (dK, dV:
     64 key rows x d per warpgroup) spill whatever the step, so the step shrinks to 16 queries to
-    keep the score tiles small."""
+    keep the score tiles small. At the head dims of `ONE_PASS_HEAD_DIMS`, the one-pass kernel."""
+    if d in ONE_PASS_HEAD_DIMS:
+        return ONE_PASS_CONFIGS[d]
     if d == 128:
         return WarpSpecializedBwdConfig(block_m=64, stages=2)
     if d <= 128:
@@ -230,14 +242,28 @@ def heuristic_bwd(d: int) -> HopperBwdConfig | WarpSpecializedBwdConfig:
 
 @dataclass(frozen=True)
 class WarpSpecializedBwdConfig:
-    """The warp-specialised dK/dV pass (`hopper_ws_backward_kernels.py`): `consumers` (2 or 3)
+    """The warp-specialised backward (`hopper_ws_backward_kernels.py`): `consumers` (2 or 3)
     warpgroups of 64 keys share each Q/dO tile of `block_m` queries, a producer warp fills a
-    `stages`-deep ring; three consumers fit the register file at 160 a thread with 32-query steps."""
+    `stages`-deep ring; three consumers fit the register file at 160 a thread with 32-query steps.
+    `dq_regs` > 0 makes it one pass: a dQ warpgroup with that many registers a thread adds dS K into
+    a float32 dQ (two consumers, 64-query steps), instead of the tl dQ pass; the consumers hand it
+    their dS^T tiles through a `ds_slots`-deep shared-memory ring."""
 
     block_m: int = 64
     stages: int = 2
     consumer_regs: int = 240
     consumers: int = 2
+    dq_regs: int = 0
+    ds_slots: int = 2  # one pass: depth of the consumers' dS^T ring that the dQ warpgroup reads
+    dq_buffers: int = 2  # one pass: float32 dQ staging tiles in flight to the TMA reductions
+
+    def __post_init__(self) -> None:
+        if self.dq_regs and (self.consumers != 2 or self.block_m != 64):
+            raise ValueError(f"{self}: the one-pass backward takes two consumers and 64-query steps")
+
+    @property
+    def one_pass(self) -> bool:
+        return self.dq_regs > 0
 
     @property
     def block_n(self) -> int:
@@ -245,24 +271,42 @@ class WarpSpecializedBwdConfig:
 
     @property
     def maxnreg(self) -> int:
-        return warp_specialized_maxnreg(self.consumers, self.consumer_regs)
+        return warp_specialized_maxnreg(self.consumers, self.consumer_regs, self.dq_regs)
 
 
-def flash_dkdv_hopper(
+# The one-pass backward's register split per head dim: the consumers' dK/dV accumulators and score
+# tiles against the dQ warpgroup's accumulator (no spills at d = 64 in an offline sm_90 compile).
+ONE_PASS_CONFIGS = {
+    64: WarpSpecializedBwdConfig(block_m=64, stages=2, consumer_regs=200, dq_regs=88),
+    80: WarpSpecializedBwdConfig(block_m=64, stages=3, consumer_regs=208, dq_regs=72),
+}
+
+
+def flash_bwd_hopper(
     tensors, is_causal: bool, cfg: HopperBwdConfig | WarpSpecializedBwdConfig | None = None
-) -> None:
-    """Fill dk4, dv4 of `launch.prepare_backward`'s operands (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta)."""
-    q4, k4, v4, do4, _dq4, dk4, dv4, lse, delta = tensors
+) -> bool:
+    """Fill dk4, dv4 of `launch.prepare_backward`'s operands (q4, k4, v4, do4, dq4, dk4, dv4, lse,
+    delta), and dq4 too with a one-pass configuration. Returns whether dq4 was filled."""
+    q4, k4, v4, do4, dq4, dk4, dv4, lse, delta = tensors
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
     cfg = cfg or heuristic_bwd(d)
     _set_allocator(q4.device)
+    one_pass = isinstance(cfg, WarpSpecializedBwdConfig) and cfg.one_pass
+    dq_acc = lse  # not read unless one_pass
+    if one_pass:
+        plans.fail("the one-pass dQ's float32 buffer and its copy are not kernel launches")
+        dq_acc = torch.zeros((batch * heads, n_q, d), dtype=torch.float32, device=q4.device)
     if isinstance(cfg, WarpSpecializedBwdConfig):
         kernel = hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel
         specific = dict(
             CONSUMERS=cfg.consumers,
             CONSUMER_REGS=cfg.consumer_regs,
             PRODUCER_REGS=PRODUCER_REGS,
+            ONE_PASS=one_pass,
+            DQ_REGS=cfg.dq_regs,
+            DS_SLOTS=cfg.ds_slots,
+            DQ_BUFFERS=cfg.dq_buffers,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )
@@ -282,6 +326,7 @@ def flash_dkdv_hopper(
         dv4,
         lse,
         delta,
+        *((dq_acc,) if isinstance(cfg, WarpSpecializedBwdConfig) else ()),
         *(_strides3(t) for t in (q4, k4, v4, do4, dk4, dv4)),
         heads,
         n_q,
@@ -294,3 +339,6 @@ def flash_dkdv_hopper(
         IS_CAUSAL=bool(is_causal),
         **specific,
     )
+    if one_pass:
+        dq4.copy_(dq_acc.view(batch, heads, n_q, d))
+    return one_pass

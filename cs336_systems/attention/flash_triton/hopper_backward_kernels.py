@@ -81,11 +81,15 @@ def dkdv_after_scores(
     a1_layout: gl.constexpr,
     SPLIT: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    N_KEYS=None,
 ):
     """The rest of a query step once S^T (keys key0.. on rows) is ready: P^T = exp2(S^T c - L) (masked
     on steps that straddle or precede the diagonal), dV += P^T dO issued, dP^T waited for,
     dS^T = P^T (dP^T - Delta), dK += dS^T Q issued. Returns (dk0, dk1, dv0, dv1) with the dK product
-    still in flight. l2 (L * log2 e) and delta: the step's queries, laid out along S^T's columns."""
+    still in flight, dS^T (16-bit, S^T's layout; zero for keys >= N_KEYS when N_KEYS is given) for
+    a one-pass backward's dQ, and the dK product's
+    register operands (dst_a0, dst_a1): the caller passes them to the wait that completes dK, so
+    that their registers are not reused while the tensor cores still read them. l2 (L * log2 e) and delta: the step's queries, laid out along S^T's columns."""
     G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
     KEYS: gl.constexpr = s_t.type.shape[0]
     BLOCK_M: gl.constexpr = s_t.type.shape[1]
@@ -97,6 +101,13 @@ def dkdv_after_scores(
             offs_n = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
             keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
             pt = gl.where(keep, pt, 0.0)
+    if N_KEYS is not None:  # noqa: SIM102 - a constexpr test, then a run-time one
+        # Keys past N_KEYS (K's rows there are TMA's zero fill, so P^T = exp2(-L), which may overflow)
+        # get P^T = dS^T = 0, before any product reads them from registers (a one-pass backward's dQ
+        # sums dS over these rows).
+        if key0 + KEYS > N_KEYS:
+            offs_k = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+            pt = gl.where(gl.expand_dims(offs_k < N_KEYS, 1), pt, 0.0)
     pt_b = pt.to(dtype)
     pt_a0 = gl.convert_layout(pt_b, a0_layout)
     dv0 = warpgroup_mma(pt_a0, do0_t, dv0, is_async=True)
@@ -115,7 +126,8 @@ def dkdv_after_scores(
         )
     else:
         dv0, dk0, pt_a0, dst_a0 = warpgroup_mma_wait(G, deps=(dv0, dk0, pt_a0, dst_a0))
-    return dk0, dk1, dv0, dv1
+        dst_a1 = dst_a0
+    return dk0, dk1, dv0, dv1, dst, dst_a0, dst_a1
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
@@ -237,6 +249,9 @@ def flash_bwd_dkdv_hopper_kernel(
     dk1 = gl.zeros([BLOCK_N, D1], gl.float32, acc1_layout)
     dv1 = gl.zeros([BLOCK_N, D1], gl.float32, acc1_layout)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    # The previous step's dK operands, alive until the wait that completes that product.
+    dst_a0 = gl.zeros([BLOCK_N, BLOCK_M], dtype, a0_layout)
+    dst_a1 = gl.zeros([BLOCK_N, BLOCK_M], dtype, a1_layout)
     mbarrier.wait(kv_bar, 0)
 
     for it in range(n_iters):
@@ -252,7 +267,7 @@ def flash_bwd_dkdv_hopper_kernel(
         l2 = gl.load(l_base + offs_m, mask=in_q, other=float("inf")) * LOG2E
         delta = gl.load(delta_base + offs_m, mask=in_q, other=0.0)
         # In flight now: dK of the previous step (if any), S^T, dP^T. Wait for all but dP^T.
-        s_t = warpgroup_mma_wait(G, deps=(st_tok,))
+        s_t, dst_a0, dst_a1 = warpgroup_mma_wait(G, deps=(st_tok, dst_a0, dst_a1))
         if it > 0:
             # The previous step's stage is free once its dK product is done (waited for just now).
             gl.thread_barrier()
@@ -273,14 +288,14 @@ def flash_bwd_dkdv_hopper_kernel(
                 STAGES,
                 SPLIT,
             )
-        dk0, dk1, dv0, dv1 = dkdv_after_scores(
+        dk0, dk1, dv0, dv1, _dst, dst_a0, dst_a1 = dkdv_after_scores(
             s_t, dpt_tok, l2, delta, start_m, start_n, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
             s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL,
         )  # fmt: skip
     if SPLIT:
-        dv0, dv1, dk0, dk1 = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1))
+        dv0, dv1, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1))
     else:
-        dv0, dk0 = warpgroup_mma_wait(0, deps=(dv0, dk0))
+        dv0, dk0, dst_a0 = warpgroup_mma_wait(0, deps=(dv0, dk0, dst_a0))
 
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(STAGES):

@@ -1,4 +1,4 @@
-"""Warp-specialised dK/dV backward for Hopper (sm_90) in Gluon.
+"""Warp-specialised backward for Hopper (sm_90) in Gluon: dK/dV, and optionally dQ in the same pass.
 
 Same function and operands as `hopper_backward_kernels.flash_bwd_dkdv_hopper_kernel` (whose
 docstring gives the per-step products); what differs is the split of work inside a program:
@@ -9,18 +9,27 @@ docstring gives the per-step products); what differs is the split of work inside
     consumer w = 0..C-1  one warpgroup, 64 keys each (the program's C * 64 keys share every Q/dO
                          tile): S^T, dP^T, dV += P^T dO, dK += dS^T Q, asynchronous as in the
                          one-warpgroup kernel, with no CTA-wide barrier per step
+    dQ warpgroup         (ONE_PASS only) per query step, dQ_i += scale * dS_i K over the program's
+                         C * 64 keys from the dS^T tiles the consumers publish in a two-slot shared
+                         ring, staged in float32 shared memory and added into a zeroed float32 dQ
+                         buffer by TMA bulk reductions (the order of the additions varies from run
+                         to run: dQ is not bitwise deterministic)
 
-dQ stays the tl kernel's pass (`backward_dq_kernels.py`).
+Without ONE_PASS dQ is the tl kernel's pass (`backward_dq_kernels.py`): seven products per tile
+pair in the two passes, against five in one.
 """
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
+    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -30,6 +39,18 @@ from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
 )
 from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor
 
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile src into the global tile of tensor_desc at coord, by the TMA engine
+    (`cp.reduce.async.bulk.tensor ... .add`, one bulk group; wait with `tma.store_wait`). Triton 3.6
+    builds this operation for `tl` descriptors' atomic_add but Gluon 3.6 does not expose it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
+
+
 WG_KEYS: gl.constexpr = gl.constexpr(64)  # key rows per consumer warpgroup (one wgmma M)
 WG_WARPS: gl.constexpr = gl.constexpr(4)
 
@@ -37,10 +58,10 @@ WG_WARPS: gl.constexpr = gl.constexpr(4)
 @gluon.jit
 def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
     """TMA loads of every consumer's K/V, then the Q/dO/L/Delta ring."""
-    descs, smem, bars, off_bh, start_n, start_m0, n_iters, N_QUERIES, L_ptr, Delta_ptr = args[:10]
+    descs, smem, bars, off_bh, start_n, start_m0, n_iters, N_QUERIES, _N_KEYS, L_ptr, Delta_ptr = args[:11]
     q0, q1, do0, do1, k0, k1, v0, v1 = descs[:8]
-    q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s = smem
-    kv_bar, ready_bar, empty_bar = bars
+    q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s = smem[:10]
+    kv_bar, ready_bar, empty_bar = bars[:3]
     STAGES: gl.constexpr = q0_s.type.shape[0]
     BLOCK_M: gl.constexpr = q0_s.type.shape[1]
     kv_bytes: gl.constexpr = 2 * (k0.block_type.nbytes + (k1.block_type.nbytes if SPLIT else 0))
@@ -79,12 +100,15 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_consumer(args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step."""
-    descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, _L_ptr, _Delta_ptr, scale = args
-    dk0_d, dk1_d, dv0_d, dv1_d = descs[8:]
-    q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s = smem
-    kv_bar, ready_bar, empty_bar = bars
+def _bwd_consumer(
+    args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_PASS: gl.constexpr
+):
+    """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step
+    (with ONE_PASS also publishing each step's dS^T tile for the dQ warpgroup)."""
+    descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, N_KEYS, _L, _Delta, _DQ, scale = args
+    dk0_d, dk1_d, dv0_d, dv1_d = descs[8:12]
+    q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s = smem[:11]
+    kv_bar, ready_bar, empty_bar, ds_ready, ds_empty = bars
     STAGES: gl.constexpr = q0_s.type.shape[0]
     BLOCK_M: gl.constexpr = q0_s.type.shape[1]
     D0: gl.constexpr = q0_s.type.shape[2]
@@ -126,18 +150,29 @@ def _bwd_consumer(args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.cons
         dpt_tok = transposed_product(v0_w, v1_w, do0_t, do1_t, zero_s, SPLIT)
         l2 = l_s.index(st).load(col_layout)
         delta = delta_s.index(st).load(col_layout)
-        # In flight: dK of the previous step (if any), S^T, dP^T. Wait for all but dP^T.
+        # In flight: S^T, dP^T. Wait for all but dP^T.
         s_t = warpgroup_mma_wait(G, deps=(st_tok,))
-        # The previous step's products are all done: release its stage to the producer.
-        mbarrier.arrive(empty_bar.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
-        dk0, dk1, dv0, dv1 = dkdv_after_scores(
+        dk0, dk1, dv0, dv1, dst, dst_a0, dst_a1 = dkdv_after_scores(
             s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
-            s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL,
+            s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL, N_KEYS if ONE_PASS else None,
         )  # fmt: skip
-    if SPLIT:
-        dv0, dv1, dk0, dk1 = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1))
-    else:
-        dv0, dk0 = warpgroup_mma_wait(0, deps=(dv0, dk0))
+        if ONE_PASS:  # while the dK product runs
+            _publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
+        # The step ends with its products done: a product left in flight across the loop's back edge
+        # makes ptxas serialise every wgmma of a warp-specialised kernel ("insufficient register
+        # resources"), which the one-warpgroup kernel's compile does not do (OPTIMIZATION_LOG.md, "Session 11").
+        if SPLIT:
+            dv0, dv1, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(
+                0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1)
+            )
+        else:
+            dv0, dk0, dst_a0 = warpgroup_mma_wait(0, deps=(dv0, dk0, dst_a0))
+        mbarrier.arrive(empty_bar.index(st), count=1)  # this step's Q/dO stage back to the producer
+    if ONE_PASS:  # noqa: SIM102 - a constexpr test, then a run-time one
+        # The dQ warpgroup reads every consumer's K tile: wait for its last product before reusing K's buffer.
+        if n_iters > 0:
+            SLOTS: gl.constexpr = ds_ready.type.shape[0]
+            mbarrier.wait(ds_empty.index((n_iters - 1) % SLOTS), ((n_iters - 1) // SLOTS) & 1)
 
     # dK, dV through this warpgroup's K and V buffers (only its own products read them, all done).
     k0_w.store((dk0 * scale).to(dtype))
@@ -155,17 +190,108 @@ def _bwd_consumer(args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.cons
 
 
 @gluon.jit
-def _bwd_consumer0(args, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL)
+def _publish_ds(dst, ds_s, ds_ready, ds_empty, it, w: gl.constexpr):
+    """Store consumer w's dS^T tile of query step `it` into its slot of the dS ring (once the dQ
+    warpgroup has released the slot's previous tile) and signal it. Only stores: the dK product
+    reading dS^T from registers is in flight (a value computed here could be given its registers)."""
+    SLOTS: gl.constexpr = ds_ready.type.shape[0]
+    C: gl.constexpr = ds_s.type.shape[0] // SLOTS
+    slot = it % SLOTS
+    mbarrier.wait(ds_empty.index(slot), ((it // SLOTS) & 1) ^ 1)
+    ds_s.index(slot * C + w).store(dst)
+    fence_async_shared()  # generic-proxy stores before the dQ warpgroup's wgmma reads them
+    gl.thread_barrier()  # the whole warpgroup's stores before the arrive below
+    mbarrier.arrive(ds_ready.index(slot), count=1)
 
 
 @gluon.jit
-def _bwd_worker(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Worker partition w: consumer w for 1 <= w < C, the producer for w == C."""
+def _bwd_dq(args, C: gl.constexpr, SPLIT: gl.constexpr):
+    """The dQ warpgroup: per query step, dQ_i += scale * dS_i K over the program's C * 64 keys (dS_i
+    read transposed from the consumers' dS^T tiles), staged in float32 shared memory and added into
+    the float32 (B*H, N_QUERIES, D) buffer by TMA reductions (rows past N_QUERIES are dropped)."""
+    descs, smem, bars, _off_bh, _start_n, start_m0, n_iters, _N_Q, _N_KEYS, _L, _Delta, _DQ, scale = args
+    k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
+    kv_bar, _ready, _empty, ds_ready, ds_empty = bars
+    BLOCK_M: gl.constexpr = ds_s.type.shape[2]
+    SLOTS: gl.constexpr = ds_ready.type.shape[0]
+    D0: gl.constexpr = k0_s.type.shape[2]
+    D1: gl.constexpr = k1_s.type.shape[2]
+    acc0_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, D0, 16]
+    )
+    acc1_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, D1, 16]
+    )
+    zero0 = gl.zeros([BLOCK_M, D0], gl.float32, acc0_layout)
+    zero1 = gl.zeros([BLOCK_M, D1], gl.float32, acc1_layout)
+    for c in gl.static_range(C):
+        mbarrier.wait(kv_bar.index(c), 0)
+    for it in range(n_iters):
+        slot = it % SLOTS
+        mbarrier.wait(ds_ready.index(slot), (it // SLOTS) & 1)
+        acc0 = zero0
+        acc1 = zero1
+        for c in gl.static_range(C):
+            ds_t = ds_s.index(slot * C + c).permute((1, 0))  # dS of this step's queries x consumer c's keys
+            acc0 = warpgroup_mma(ds_t, k0_s.index(c), acc0, use_acc=c > 0, is_async=True)
+            if SPLIT:
+                acc1 = warpgroup_mma(ds_t, k1_s.index(c), acc1, use_acc=c > 0, is_async=True)
+        # Waited for within the step (see the consumers: in flight across the back edge, ptxas
+        # would serialise every wgmma); the staging and reduction of this step then overlap the
+        # consumers' next step.
+        if SPLIT:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=(acc0,))
+        mbarrier.arrive(ds_empty.index(slot), count=1)
+        _reduce_dq(acc0, acc1, start_m0 + it * BLOCK_M, it, descs, smem, scale, SPLIT)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _reduce_dq(acc0, acc1, start_m, it, descs, smem, scale, SPLIT: gl.constexpr):
+    """Stage scale * (acc0 | acc1), the dQ rows [start_m, start_m + 64) of query step `it`, in float32
+    shared memory (buffer it % BUFFERS) and add it into the dQ buffer by TMA reductions."""
+    dq0_d, dq1_d = descs[12:]
+    dq0_s, dq1_s = smem[11], smem[12]
+    BUFFERS: gl.constexpr = dq0_s.type.shape[0]
+    G: gl.constexpr = 2 if SPLIT else 1  # bulk groups per step
+    b = it % BUFFERS
+    tma.store_wait(G * (BUFFERS - 1))  # the reduction that last read buffer b (BUFFERS steps ago) is done
+    dq0_s.index(b).store(acc0 * scale)
+    if SPLIT:
+        dq1_s.index(b).store(acc1 * scale)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's staging stores before the TMA engine reads the tile
+    tma_reduce_add(dq0_d, [start_m, 0], dq0_s.index(b))
+    if SPLIT:
+        tma_reduce_add(dq1_d, [start_m, 0], dq1_s.index(b))
+
+
+@gluon.jit
+def _bwd_consumer0(
+    args, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_PASS: gl.constexpr
+):
+    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS)
+
+
+@gluon.jit
+def _bwd_worker(
+    args,
+    w: gl.constexpr,
+    C: gl.constexpr,
+    SPLIT: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    ONE_PASS: gl.constexpr,
+):
+    """Worker partition w: consumer w for 1 <= w < C, the producer for w == C, the dQ warpgroup for
+    w == C + 1."""
     if w == C:
         _bwd_producer(args, C, SPLIT)
+    elif w == C + 1:
+        _bwd_dq(args, C, SPLIT)
     else:
-        _bwd_consumer(args, w, SPLIT, IS_CAUSAL)
+        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS)
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
@@ -178,6 +304,7 @@ def flash_bwd_dkdv_ws_kernel(
     DV_ptr,
     L_ptr,
     Delta_ptr,
+    DQ_ptr,
     q_strides,
     k_strides,
     v_strides,
@@ -196,10 +323,16 @@ def flash_bwd_dkdv_ws_kernel(
     IS_CAUSAL: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
+    ONE_PASS: gl.constexpr,
+    DQ_REGS: gl.constexpr,
+    DS_SLOTS: gl.constexpr,
+    DQ_BUFFERS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H, cdiv(N_KEYS, CONSUMERS * 64)); num_warps 4
-    (the default partition is consumer 0; consumers 1.. and the producer warp are worker partitions)."""
+    (the default partition is consumer 0; consumers 1.., the producer warp and, with ONE_PASS, the dQ
+    warpgroup are worker partitions). With ONE_PASS (two consumers), DQ_ptr is a zeroed float32
+    (B*H, N_QUERIES, D) buffer that receives dQ; otherwise it is not read."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
@@ -250,6 +383,25 @@ def flash_bwd_dkdv_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bar.index(i), count=1)
         mbarrier.init(empty_bar.index(i), count=C)
+    if ONE_PASS:  # DS_SLOTS slots of every consumer's dS^T tile (keys x queries), DQ_BUFFERS of dQ's staging
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BLOCK_M], dtype)
+        ds_s = gl.allocate_shared_memory(dtype, [DS_SLOTS * C, WG_KEYS, BLOCK_M], ds_layout)
+        dq_strides = (N_QUERIES * NUM_HEADS * D, N_QUERIES * D, D)  # the (B, H, N_QUERIES, D) float32 buffer
+        dq0_d = head_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
+        dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D0], dq0_d.layout)
+        if SPLIT:
+            dq1_d = head_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
+            dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D1], dq1_d.layout)
+        else:
+            dq1_d, dq1_s = dq0_d, dq0_s
+        ds_ready = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(DS_SLOTS):
+            mbarrier.init(ds_ready.index(i), count=C)
+            mbarrier.init(ds_empty.index(i), count=1)
+    else:  # not used
+        ds_s, ds_ready, ds_empty, dq0_s, dq1_s = l_s, kv_bar, kv_bar, l_s, l_s
+        dq0_d, dq1_d = dk0, dk0
 
     # Query steps: (causal) from the step holding query start_n, else from 0.
     if IS_CAUSAL:
@@ -259,25 +411,39 @@ def flash_bwd_dkdv_ws_kernel(
     n_iters = gl.cdiv(N_QUERIES - start_m0, BLOCK_M)
 
     args = (
-        (q0, q1, do0, do1, k0, k1, v0, v1, dk0, dk1, dv0, dv1),
-        (q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s),
-        (kv_bar, ready_bar, empty_bar),
+        (q0, q1, do0, do1, k0, k1, v0, v1, dk0, dk1, dv0, dv1, dq0_d, dq1_d),
+        (q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s, dq0_s, dq1_s),
+        (kv_bar, ready_bar, empty_bar, ds_ready, ds_empty),
         off_bh,
         start_n,
         start_m0,
         n_iters,
         N_QUERIES,
+        N_KEYS,
         L_ptr,
         Delta_ptr,
+        DQ_ptr,
         scale,
     )
     gl.static_assert(C == 2 or C == 3, "two or three consumer warpgroups")
-    if C == 2:
+    gl.static_assert(C == 2 or not ONE_PASS, "the one-pass backward has two consumer warpgroups")
+    if ONE_PASS:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, DQ_REGS, PRODUCER_REGS],
+        )
+    elif C == 2:
+        gl.warp_specialize(
+            [
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -285,10 +451,10 @@ def flash_bwd_dkdv_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL)),
-                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],

@@ -408,12 +408,13 @@ def _flash_bwd_full(ops: dict[str, Tensor], is_causal: bool) -> None:
     n_k = k4.shape[2]
     opts = tiles.pinned_options()
     tma = use_tma(opts, q4.device, *tensors[:7])
-    if hopper.use_hopper(opts.hopper, *tensors[:7]):
-        # dK/dV by the Gluon kernel, dQ by the tl kernel (deterministic, no atomics).
-        hopper.flash_dkdv_hopper(tensors, is_causal)
-        passes = ("dq",)
+    if hopper.use_hopper(opts.hopper, *tensors[:7], kind="bwd"):
+        # dK/dV by a Gluon kernel; dQ too with a one-pass configuration, else by the tl kernel.
+        passes = () if hopper.flash_bwd_hopper(tensors, is_causal) else ("dq",)
     else:
         passes = ("dkdv", "dq")
+    if not passes:
+        return
     tiles.choose_and_run(
         "bwd",
         tuning_key(n_q, n_k, d, q4.dtype, is_causal),
