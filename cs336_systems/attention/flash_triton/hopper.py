@@ -315,9 +315,13 @@ def flash_bwd_hopper(
         specific = dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
         if cfg.maxnreg:
             specific["maxnreg"] = cfg.maxnreg
+    if isinstance(cfg, WarpSpecializedBwdConfig):  # one dimension, a head's key tiles consecutive
+        grid = (batch * heads * triton.cdiv(n_k, cfg.block_n),)
+    else:
+        grid = (batch * heads, triton.cdiv(n_k, cfg.block_n))
     plans.launch(
         kernel,
-        (batch * heads, triton.cdiv(n_k, cfg.block_n)),
+        grid,
         q4,
         k4,
         v4,

@@ -329,7 +329,7 @@ def flash_bwd_dkdv_ws_kernel(
     DQ_BUFFERS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H, cdiv(N_KEYS, CONSUMERS * 64)); num_warps 4
+    """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H * cdiv(N_KEYS, CONSUMERS * 64),); num_warps 4
     (the default partition is consumer 0; consumers 1.., the producer warp and, with ONE_PASS, the dQ
     warpgroup are worker partitions). With ONE_PASS (two consumers), DQ_ptr is a zeroed float32
     (B*H, N_QUERIES, D) buffer that receives dQ; otherwise it is not read."""
@@ -339,10 +339,13 @@ def flash_bwd_dkdv_ws_kernel(
     C: gl.constexpr = CONSUMERS
     BLOCK_N: gl.constexpr = C * WG_KEYS
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
-    off_bh = gl.program_id(0)
-    k_tile = gl.program_id(1)
+    # One-dimensional grid, key tiles of one (b, h) consecutive: the programs resident at a time
+    # share a few heads' Q, dO (and dQ buffer) in L2 instead of touching every head's.
+    n_tiles = gl.cdiv(N_KEYS, BLOCK_N)
+    off_bh = gl.program_id(0) // n_tiles
+    k_tile = gl.program_id(0) % n_tiles
     if IS_CAUSAL:
-        k_tile = gl.num_programs(1) - 1 - k_tile  # most query steps first (keys at the start)
+        k_tile = n_tiles - 1 - k_tile  # most query steps first (keys at the start)
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_n = k_tile * BLOCK_N
