@@ -22,7 +22,7 @@ import torch
 import triton
 from torch import Tensor
 
-from cs336_systems.attention.flash_triton import plans
+from cs336_systems.attention.flash_triton import buffer_kernels, plans
 from cs336_systems.attention.flash_triton.tiles import interpreting, tma_layout_ok
 
 try:  # Gluon's Hopper API as of Triton 3.6; absent or different elsewhere
@@ -294,9 +294,10 @@ def flash_bwd_hopper(
     _set_allocator(q4.device)
     one_pass = isinstance(cfg, WarpSpecializedBwdConfig) and cfg.one_pass
     dq_acc = lse  # not read unless one_pass
-    if one_pass:
-        plans.fail("the one-pass dQ's float32 buffer and its copy are not kernel launches")
-        dq_acc = torch.zeros((batch * heads, n_q, d), dtype=torch.float32, device=q4.device)
+    if one_pass:  # a zeroed float32 dQ that the kernel adds into, then cast into dq4 (all planned)
+        dq_acc = plans.empty("dq_acc", (batch * heads, n_q, d), torch.float32, q4.device)
+        numel = dq_acc.numel()
+        plans.launch(buffer_kernels.zero_kernel, (triton.cdiv(numel, 4096),), dq_acc, numel, BLOCK=4096)
     if isinstance(cfg, WarpSpecializedBwdConfig):
         kernel = hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel
         specific = dict(
@@ -344,5 +345,9 @@ def flash_bwd_hopper(
         **specific,
     )
     if one_pass:
-        dq4.copy_(dq_acc.view(batch, heads, n_q, d))
+        plans.launch(
+            buffer_kernels.cast_rows_kernel,
+            (batch * heads, triton.cdiv(n_q, 64)),
+            dq_acc, dq4, _strides3(dq4), heads, n_q, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=64,
+        )  # fmt: skip
     return one_pass

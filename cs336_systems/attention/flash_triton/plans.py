@@ -16,7 +16,8 @@ tensor's shape, strides, dtype, device and 16-byte alignment, the flags, the pin
 and the tile cache's version (`tiles.state_version`) and, for float32, the matmul precision. A
 recording is dropped (the call still completes on the full path) when a launch has a tensor with
 no role, when the launcher says so (`Recorder.fail`: autotuning, a retry after an out-of-resources
-error, the one-pass dQ's extra copy), so those calls always take the full path.
+error, the tl one-pass dQ's extra copy), so those calls always take the full path. A launcher's
+own scratch tensors are made with `empty(name, ...)`: a replay allocates them again in their roles.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class Recorder:
 
     roles: dict[int, str] = field(default_factory=dict)
     launches: list[_Launch] = field(default_factory=list)
+    scratch: list[tuple[str, tuple[int, ...], Any, Any]] = field(
+        default_factory=list
+    )  # name, shape, dtype, device
     failed: str = ""
 
     def role(self, name: str, t: Tensor) -> Tensor:
@@ -94,6 +98,19 @@ def launch(fn: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
     return compiled
 
 
+def empty(name: str, shape: tuple[int, ...], dtype: Any, device: Any) -> Tensor:
+    """A launcher's scratch tensor (uninitialised), in role `name` of the active recording (if any),
+    which a replay allocates again."""
+    import torch
+
+    t = torch.empty(shape, dtype=dtype, device=device)
+    rec = getattr(_local, "recorder", None)
+    if rec is not None:
+        rec.scratch.append((name, tuple(shape), dtype, device))
+        rec.role(name, t)
+    return t
+
+
 def fail(reason: str) -> None:
     """Drop the active recording (if any): this call's launches cannot be replayed."""
     rec = getattr(_local, "recorder", None)
@@ -121,8 +138,9 @@ def recording() -> Iterator[Recorder]:
 class Plan:
     """The recorded launches of one signature; `run(tensors)` replays them with tensors by role."""
 
-    def __init__(self, launches: list[_Launch], device: Any = None):
+    def __init__(self, launches: list[_Launch], device: Any = None, scratch: list | None = None):
         self.launches = launches
+        self.scratch = scratch or []
         self._bound = [self._bind(x) for x in launches]
         scratch = any(getattr(x.compiled.metadata, "global_scratch_size", 0) for x in launches if x.compiled)
         self._allocator = _scratch_allocator(device) if scratch else None
@@ -142,6 +160,12 @@ class Plan:
         return grid, tuple(values)
 
     def run(self, tensors: dict[str, Tensor]) -> None:
+        if self.scratch:
+            import torch
+
+            tensors = tensors | {
+                n: torch.empty(shape, dtype=dt, device=dev) for n, shape, dt, dev in self.scratch
+            }
         sub = lambda v: tensors[v.name] if isinstance(v, _Role) else v
         if self._allocator is not None:  # device-side TMA descriptors live in global scratch
             triton.set_allocator(self._allocator)
@@ -180,4 +204,4 @@ class PlanCache:
             return
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
-        self._plans[key] = Plan(rec.launches, device)
+        self._plans[key] = Plan(rec.launches, device, rec.scratch)
