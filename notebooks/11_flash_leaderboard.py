@@ -103,11 +103,17 @@ if len(protocol) and not quick:
         + f"The two-pass backward also issues 7 instead of 5 N^2 d products (S and dP are recomputed for dQ); "
         f"counted on the products it issues it runs at {facts['bwd_tflops_issued']:.0f} TFLOP/s. The compiled "
         "kernels (Triton's TTGIR, read offline) wait for each product whose result the softmax uses right after "
-        "issuing it; Gluon kernels that defer those waits (the Hopper FlashAttention section) were not faster at "
-        "this head dim, nor were warp-specialised ones (a TMA producer warp feeding consumer warpgroups, "
-        "FlashAttention-3's structure; they paid at d = 128), and a one-pass tl backward that reduces dQ by TMA "
-        "was slower than the two passes (the same section): in one warpgroup the fifth product and its "
-        "reduction serialise."
+        "issuing it; one-warpgroup Gluon kernels that defer those waits (the Hopper FlashAttention section) were "
+        "not faster at this head dim, and a one-pass tl backward that reduces dQ by TMA was slower than the two "
+        "passes (the same section): in one warpgroup the fifth product and its reduction serialise. "
+        + (
+            f"A warp-specialised Gluon backward that gives the dQ reduction its own warpgroup is faster, and it is "
+            f"now the default backward on Hopper: with it the protocol takes {facts['one_pass_ratio_median']:.3f}x "
+            f"SDPA-flash on the {facts['final_gpu']} (median of {facts['one_pass_runs']} runs; the tl kernels' "
+            "figures above are those of the portable path)."
+            if facts["one_pass_runs"]
+            else ""
+        )
     )
 
 # %% [markdown]

@@ -108,6 +108,7 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
         "hopper_default": hopper.preferred(cfg.d),
         "hopper_fwd": repr(hopper.heuristic_fwd(cfg.d)),
         "hopper_dkdv": repr(hopper.heuristic_bwd(cfg.d)),
+        "hopper_bwd_default": hopper.preferred(cfg.d, "bwd"),
     }
     results: dict[str, dict[str, float]] = {}
     for impl in cfg.impls:
@@ -296,6 +297,15 @@ def leaderboard_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _gluon_one_pass(cfg: dict[str, Any]) -> bool:
+    """Whether a protocol run's own backward was the Gluon one-pass kernel: recorded as
+    `hopper_bwd_default` with its configuration in `hopper_dkdv` (the first such runs recorded only
+    the configuration; every protocol run so far was on an sm_90 GPU, where it is the default)."""
+    text = cfg.get("hopper_dkdv", "")
+    one_pass_cfg = "dq_regs=" in text and "dq_regs=0," not in text
+    return bool(cfg.get("hopper_bwd_default", True)) and one_pass_cfg
+
+
 def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame:
     """Every protocol run (ours and the SDPA baselines of the same process), oldest first: GPU, the
     commit measured, do_bench budget, our tiles, and our median against SDPA-flash's."""
@@ -312,6 +322,7 @@ def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame
         ms = g.set_index("impl").p50
         cfg = json.loads(g.config_json.iloc[0])
         bwd_text = cfg.get("tiles_bwd", "")
+        one_pass = _gluon_one_pass(cfg)
         runs.append(
             {
                 "gpu": g.gpu_name.iloc[0].replace("NVIDIA ", ""),
@@ -320,7 +331,9 @@ def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame
                 "do_bench rep/warmup ms": f"{cfg.get('rep_ms', math.nan):g}/{cfg.get('warmup_ms', math.nan):g}",
                 "our tiles": cfg.get("tiles_source", "heuristic (not recorded)")
                 + (", <=168 regs" if "maxnreg1=168" in bwd_text else "")
-                + (", dQ side stream" if "streams=True" in bwd_text else ""),
+                + (", dQ side stream" if "streams=True" in bwd_text else "")
+                + (", Gluon one-pass backward" if one_pass else ""),
+                "our backward": "Gluon one pass" if one_pass else "tl",
                 "ours ms": ms.get("flash_triton", math.nan),
                 "sdpa_flash ms": ms.get("sdpa_flash", math.nan),
                 "sdpa_cudnn ms": ms.get("sdpa_cudnn", math.nan),
@@ -357,8 +370,12 @@ def _kernel_fields(text: str) -> tuple:
 
 
 def final_runs(runs: pd.DataFrame, cfg: LeaderboardConfig | None = None) -> pd.DataFrame:
-    """The full-protocol runs whose kernels and tiles are the launcher's current ones for the
-    protocol shape (derived from the heuristic table, so a new table makes older runs not final)."""
+    """The full-protocol runs whose tl kernels and tiles are the launcher's current ones for the
+    protocol shape (derived from the heuristic table, so a new table makes older runs not final), and
+    whose backward was the tl one (not the Gluon one-pass kernel, `flash_hopper`'s subject)."""
+    if runs.empty:
+        return runs
+    runs = runs[runs["our backward"] == "tl"]
     if runs.empty:
         return runs
     cfg = cfg or LeaderboardConfig()
@@ -372,9 +389,16 @@ def final_runs(runs: pd.DataFrame, cfg: LeaderboardConfig | None = None) -> pd.D
 
 
 def split_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Forward-only and backward-only TFLOP/s at the protocol shape, against the measured matmul peak."""
-    sp = latest_run(df[df.name == "split"], keys=("name", "impl", "mode", "metric"))
-    peak_rows = latest_run(df[df.name == "matmul_peak"], keys=("name", "metric"))
+    """Forward-only and backward-only TFLOP/s at the protocol shape, against the measured matmul peak:
+    the implementations of the latest split run only (its commit), none borrowed from older runs."""
+    sp = df[df.name == "split"]
+    sp = latest_run(
+        sp[sp.git_sha == sp.git_sha.iloc[-1]] if len(sp) else sp, keys=("name", "impl", "mode", "metric")
+    )
+    peak_rows = df[df.name == "matmul_peak"]
+    if len(sp):
+        peak_rows = peak_rows[peak_rows.git_sha == sp.git_sha.iloc[-1]]
+    peak_rows = latest_run(peak_rows, keys=("name", "metric"))
     if sp.empty or peak_rows.empty:
         return pd.DataFrame()
     peak = float(peak_rows.p50.iloc[-1])
@@ -451,8 +475,12 @@ def facts(
     final = every_final[every_final.gpu.str.contains(gpu)]
     split = split_table(df)
     s = split.set_index(["impl", "mode"])
+    # the tl kernels' passes: the portable impl where the latest split run's default was a Gluon kernel
+    tl_impl = "flash_triton_portable" if ("flash_triton_portable", "bwd") in s.index else "flash_triton"
     ratio = final["ours / sdpa_flash"]
-    h100 = runs[runs.gpu.str.contains("H100")]["ours / sdpa_flash"]
+    one_pass = runs[(runs["our backward"] == "Gluon one pass") & runs.gpu.str.contains(gpu)]
+    one_pass = one_pass[one_pass["git sha"] == one_pass["git sha"].iloc[-1]] if len(one_pass) else one_pass
+    h100 = runs[runs.gpu.str.contains("H100") & (runs["our backward"] == "tl")]["ours / sdpa_flash"]
     out = {
         "target": target,
         "final_runs": len(final),
@@ -469,12 +497,15 @@ def facts(
         "sdpa_flash_ms": final["sdpa_flash ms"].median(),
         "sdpa_cudnn_ms": final["sdpa_cudnn ms"].median(),
         "cudnn_vs_flash": (final["sdpa_cudnn ms"] / final["sdpa_flash ms"]).median(),
-        "fwd_peak_fraction": s.loc[("flash_triton", "fwd"), "of measured matmul peak"],
-        "bwd_peak_fraction": s.loc[("flash_triton", "bwd"), "of measured matmul peak"],
+        "fwd_peak_fraction": s.loc[(tl_impl, "fwd"), "of measured matmul peak"],
+        "bwd_peak_fraction": s.loc[(tl_impl, "bwd"), "of measured matmul peak"],
         "cudnn_fwd_peak_fraction": s.loc[("sdpa_cudnn", "fwd"), "of measured matmul peak"],
-        "bwd_ms": s.loc[("flash_triton", "bwd"), "median ms"],
+        "bwd_ms": s.loc[(tl_impl, "bwd"), "median ms"],
         "cudnn_bwd_ms": s.loc[("sdpa_cudnn", "bwd"), "median ms"],
-        "bwd_tflops_issued": s.loc[("flash_triton", "bwd"), "TFLOP/s"] * 7 / 5,
+        "bwd_tflops_issued": s.loc[(tl_impl, "bwd"), "TFLOP/s"] * 7 / 5,
+        # the Gluon one-pass backward as the default on Hopper: the latest such runs on `gpu`
+        "one_pass_runs": len(one_pass),
+        "one_pass_ratio_median": one_pass["ours / sdpa_flash"].median() if len(one_pass) else math.nan,
         "version_ms": variants_table(df).set_index("version")["fwd+bwd ms"].to_dict(),
         "h100_last_ratio": h100.iloc[-1] if len(h100) else math.nan,
     }
