@@ -47,8 +47,26 @@ def flash_section() -> str:
     ]
     return (
         "**FlashAttention-2 leaderboard protocol** (bf16, causal, 16 x 16384 x 64, `torch.compile(apply)`, "
-        "fwd + bwd, do_bench(rep=10000) median; the runs of the final kernels, per GPU):\n\n"
+        "fwd + bwd, do_bench(rep=10000) median; the runs of the final tl kernels, per GPU):\n\n"
         + pd.DataFrame(rows).to_markdown(index=False)
+        + hopper_sentence(runs)
+    )
+
+
+def hopper_sentence(runs: pd.DataFrame) -> str:
+    """The protocol with the default backward on Hopper (the Gluon one-pass kernel): the latest such
+    runs, ours against SDPA's backends in the same runs."""
+    one = runs[runs["our backward"] == "Gluon one pass"] if len(runs) else runs
+    if one.empty:
+        return ""
+    one = one[one["git sha"] == one["git sha"].iloc[-1]]
+    cudnn = one["sdpa_cudnn ms"] / one["sdpa_flash ms"]
+    return (
+        f"\n\nOn Hopper the default backward is now a warp-specialised Gluon kernel with a dQ warpgroup "
+        f"(one pass, TMA reductions): on the {one.gpu.iloc[-1]}, {len(one)} runs at {one['git sha'].iloc[-1][:7]}, "
+        f"ours {one['ours ms'].min():.3f}-{one['ours ms'].max():.3f} ms = "
+        f"**{one['ours / sdpa_flash'].min():.3f}-{one['ours / sdpa_flash'].max():.3f}x** SDPA-flash, against "
+        f"{cudnn.min():.3f}-{cudnn.max():.3f}x for SDPA's cuDNN backend in the same runs (notebook 42)."
     )
 
 

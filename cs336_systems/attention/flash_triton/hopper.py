@@ -1,6 +1,7 @@
 """Launchers of the Hopper (sm_90) Gluon FlashAttention kernels: the one-warpgroup forward and dK/dV
 (`hopper_kernels.py`, `hopper_backward_kernels.py`) and their warp-specialised versions (a TMA
-producer warp feeding consumer warpgroups: `hopper_ws_kernels.py`, `hopper_ws_backward_kernels.py`).
+producer warp feeding consumer warpgroups: `hopper_ws_kernels.py`, `hopper_ws_backward_kernels.py`,
+whose backward also runs as one pass with a dQ warpgroup: `WarpSpecializedBwdConfig.dq_regs`).
 
 `launch.flash_fwd` / `launch.flash_bwd` call these when `use_hopper(...)` says so: on an sm_90
 GPU, for float16/bfloat16 inputs whose head dimension the kernels take (a power of two 16..256, or the

@@ -78,8 +78,8 @@ class BwdConfig:
 class KernelOptions:
     """Switches of the optimisation log's ladder (v0..v3). use_tma None = on when the GPU and layouts allow it.
 
-    hopper: the Gluon kernels for sm_90 (`hopper.py`: the forward and the dK/dV pass; dQ stays a tl
-    kernel): None = where they support the inputs and were measured faster than the tl kernels
+    hopper: the Gluon kernels for sm_90 (`hopper.py`: the forward, the dK/dV pass and the one-pass
+    backward that also computes dQ): None = where they support the inputs and were measured faster than the tl kernels
     (`hopper.preferred`), False = never (the portable tl kernels), True = wherever they support the
     inputs (a ValueError where they do not)."""
 
