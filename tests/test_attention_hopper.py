@@ -206,13 +206,7 @@ def test_gpu_warp_specialized_dkdv_matches_the_portable_pass(cfg, is_causal, d, 
     """The producer/consumer dK/dV pass against the tl pass on the same operands (itself checked
     against float64 elsewhere): ragged N (a program's second warpgroup past the last key), causal
     and not, split head dims, every element of dK and dV written."""
-    case = make_case(batch, n_q, n_k, d, torch.bfloat16, device="cuda", is_causal=is_causal)
-    q, k, v, do = (t.detach() for t in (case.q, case.k, case.v, case.do))
-    with use_configs(options=PORTABLE):
-        o, lse = launch.flash_fwd(q, k, v, is_causal)
-        tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
-        launch.launch_bwd(tensors, is_causal, tiles.current_config("bwd", n_q, n_k, d, q.dtype, is_causal), PORTABLE,
-                          launch.use_tma(PORTABLE, q.device, *tensors[:7]), ("dkdv",))  # fmt: skip
+    tensors = _portable_backward(batch, n_q, n_k, d, is_causal, ("dkdv",))
     want_dk, want_dv = tensors[5].clone(), tensors[6].clone()
     tensors[5].fill_(float("nan"))
     tensors[6].fill_(float("nan"))
@@ -221,6 +215,19 @@ def test_gpu_warp_specialized_dkdv_matches_the_portable_pass(cfg, is_causal, d, 
     for got, want in ((tensors[5], want_dk), (tensors[6], want_dv)):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def _portable_backward(batch, n_q, n_k, d, is_causal, passes):
+    """The backward operands of a random bf16 case with the tl kernels' `passes` run on them (the
+    reference the Gluon passes are checked against on the same operands)."""
+    case = make_case(batch, n_q, n_k, d, torch.bfloat16, device="cuda", is_causal=is_causal)
+    q, k, v, do = (t.detach() for t in (case.q, case.k, case.v, case.do))
+    with use_configs(options=PORTABLE):
+        o, lse = launch.flash_fwd(q, k, v, is_causal)
+        tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
+        launch.launch_bwd(tensors, is_causal, tiles.current_config("bwd", n_q, n_k, d, q.dtype, is_causal), PORTABLE,
+                          launch.use_tma(PORTABLE, q.device, *tensors[:7]), passes)  # fmt: skip
+    return tensors
 
 
 ONE_PASS_CONFIGS = [
@@ -239,17 +246,11 @@ ONE_PASS_CONFIGS = [
     [((2, 3), 1, 1), ((1, 3), 97, 250), ((1, 3), 300, 97), ((2, 2), 1025, 1025), ((1, 2), 4096, 4096)],
 )
 def test_gpu_one_pass_backward_matches_the_portable_passes(cfg, is_causal, d, batch, n_q, n_k):
-    """dQ (added by the dQ warpgroup with atomics), dK and dV of the one-pass kernel against the tl
+    """dQ (added by the dQ warpgroup with TMA reductions), dK and dV of the one-pass kernel against the tl
     passes on the same operands: ragged N (keys past the end zeroed out of dS before dQ reads them),
     causal and not, split head dims, poisoned outputs; repeated to catch a race between the
     consumers' dS ring and the dQ warpgroup."""
-    case = make_case(batch, n_q, n_k, d, torch.bfloat16, device="cuda", is_causal=is_causal)
-    q, k, v, do = (t.detach() for t in (case.q, case.k, case.v, case.do))
-    with use_configs(options=PORTABLE):
-        o, lse = launch.flash_fwd(q, k, v, is_causal)
-        tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
-        launch.launch_bwd(tensors, is_causal, tiles.current_config("bwd", n_q, n_k, d, q.dtype, is_causal), PORTABLE,
-                          launch.use_tma(PORTABLE, q.device, *tensors[:7]))  # fmt: skip
+    tensors = _portable_backward(batch, n_q, n_k, d, is_causal, ("dkdv", "dq"))
     wants = [t.clone() for t in tensors[4:7]]
     for _ in range(3):
         for t in tensors[4:7]:
