@@ -225,13 +225,14 @@ class HopperBwdConfig:
 
 
 def heuristic_bwd(d: int) -> HopperBwdConfig | WarpSpecializedBwdConfig:
-    """dK/dV tiles by head dim: at d = 128 the warp-specialised pass (two consumer warpgroups of 64
-    keys, 64-query steps, two stages); elsewhere 64 keys x 64-query steps, two stages, one
-    warpgroup, the fastest one-warpgroup candidate on an H100 at d = 64 and 80 (flash_bench
-    --tune-hopper; at d = 80 3.50 ms against 4.06 for 32-query steps, which need fewer registers,
-    190 instead of 254, but issue twice the waits). Above d = 128 the two fp32 accumulators (dK, dV:
-    64 key rows x d per warpgroup) spill whatever the step, so the step shrinks to 16 queries to
-    keep the score tiles small. At the head dims of `ONE_PASS_HEAD_DIMS`, the one-pass kernel."""
+    """Backward kernel and tiles by head dim: at the head dims of `ONE_PASS_HEAD_DIMS` (64, 80) the
+    one-pass kernel (`ONE_PASS_CONFIGS`); at d = 128 the warp-specialised dK/dV pass (two consumer
+    warpgroups of 64 keys, 64-query steps, two stages); elsewhere the one-warpgroup dK/dV pass with
+    64 keys x 64-query steps, two stages, the fastest one-warpgroup candidate on an H100 at d = 64
+    and 80 (flash_bench --tune-hopper; at d = 80 3.50 ms against 4.06 for 32-query steps, which need
+    fewer registers, 190 instead of 254, but issue twice the waits). Above d = 128 the two fp32
+    accumulators (dK, dV: 64 key rows x d per warpgroup) spill whatever the step, so the step
+    shrinks to 16 queries to keep the score tiles small."""
     if d in ONE_PASS_HEAD_DIMS:
         return ONE_PASS_CONFIGS[d]
     if d == 128:

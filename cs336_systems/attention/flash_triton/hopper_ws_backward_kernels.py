@@ -9,7 +9,7 @@ docstring gives the per-step products); what differs is the split of work inside
     consumer w = 0..C-1  one warpgroup, 64 keys each (the program's C * 64 keys share every Q/dO
                          tile): S^T, dP^T, dV += P^T dO, dK += dS^T Q, asynchronous as in the
                          one-warpgroup kernel, with no CTA-wide barrier per step
-    dQ warpgroup         (ONE_PASS only) per query step, dQ_i += scale * dS_i K over the program's
+    dQ warpgroup         (ONE_PASS only; `hopper_ws_dq_kernels.py`) per query step, dQ_i += scale * dS_i K over the program's
                          C * 64 keys from the dS^T tiles the consumers publish in a two-slot shared
                          ring, staged in float32 shared memory and added into a zeroed float32 dQ
                          buffer by TMA bulk reductions (the order of the additions varies from run
@@ -21,15 +21,12 @@ pair in the two passes, against five in one.
 
 from __future__ import annotations
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -38,18 +35,7 @@ from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
     transposed_product,
 )
 from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor
-
-
-@builtin
-def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Add the shared-memory tile src into the global tile of tensor_desc at coord, by the TMA engine
-    (`cp.reduce.async.bulk.tensor ... .add`, one bulk group; wait with `tma.store_wait`). Triton 3.6
-    builds this operation for `tl` descriptors' atomic_add but Gluon 3.6 does not expose it."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(
-        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
-    )
-
+from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import dq_warpgroup, publish_ds
 
 WG_KEYS: gl.constexpr = gl.constexpr(64)  # key rows per consumer warpgroup (one wgmma M)
 WG_WARPS: gl.constexpr = gl.constexpr(4)
@@ -157,7 +143,7 @@ def _bwd_consumer(
             s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL, N_KEYS if ONE_PASS else None,
         )  # fmt: skip
         if ONE_PASS:  # while the dK product runs
-            _publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
+            publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
         # The step ends with its products done: a product left in flight across the loop's back edge
         # makes ptxas serialise every wgmma of a warp-specialised kernel ("insufficient register
         # resources"), which the one-warpgroup kernel's compile does not do (OPTIMIZATION_LOG.md, "Session 11").
@@ -190,85 +176,6 @@ def _bwd_consumer(
 
 
 @gluon.jit
-def _publish_ds(dst, ds_s, ds_ready, ds_empty, it, w: gl.constexpr):
-    """Store consumer w's dS^T tile of query step `it` into its slot of the dS ring (once the dQ
-    warpgroup has released the slot's previous tile) and signal it. Only stores: the dK product
-    reading dS^T from registers is in flight (a value computed here could be given its registers)."""
-    SLOTS: gl.constexpr = ds_ready.type.shape[0]
-    C: gl.constexpr = ds_s.type.shape[0] // SLOTS
-    slot = it % SLOTS
-    mbarrier.wait(ds_empty.index(slot), ((it // SLOTS) & 1) ^ 1)
-    ds_s.index(slot * C + w).store(dst)
-    fence_async_shared()  # generic-proxy stores before the dQ warpgroup's wgmma reads them
-    gl.thread_barrier()  # the whole warpgroup's stores before the arrive below
-    mbarrier.arrive(ds_ready.index(slot), count=1)
-
-
-@gluon.jit
-def _bwd_dq(args, C: gl.constexpr, SPLIT: gl.constexpr):
-    """The dQ warpgroup: per query step, dQ_i += scale * dS_i K over the program's C * 64 keys (dS_i
-    read transposed from the consumers' dS^T tiles), staged in float32 shared memory and added into
-    the float32 (B*H, N_QUERIES, D) buffer by TMA reductions (rows past N_QUERIES are dropped)."""
-    descs, smem, bars, _off_bh, _start_n, start_m0, n_iters, _N_Q, _N_KEYS, _L, _Delta, _DQ, scale = args
-    k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
-    kv_bar, _ready, _empty, ds_ready, ds_empty = bars
-    BLOCK_M: gl.constexpr = ds_s.type.shape[2]
-    SLOTS: gl.constexpr = ds_ready.type.shape[0]
-    D0: gl.constexpr = k0_s.type.shape[2]
-    D1: gl.constexpr = k1_s.type.shape[2]
-    acc0_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, D0, 16]
-    )
-    acc1_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, D1, 16]
-    )
-    zero0 = gl.zeros([BLOCK_M, D0], gl.float32, acc0_layout)
-    zero1 = gl.zeros([BLOCK_M, D1], gl.float32, acc1_layout)
-    for c in gl.static_range(C):
-        mbarrier.wait(kv_bar.index(c), 0)
-    for it in range(n_iters):
-        slot = it % SLOTS
-        mbarrier.wait(ds_ready.index(slot), (it // SLOTS) & 1)
-        acc0 = zero0
-        acc1 = zero1
-        for c in gl.static_range(C):
-            ds_t = ds_s.index(slot * C + c).permute((1, 0))  # dS of this step's queries x consumer c's keys
-            acc0 = warpgroup_mma(ds_t, k0_s.index(c), acc0, use_acc=c > 0, is_async=True)
-            if SPLIT:
-                acc1 = warpgroup_mma(ds_t, k1_s.index(c), acc1, use_acc=c > 0, is_async=True)
-        # Waited for within the step (see the consumers: in flight across the back edge, ptxas
-        # would serialise every wgmma); the staging and reduction of this step then overlap the
-        # consumers' next step.
-        if SPLIT:
-            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-        else:
-            acc0 = warpgroup_mma_wait(0, deps=(acc0,))
-        mbarrier.arrive(ds_empty.index(slot), count=1)
-        _reduce_dq(acc0, acc1, start_m0 + it * BLOCK_M, it, descs, smem, scale, SPLIT)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _reduce_dq(acc0, acc1, start_m, it, descs, smem, scale, SPLIT: gl.constexpr):
-    """Stage scale * (acc0 | acc1), the dQ rows [start_m, start_m + 64) of query step `it`, in float32
-    shared memory (buffer it % BUFFERS) and add it into the dQ buffer by TMA reductions."""
-    dq0_d, dq1_d = descs[12:]
-    dq0_s, dq1_s = smem[11], smem[12]
-    BUFFERS: gl.constexpr = dq0_s.type.shape[0]
-    G: gl.constexpr = 2 if SPLIT else 1  # bulk groups per step
-    b = it % BUFFERS
-    tma.store_wait(G * (BUFFERS - 1))  # the reduction that last read buffer b (BUFFERS steps ago) is done
-    dq0_s.index(b).store(acc0 * scale)
-    if SPLIT:
-        dq1_s.index(b).store(acc1 * scale)
-    fence_async_shared()
-    gl.thread_barrier()  # every thread's staging stores before the TMA engine reads the tile
-    tma_reduce_add(dq0_d, [start_m, 0], dq0_s.index(b))
-    if SPLIT:
-        tma_reduce_add(dq1_d, [start_m, 0], dq1_s.index(b))
-
-
-@gluon.jit
 def _bwd_consumer0(
     args, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_PASS: gl.constexpr
 ):
@@ -289,7 +196,7 @@ def _bwd_worker(
     if w == C:
         _bwd_producer(args, C, SPLIT)
     elif w == C + 1:
-        _bwd_dq(args, C, SPLIT)
+        dq_warpgroup(args, C, SPLIT)
     else:
         _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS)
 

@@ -1,0 +1,113 @@
+"""The dQ side of the one-pass warp-specialised backward (`hopper_ws_backward_kernels.py`,
+ONE_PASS): the consumers' hand-off of each step's dS^T tile through a shared-memory ring, and the dQ
+warpgroup that computes dQ_i += scale * dS_i K over the program's keys and adds it into a zeroed
+float32 dQ by TMA bulk reductions (in a varying order: dQ is not bitwise deterministic).
+
+Partition arguments are those of `flash_bwd_dkdv_ws_kernel` (the `args` tuple it builds).
+"""
+
+from __future__ import annotations
+
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+DQ_WARPS: gl.constexpr = gl.constexpr(4)  # the dQ partition: one warpgroup
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile src into the global tile of tensor_desc at coord, by the TMA engine
+    (`cp.reduce.async.bulk.tensor ... .add`, one bulk group; wait with `tma.store_wait`). Triton 3.6
+    builds this operation for `tl` descriptors' atomic_add but Gluon 3.6 does not expose it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
+
+
+@gluon.jit
+def publish_ds(dst, ds_s, ds_ready, ds_empty, it, w: gl.constexpr):
+    """Store consumer w's dS^T tile of query step `it` into its slot of the dS ring (once the dQ
+    warpgroup has released the slot's previous tile) and signal it. Only stores: the dK product
+    reading dS^T from registers is in flight (a value computed here could be given its registers)."""
+    SLOTS: gl.constexpr = ds_ready.type.shape[0]
+    C: gl.constexpr = ds_s.type.shape[0] // SLOTS
+    slot = it % SLOTS
+    mbarrier.wait(ds_empty.index(slot), ((it // SLOTS) & 1) ^ 1)
+    ds_s.index(slot * C + w).store(dst)
+    fence_async_shared()  # generic-proxy stores before the dQ warpgroup's wgmma reads them
+    gl.thread_barrier()  # the whole warpgroup's stores before the arrive below
+    mbarrier.arrive(ds_ready.index(slot), count=1)
+
+
+@gluon.jit
+def dq_warpgroup(args, C: gl.constexpr, SPLIT: gl.constexpr):
+    """The dQ warpgroup: per query step, dQ_i += scale * dS_i K over the program's C * 64 keys (dS_i
+    read transposed from the consumers' dS^T tiles), staged in float32 shared memory and added into
+    the float32 (B*H, N_QUERIES, D) buffer by TMA reductions (rows past N_QUERIES are dropped)."""
+    descs, smem, bars, _off_bh, _start_n, start_m0, n_iters, _N_Q, _N_KEYS, _L, _Delta, _DQ, scale = args
+    k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
+    kv_bar, _ready, _empty, ds_ready, ds_empty = bars
+    BLOCK_M: gl.constexpr = ds_s.type.shape[2]
+    SLOTS: gl.constexpr = ds_ready.type.shape[0]
+    D0: gl.constexpr = k0_s.type.shape[2]
+    D1: gl.constexpr = k1_s.type.shape[2]
+    acc0_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[DQ_WARPS, 1], instr_shape=[16, D0, 16]
+    )
+    acc1_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[DQ_WARPS, 1], instr_shape=[16, D1, 16]
+    )
+    zero0 = gl.zeros([BLOCK_M, D0], gl.float32, acc0_layout)
+    zero1 = gl.zeros([BLOCK_M, D1], gl.float32, acc1_layout)
+    for c in gl.static_range(C):
+        mbarrier.wait(kv_bar.index(c), 0)
+    for it in range(n_iters):
+        slot = it % SLOTS
+        mbarrier.wait(ds_ready.index(slot), (it // SLOTS) & 1)
+        acc0 = zero0
+        acc1 = zero1
+        for c in gl.static_range(C):
+            ds_t = ds_s.index(slot * C + c).permute((1, 0))  # dS of this step's queries x consumer c's keys
+            acc0 = warpgroup_mma(ds_t, k0_s.index(c), acc0, use_acc=c > 0, is_async=True)
+            if SPLIT:
+                acc1 = warpgroup_mma(ds_t, k1_s.index(c), acc1, use_acc=c > 0, is_async=True)
+        # Waited for within the step (see the consumers: in flight across the back edge, ptxas
+        # would serialise every wgmma); the staging and reduction of this step then overlap the
+        # consumers' next step.
+        if SPLIT:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=(acc0,))
+        mbarrier.arrive(ds_empty.index(slot), count=1)
+        _reduce_dq(acc0, acc1, start_m0 + it * BLOCK_M, it, descs, smem, scale, SPLIT)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _reduce_dq(acc0, acc1, start_m, it, descs, smem, scale, SPLIT: gl.constexpr):
+    """Stage scale * (acc0 | acc1), the dQ rows [start_m, start_m + 64) of query step `it`, in float32
+    shared memory (buffer it % BUFFERS) and add it into the dQ buffer by TMA reductions."""
+    dq0_d, dq1_d = descs[12:]
+    dq0_s, dq1_s = smem[11], smem[12]
+    BUFFERS: gl.constexpr = dq0_s.type.shape[0]
+    G: gl.constexpr = 2 if SPLIT else 1  # bulk groups per step
+    b = it % BUFFERS
+    tma.store_wait(G * (BUFFERS - 1))  # the reduction that last read buffer b (BUFFERS steps ago) is done
+    dq0_s.index(b).store(acc0 * scale)
+    if SPLIT:
+        dq1_s.index(b).store(acc1 * scale)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's staging stores before the TMA engine reads the tile
+    tma_reduce_add(dq0_d, [start_m, 0], dq0_s.index(b))
+    if SPLIT:
+        tma_reduce_add(dq1_d, [start_m, 0], dq1_s.index(b))
