@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import triton
 from torch import Tensor
 from triton.runtime import driver
@@ -62,9 +63,8 @@ class Recorder:
 
     roles: dict[int, str] = field(default_factory=dict)
     launches: list[_Launch] = field(default_factory=list)
-    scratch: list[tuple[str, tuple[int, ...], Any, Any]] = field(
-        default_factory=list
-    )  # name, shape, dtype, device
+    # the launcher's scratch tensors (`empty`): name, shape, dtype, device
+    scratch: list[tuple[str, tuple[int, ...], Any, Any]] = field(default_factory=list)
     failed: str = ""
 
     def role(self, name: str, t: Tensor) -> Tensor:
@@ -101,8 +101,6 @@ def launch(fn: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
 def empty(name: str, shape: tuple[int, ...], dtype: Any, device: Any) -> Tensor:
     """A launcher's scratch tensor (uninitialised), in role `name` of the active recording (if any),
     which a replay allocates again."""
-    import torch
-
     t = torch.empty(shape, dtype=dtype, device=device)
     rec = getattr(_local, "recorder", None)
     if rec is not None:
@@ -142,8 +140,10 @@ class Plan:
         self.launches = launches
         self.scratch = scratch or []
         self._bound = [self._bind(x) for x in launches]
-        scratch = any(getattr(x.compiled.metadata, "global_scratch_size", 0) for x in launches if x.compiled)
-        self._allocator = _scratch_allocator(device) if scratch else None
+        global_scratch = any(
+            getattr(x.compiled.metadata, "global_scratch_size", 0) for x in launches if x.compiled
+        )
+        self._allocator = _scratch_allocator(device) if global_scratch else None
 
     @staticmethod
     def _bind(x: _Launch) -> tuple | None:
@@ -161,8 +161,6 @@ class Plan:
 
     def run(self, tensors: dict[str, Tensor]) -> None:
         if self.scratch:
-            import torch
-
             tensors = tensors | {
                 n: torch.empty(shape, dtype=dt, device=dev) for n, shape, dt, dev in self.scratch
             }
@@ -184,8 +182,6 @@ class Plan:
 
 
 def _scratch_allocator(device: Any):
-    import torch
-
     return lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device)
 
 
