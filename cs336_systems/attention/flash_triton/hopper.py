@@ -294,13 +294,11 @@ def flash_bwd_hopper(
     n_k = k4.shape[2]
     cfg = cfg or heuristic_bwd(d)
     _set_allocator(q4.device)
-    one_pass = isinstance(cfg, WarpSpecializedBwdConfig) and cfg.one_pass
-    dq_acc = lse  # not read unless one_pass
-    if one_pass:  # a zeroed float32 dQ that the kernel adds into, then cast into dq4 (all planned)
-        dq_acc = plans.empty("dq_acc", (batch * heads, n_q, d), torch.float32, q4.device)
-        numel = dq_acc.numel()
-        plans.launch(buffer_kernels.zero_kernel, (triton.cdiv(numel, 4096),), dq_acc, numel, BLOCK=4096)
-    if isinstance(cfg, WarpSpecializedBwdConfig):
+    ws = isinstance(cfg, WarpSpecializedBwdConfig)
+    one_pass = ws and cfg.one_pass
+    # one pass: a zeroed float32 dQ that the kernel adds into, then cast into dq4 (all planned)
+    dq_acc = buffer_kernels.zeroed_float32("dq_acc", (batch * heads, n_q, d), q4.device) if one_pass else lse
+    if ws:
         kernel = hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel
         specific = dict(
             CONSUMERS=cfg.consumers,
@@ -318,7 +316,7 @@ def flash_bwd_hopper(
         specific = dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
         if cfg.maxnreg:
             specific["maxnreg"] = cfg.maxnreg
-    if isinstance(cfg, WarpSpecializedBwdConfig):  # one dimension, a head's key tiles consecutive
+    if ws:  # one dimension, a head's key tiles consecutive
         grid = (batch * heads * triton.cdiv(n_k, cfg.block_n),)
     else:
         grid = (batch * heads, triton.cdiv(n_k, cfg.block_n))
@@ -333,7 +331,7 @@ def flash_bwd_hopper(
         dv4,
         lse,
         delta,
-        *((dq_acc,) if isinstance(cfg, WarpSpecializedBwdConfig) else ()),
+        *((dq_acc,) if ws else ()),  # read only in one pass
         *(_strides3(t) for t in (q4, k4, v4, do4, dk4, dv4)),
         heads,
         n_q,
@@ -347,9 +345,5 @@ def flash_bwd_hopper(
         **specific,
     )
     if one_pass:
-        plans.launch(
-            buffer_kernels.cast_rows_kernel,
-            (batch * heads, triton.cdiv(n_q, 64)),
-            dq_acc, dq4, _strides3(dq4), heads, n_q, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=64,
-        )  # fmt: skip
+        buffer_kernels.cast_rows_into(dq4, dq_acc)
     return one_pass

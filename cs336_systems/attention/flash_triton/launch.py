@@ -25,6 +25,7 @@ from torch import Tensor
 from cs336_systems.attention.flash_triton import (
     backward_dq_kernels,
     backward_kernels,
+    buffer_kernels,
     hopper,
     kernels,
     plans,
@@ -285,20 +286,15 @@ def launch_bwd(
         cap = {"maxnreg": cfg.maxnreg1} if cfg.maxnreg1 and not interpreting() else {}
         kw = _pass_kwargs(common, tma, cfg.block_m1, cfg.block_n1, cfg.num_warps1, cfg.num_stages1)
         kw |= {"EARLY_DP": cfg.early_dp, "DQ_MODE": dq_mode} | cap
-        block_d = common["BLOCK_D"]
-        dq_acc = (
-            torch.zeros((batch * heads, n_q, block_d), dtype=torch.float32, device=q4.device)
-            if dq_mode
-            else lse
-        )
+        shape = (batch * heads, n_q, common["BLOCK_D"])
+        dq_acc = buffer_kernels.zeroed_float32("dq_acc", shape, q4.device) if dq_mode else lse
         plans.launch(
             backward_kernels.flash_bwd_dkdv_kernel,
             grid,
             *ins, dk4, dv4, lse, delta, dq_acc, *in_strides, strides3(dk4), strides3(dv4), *sizes, **kw,
         )  # fmt: skip
         if dq_mode:
-            plans.fail("the one-pass dQ's buffer and copy are not kernel launches")
-            dq4.copy_(dq_acc.view(batch, heads, n_q, block_d)[..., :d])
+            buffer_kernels.cast_rows_into(dq4, dq_acc)
     if "dq" in passes and not dq_mode:
         grid = (batch * heads, triton.cdiv(n_q, cfg.block_m2))
         kw = _pass_kwargs(common, tma, cfg.block_m2, cfg.block_n2, cfg.num_warps2, cfg.num_stages2)

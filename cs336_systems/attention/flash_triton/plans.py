@@ -15,8 +15,9 @@ Safety. The signature holds what the launchers and Triton's specialisation depen
 tensor's shape, strides, dtype, device and 16-byte alignment, the flags, the pinned configurations
 and the tile cache's version (`tiles.state_version`) and, for float32, the matmul precision. A
 recording is dropped (the call still completes on the full path) when a launch has a tensor with
-no role, when the launcher says so (`Recorder.fail`: autotuning, a retry after an out-of-resources
-error, the tl one-pass dQ's extra copy), so those calls always take the full path. A launcher's
+no role or one tensor in two roles (`Recorder.fail`), or when the call changed the tile cache
+(autotuning, a retry with smaller tiles after an out-of-resources error: `launch._run_planned`), so
+those calls always take the full path. A launcher's
 own scratch tensors are made with `empty(name, ...)`: a replay allocates them again in their roles.
 """
 
@@ -107,13 +108,6 @@ def empty(name: str, shape: tuple[int, ...], dtype: Any, device: Any) -> Tensor:
         rec.scratch.append((name, tuple(shape), dtype, device))
         rec.role(name, t)
     return t
-
-
-def fail(reason: str) -> None:
-    """Drop the active recording (if any): this call's launches cannot be replayed."""
-    rec = getattr(_local, "recorder", None)
-    if rec is not None:
-        rec.fail(reason)
 
 
 def role(name: str, t: Tensor) -> Tensor:
