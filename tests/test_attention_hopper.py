@@ -234,22 +234,42 @@ ONE_PASS_CONFIGS = [
     hopper.WarpSpecializedBwdConfig(consumer_regs=200, dq_regs=88),
     hopper.WarpSpecializedBwdConfig(stages=3, consumer_regs=208, dq_regs=72, ds_slots=3, dq_buffers=3),
 ]
+DQ_IN_CONSUMERS_CONFIGS = [
+    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1),
+    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=1, dq_buffers=2),
+]
+# (config, head dim): the dQ warpgroup at any split head dim; dQ in the consumers at two equal halves
+ONE_PASS_CASES = [(cfg, d) for cfg in ONE_PASS_CONFIGS for d in (16, 64, 80)] + [
+    (cfg, d) for cfg in DQ_IN_CONSUMERS_CONFIGS for d in (32, 64, 128)
+]
+
+
+@pytest.mark.parametrize(
+    ("d", "half"), [(32, 16), (64, 32), (128, 64), (256, 128), (16, None), (48, None), (80, None), (96, None)]
+)
+def test_dq_in_the_consumers_needs_two_equal_power_of_two_halves(d, half):
+    cfg = hopper.WarpSpecializedBwdConfig(dq_in_consumers=True)
+    assert cfg.one_pass and cfg.head_split(d) == half
+
+
+def test_dq_either_in_a_warpgroup_of_its_own_or_in_the_consumers():
+    with pytest.raises(ValueError, match="either in a warpgroup of its own"):
+        hopper.WarpSpecializedBwdConfig(dq_regs=88, dq_in_consumers=True)
 
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("cfg", ONE_PASS_CONFIGS, ids=str)
+@pytest.mark.parametrize(("cfg", "d"), ONE_PASS_CASES, ids=str)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [16, 64, 80])
 @pytest.mark.parametrize(
     ("batch", "n_q", "n_k"),
     [((2, 3), 1, 1), ((1, 3), 97, 250), ((1, 3), 300, 97), ((2, 2), 1025, 1025), ((1, 2), 4096, 4096)],
 )
-def test_gpu_one_pass_backward_matches_the_portable_passes(cfg, is_causal, d, batch, n_q, n_k):
-    """dQ (added by the dQ warpgroup with TMA reductions), dK and dV of the one-pass kernel against the tl
-    passes on the same operands: ragged N (keys past the end zeroed out of dS before dQ reads them),
-    causal and not, split head dims, poisoned outputs; repeated to catch a race between the
-    consumers' dS ring and the dQ warpgroup."""
+def test_gpu_one_pass_backward_matches_the_portable_passes(cfg, d, is_causal, batch, n_q, n_k):
+    """dQ (added by the dQ warpgroup, or by the consumers, with TMA reductions), dK and dV of the
+    one-pass kernel against the tl passes on the same operands: ragged N (keys past the end zeroed
+    out of dS before dQ reads them), causal and not, split head dims, poisoned outputs; repeated to
+    catch a race between the consumers' dS ring and the dQ products."""
     tensors = _portable_backward(batch, n_q, n_k, d, is_causal, ("dkdv", "dq"))
     wants = [t.clone() for t in tensors[4:7]]
     for _ in range(3):
@@ -340,11 +360,13 @@ def test_gpu_warp_specialized_backward_keeps_its_products_asynchronous():
     """ptxas serialises every wgmma of a warp-specialised kernel whose partitions leave a product in
     flight across a loop's back edge ("insufficient register resources") or touch an in-flight
     accumulator; the consumers and the dQ warpgroup therefore complete each step's products within
-    the step. Checked on the compiled two-pass and one-pass kernels at d = 64, 80 and 128."""
+    the step. Checked on the compiled two-pass and one-pass kernels (dQ in a warpgroup or in the
+    consumers) at d = 64, 80 and 128."""
     from cs336_systems.attention.flash_triton import hopper_ws_backward_kernels
 
     for d, cfg in ((64, hopper.WarpSpecializedBwdConfig()), (128, hopper.heuristic_bwd(128)),
-                   (64, hopper.ONE_PASS_CONFIGS[64]), (80, hopper.ONE_PASS_CONFIGS[80])):  # fmt: skip
+                   (64, hopper.ONE_PASS_CONFIGS[64]), (80, hopper.ONE_PASS_CONFIGS[80]),
+                   (128, DQ_IN_CONSUMERS_CONFIGS[0]), (64, DQ_IN_CONSUMERS_CONFIGS[1])):  # fmt: skip
         case = make_case((1, 2), 256, 256, d, torch.bfloat16, device="cuda", is_causal=True)
         q, k, v, do = (t.detach() for t in (case.q, case.k, case.v, case.do))
         with use_configs(options=PORTABLE):

@@ -249,7 +249,10 @@ class WarpSpecializedBwdConfig:
     `stages`-deep ring; three consumers fit the register file at 160 a thread with 32-query steps.
     `dq_regs` > 0 makes it one pass: a dQ warpgroup with that many registers a thread adds dS K into
     a float32 dQ (two consumers, 64-query steps), instead of the tl dQ pass; the consumers hand it
-    their dS^T tiles through a `ds_slots`-deep shared-memory ring."""
+    their dS^T tiles through a `ds_slots`-deep shared-memory ring. `dq_in_consumers` makes it one
+    pass without that warpgroup: each consumer computes one column half of dQ from both dS^T tiles
+    (head dims of two equal power-of-two halves: 32, 64, 128, 256), keeping registers for 128-wide
+    dK/dV accumulators."""
 
     block_m: int = 64
     stages: int = 2
@@ -258,14 +261,24 @@ class WarpSpecializedBwdConfig:
     dq_regs: int = 0
     ds_slots: int = 2  # one pass: depth of the consumers' dS^T ring that the dQ warpgroup reads
     dq_buffers: int = 2  # one pass: float32 dQ staging tiles in flight to the TMA reductions
+    dq_in_consumers: bool = False  # one pass, dQ computed by the two consumers (no dQ warpgroup)
 
     def __post_init__(self) -> None:
-        if self.dq_regs and (self.consumers != 2 or self.block_m != 64):
+        if (self.dq_regs or self.dq_in_consumers) and (self.consumers != 2 or self.block_m != 64):
             raise ValueError(f"{self}: the one-pass backward takes two consumers and 64-query steps")
+        if self.dq_regs and self.dq_in_consumers:
+            raise ValueError(f"{self}: dQ either in a warpgroup of its own (dq_regs) or in the consumers")
 
     @property
     def one_pass(self) -> bool:
-        return self.dq_regs > 0
+        return self.dq_regs > 0 or self.dq_in_consumers
+
+    def head_split(self, d: int) -> int | None:
+        """D0 of the kernel's column split for head dim d (None: this configuration cannot take d)."""
+        if not self.dq_in_consumers:
+            return split_head_dim(d)
+        half = d // 2
+        return half if d % 2 == 0 and split_head_dim(half) == half else None
 
     @property
     def block_n(self) -> int:
@@ -298,6 +311,9 @@ def flash_bwd_hopper(
     one_pass = ws and cfg.one_pass
     # one pass: a zeroed float32 dQ that the kernel adds into, then cast into dq4 (all planned)
     dq_acc = buffer_kernels.zeroed_float32("dq_acc", (batch * heads, n_q, d), q4.device) if one_pass else lse
+    d0 = cfg.head_split(d) if ws else split_head_dim(d)
+    if d0 is None:
+        raise ValueError(f"{cfg}: head dim {d} cannot be split into two equal power-of-two column blocks")
     if ws:
         kernel = hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel
         specific = dict(
@@ -308,6 +324,7 @@ def flash_bwd_hopper(
             DQ_REGS=cfg.dq_regs,
             DS_SLOTS=cfg.ds_slots,
             DQ_BUFFERS=cfg.dq_buffers,
+            DQ_IN_CONSUMERS=cfg.dq_in_consumers,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )
@@ -338,7 +355,7 @@ def flash_bwd_hopper(
         n_k,
         1.0 / math.sqrt(d),
         D=d,
-        D0=split_head_dim(d),
+        D0=d0,
         BLOCK_M=cfg.block_m,
         STAGES=cfg.stages,
         IS_CAUSAL=bool(is_causal),

@@ -15,6 +15,11 @@ docstring gives the per-step products); what differs is the split of work inside
                          buffer by TMA bulk reductions (the order of the additions varies from run
                          to run: dQ is not bitwise deterministic)
 
+With DQ_IN_CONSUMERS (ONE_PASS, two consumers, d split into two equal column blocks) there is no dQ
+warpgroup: consumer w computes column block w of dQ_i from both consumers' dS^T tiles and reduces it
+itself, so the two consumers keep 240 registers each (the d = 128 layout of FlashAttention-3's
+backward: 2 x 64 keys, 64-query steps, dQ by the consumers and bulk reductions).
+
 Without ONE_PASS dQ is the tl kernel's pass (`backward_dq_kernels.py`): seven products per tile
 pair in the two passes, against five in one.
 """
@@ -35,7 +40,12 @@ from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
     transposed_product,
 )
 from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor
-from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import dq_warpgroup, publish_ds
+from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
+    dq_warpgroup,
+    issue_consumer_dq,
+    publish_ds,
+    reduce_dq,
+)
 
 WG_KEYS: gl.constexpr = gl.constexpr(64)  # key rows per consumer warpgroup (one wgmma M)
 WG_WARPS: gl.constexpr = gl.constexpr(4)
@@ -87,10 +97,16 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
 
 @gluon.jit
 def _bwd_consumer(
-    args, w: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_PASS: gl.constexpr
+    args,
+    w: gl.constexpr,
+    SPLIT: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    ONE_PASS: gl.constexpr,
+    DQ_IN_CONSUMERS: gl.constexpr,
 ):
     """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step
-    (with ONE_PASS also publishing each step's dS^T tile for the dQ warpgroup)."""
+    (with ONE_PASS also publishing each step's dS^T tile for dQ, and with DQ_IN_CONSUMERS computing and
+    reducing column block w of dQ itself)."""
     descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, N_KEYS, _L, _Delta, _DQ, scale = args
     dk0_d, dk1_d, dv0_d, dv1_d = descs[8:12]
     q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s = smem[:11]
@@ -115,6 +131,13 @@ def _bwd_consumer(
     a0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc0_layout, k_width=2)
     a1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    if DQ_IN_CONSUMERS:  # column block w of dQ: from every consumer's K tile, reduced through dq{w}
+        C: gl.constexpr = k0_s.type.shape[0]
+        dq_k_s = k0_s if w == 0 else k1_s
+        dq_w_d = descs[12 + w]
+        dq_w_s = smem[11 + w]
+        for c in gl.static_range(C):
+            mbarrier.wait(kv_bar.index(c), 0)
 
     k0_w, k1_w = k0_s.index(w), k1_s.index(w)
     v0_w, v1_w = v0_s.index(w), v1_s.index(w)
@@ -147,15 +170,23 @@ def _bwd_consumer(
         # The step ends with its products done: a product left in flight across the loop's back edge
         # makes ptxas serialise every wgmma of a warp-specialised kernel ("insufficient register
         # resources"), which the one-warpgroup kernel's compile does not do (OPTIMIZATION_LOG.md, "Session 11").
-        if SPLIT:
+        if DQ_IN_CONSUMERS:  # dQ's product queued behind dK's, once the other consumer's dS^T is in
+            dq = issue_consumer_dq(ds_s, ds_ready, dq_k_s, it, acc0_layout)
+            dv0, dv1, dk0, dk1, dst_a0, dst_a1, dq = warpgroup_mma_wait(
+                0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1, dq)
+            )
+            mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
+        elif SPLIT:
             dv0, dv1, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(
                 0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1)
             )
         else:
             dv0, dk0, dst_a0 = warpgroup_mma_wait(0, deps=(dv0, dk0, dst_a0))
         mbarrier.arrive(empty_bar.index(st), count=1)  # this step's Q/dO stage back to the producer
+        if DQ_IN_CONSUMERS:
+            reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
     if ONE_PASS:  # noqa: SIM102 - a constexpr test, then a run-time one
-        # The dQ warpgroup reads every consumer's K tile: wait for its last product before reusing K's buffer.
+        # dQ's products read every consumer's K tile: wait for the last ones before reusing K's buffer.
         if n_iters > 0:
             SLOTS: gl.constexpr = ds_ready.type.shape[0]
             mbarrier.wait(ds_empty.index((n_iters - 1) % SLOTS), ((n_iters - 1) // SLOTS) & 1)
@@ -172,14 +203,19 @@ def _bwd_consumer(
     if SPLIT:
         tma.async_copy_shared_to_global(dk1_d, [key0, 0], k1_w)
         tma.async_copy_shared_to_global(dv1_d, [key0, 0], v1_w)
-    tma.store_wait(0)
+    tma.store_wait(0)  # dK, dV (and this consumer's last dQ reductions)
 
 
 @gluon.jit
 def _bwd_consumer0(
-    args, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_PASS: gl.constexpr
+    args,
+    C: gl.constexpr,
+    SPLIT: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    ONE_PASS: gl.constexpr,
+    DQ_IN_CONSUMERS: gl.constexpr,
 ):
-    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS)
+    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
 
 
 @gluon.jit
@@ -190,6 +226,7 @@ def _bwd_worker(
     SPLIT: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
+    DQ_IN_CONSUMERS: gl.constexpr,
 ):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C, the dQ warpgroup for
     w == C + 1."""
@@ -198,7 +235,7 @@ def _bwd_worker(
     elif w == C + 1:
         dq_warpgroup(args, C, SPLIT)
     else:
-        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS)
+        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
@@ -234,12 +271,14 @@ def flash_bwd_dkdv_ws_kernel(
     DQ_REGS: gl.constexpr,
     DS_SLOTS: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
+    DQ_IN_CONSUMERS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H * cdiv(N_KEYS, CONSUMERS * 64),); num_warps 4
     (the default partition is consumer 0; consumers 1.., the producer warp and, with ONE_PASS, the dQ
     warpgroup are worker partitions). With ONE_PASS (two consumers), DQ_ptr is a zeroed float32
-    (B*H, N_QUERIES, D) buffer that receives dQ; otherwise it is not read."""
+    (B*H, N_QUERIES, D) buffer that receives dQ; otherwise it is not read. DQ_IN_CONSUMERS (ONE_PASS,
+    D = 2 * D0): the consumers compute dQ themselves, no dQ warpgroup (DQ_REGS is not used)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
@@ -308,7 +347,7 @@ def flash_bwd_dkdv_ws_kernel(
         ds_empty = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(DS_SLOTS):
             mbarrier.init(ds_ready.index(i), count=C)
-            mbarrier.init(ds_empty.index(i), count=1)
+            mbarrier.init(ds_empty.index(i), count=C if DQ_IN_CONSUMERS else 1)
     else:  # not used
         ds_s, ds_ready, ds_empty, dq0_s, dq1_s = l_s, kv_bar, kv_bar, l_s, l_s
         dq0_d, dq1_d = dk0, dk0
@@ -337,13 +376,16 @@ def flash_bwd_dkdv_ws_kernel(
     )
     gl.static_assert(C == 2 or C == 3, "two or three consumer warpgroups")
     gl.static_assert(C == 2 or not ONE_PASS, "the one-pass backward has two consumer warpgroups")
-    if ONE_PASS:
+    gl.static_assert(
+        not DQ_IN_CONSUMERS or (ONE_PASS and SPLIT and D1 == D0), "dQ in the consumers: one pass, D = 2 * D0"
+    )
+    if ONE_PASS and not DQ_IN_CONSUMERS:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS)),
-                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS)),
-                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, DQ_REGS, PRODUCER_REGS],
@@ -351,9 +393,9 @@ def flash_bwd_dkdv_ws_kernel(
     elif C == 2:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -361,10 +403,10 @@ def flash_bwd_dkdv_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS)),
-                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],

@@ -1,7 +1,12 @@
 """The dQ side of the one-pass warp-specialised backward (`hopper_ws_backward_kernels.py`,
-ONE_PASS): the consumers' hand-off of each step's dS^T tile through a shared-memory ring, and the dQ
-warpgroup that computes dQ_i += scale * dS_i K over the program's keys and adds it into a zeroed
-float32 dQ by TMA bulk reductions (in a varying order: dQ is not bitwise deterministic).
+ONE_PASS): the consumers' hand-off of each step's dS^T tile through a shared-memory ring, and the
+product dQ_i += scale * dS_i K over the program's keys, added into a zeroed float32 dQ by TMA bulk
+reductions (in a varying order: dQ is not bitwise deterministic). Two ways to compute it:
+
+    dq_warpgroup   a third warpgroup of its own computes all of dQ_i (d = 64, 80: registers to spare)
+    consumer_dq    (DQ_IN_CONSUMERS) each consumer computes one column block of dQ_i once both dS^T
+                   tiles are in the ring, and reduces it itself: no warpgroup beside the two consumers,
+                   so each keeps 240 registers for its 128-wide dK/dV accumulators (d = 128)
 
 Partition arguments are those of `flash_bwd_dkdv_ws_kernel` (the `args` tuple it builds).
 """
@@ -89,25 +94,44 @@ def dq_warpgroup(args, C: gl.constexpr, SPLIT: gl.constexpr):
         else:
             acc0 = warpgroup_mma_wait(0, deps=(acc0,))
         mbarrier.arrive(ds_empty.index(slot), count=1)
-        _reduce_dq(acc0, acc1, start_m0 + it * BLOCK_M, it, descs, smem, scale, SPLIT)
+        dq0_d, dq1_d = descs[12:]
+        reduce_dq(acc0, acc1, start_m0 + it * BLOCK_M, it, dq0_d, dq1_d, smem[11], smem[12], scale, SPLIT)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _reduce_dq(acc0, acc1, start_m, it, descs, smem, scale, SPLIT: gl.constexpr):
-    """Stage scale * (acc0 | acc1), the dQ rows [start_m, start_m + 64) of query step `it`, in float32
-    shared memory (buffer it % BUFFERS) and add it into the dQ buffer by TMA reductions."""
-    dq0_d, dq1_d = descs[12:]
-    dq0_s, dq1_s = smem[11], smem[12]
+def issue_consumer_dq(ds_s, ds_ready, k_s, it, acc_layout: gl.constexpr):
+    """Consumer w's column block of dQ_i = dS_i K (DQ_IN_CONSUMERS): once every consumer's dS^T tile of
+    query step `it` is in the ring, issue the products dS_c K_c[:, block w] over the consumers c
+    (k_s: column block w of every consumer's K tile). Returns the accumulator, in flight; the caller
+    waits for it with the step's other products, then releases the slot (ds_empty, count C)."""
+    SLOTS: gl.constexpr = ds_ready.type.shape[0]
+    C: gl.constexpr = ds_s.type.shape[0] // SLOTS
+    BLOCK_M: gl.constexpr = ds_s.type.shape[2]
+    W: gl.constexpr = k_s.type.shape[2]
+    slot = it % SLOTS
+    mbarrier.wait(ds_ready.index(slot), (it // SLOTS) & 1)
+    acc = gl.zeros([BLOCK_M, W], gl.float32, acc_layout)
+    for c in gl.static_range(C):
+        ds_t = ds_s.index(slot * C + c).permute((1, 0))  # dS of this step's queries x consumer c's keys
+        acc = warpgroup_mma(ds_t, k_s.index(c), acc, use_acc=c > 0, is_async=True)
+    return acc
+
+
+@gluon.jit
+def reduce_dq(acc0, acc1, start_m, it, dq0_d, dq1_d, dq0_s, dq1_s, scale, TWO: gl.constexpr):
+    """Stage scale * acc0 (and acc1 when TWO: a second column block), the dQ rows [start_m, start_m + 64)
+    of query step `it`, in float32 shared memory (buffer it % BUFFERS) and add it into the dQ buffer
+    by TMA reductions, one bulk group per block."""
     BUFFERS: gl.constexpr = dq0_s.type.shape[0]
-    G: gl.constexpr = 2 if SPLIT else 1  # bulk groups per step
+    G: gl.constexpr = 2 if TWO else 1  # bulk groups per step
     b = it % BUFFERS
     tma.store_wait(G * (BUFFERS - 1))  # the reduction that last read buffer b (BUFFERS steps ago) is done
     dq0_s.index(b).store(acc0 * scale)
-    if SPLIT:
+    if TWO:
         dq1_s.index(b).store(acc1 * scale)
     fence_async_shared()
     gl.thread_barrier()  # every thread's staging stores before the TMA engine reads the tile
     tma_reduce_add(dq0_d, [start_m, 0], dq0_s.index(b))
-    if SPLIT:
+    if TWO:
         tma_reduce_add(dq1_d, [start_m, 0], dq1_s.index(b))
