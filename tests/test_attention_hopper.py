@@ -52,11 +52,12 @@ def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, defa
     assert hopper.preferred(d, "bwd") is default_bwd
 
 
-@pytest.mark.parametrize("d", [64, 80])
-def test_the_one_pass_backward_is_the_default_where_it_was_measured_faster(d):
+@pytest.mark.parametrize(("d", "in_consumers"), [(64, False), (80, False), (128, True)])
+def test_the_one_pass_backward_is_the_default_where_it_was_measured_faster(d, in_consumers):
+    """A dQ warpgroup at d = 64, 80; at d = 128 (no registers for a third warpgroup) the consumers."""
     cfg = hopper.heuristic_bwd(d)
     assert isinstance(cfg, hopper.WarpSpecializedBwdConfig) and cfg.one_pass
-    assert not hopper.heuristic_bwd(128).one_pass  # does not fit at d = 128
+    assert cfg.dq_in_consumers is in_consumers and cfg.head_split(d) is not None
 
 
 @pytest.mark.parametrize(
@@ -131,7 +132,8 @@ def test_gpu_hopper_matches_float64(batch, n_q, n_k, d, is_causal, dtype, atol, 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("cfg", [hopper.HopperFwdConfig(128, 64, 2, 8), hopper.HopperFwdConfig(128, 128, 2, 8),
-                                 hopper.HopperFwdConfig(64, 64, 3, 4), hopper.HopperFwdConfig(128, 32, 4, 8)],
+                                 hopper.HopperFwdConfig(64, 64, 3, 4), hopper.HopperFwdConfig(128, 32, 4, 8),
+                                 hopper.HopperFwdConfig(128, 64, 3, 8, head_major=False)],
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("n", [333, 4096])
 def test_gpu_hopper_forward_tile_candidates_and_every_element_written(cfg, n):
@@ -150,6 +152,7 @@ def test_gpu_hopper_forward_tile_candidates_and_every_element_written(cfg, n):
 WS_CONFIGS = [
     hopper.WarpSpecializedFwdConfig(pingpong=True),
     hopper.WarpSpecializedFwdConfig(pingpong=False),
+    hopper.WarpSpecializedFwdConfig(head_major=False),
     hopper.WarpSpecializedFwdConfig(block_n=64, stages=3, pingpong=True),
     hopper.WarpSpecializedFwdConfig(consumers=3, block_n=64, stages=3, consumer_regs=160, pingpong=True),
 ]
@@ -364,7 +367,7 @@ def test_gpu_warp_specialized_backward_keeps_its_products_asynchronous():
     consumers) at d = 64, 80 and 128."""
     from cs336_systems.attention.flash_triton import hopper_ws_backward_kernels
 
-    for d, cfg in ((64, hopper.WarpSpecializedBwdConfig()), (128, hopper.heuristic_bwd(128)),
+    for d, cfg in ((64, hopper.WarpSpecializedBwdConfig()), (128, hopper.WarpSpecializedBwdConfig(stages=2)),
                    (64, hopper.ONE_PASS_CONFIGS[64]), (80, hopper.ONE_PASS_CONFIGS[80]),
                    (128, DQ_IN_CONSUMERS_CONFIGS[0]), (64, DQ_IN_CONSUMERS_CONFIGS[1])):  # fmt: skip
         case = make_case((1, 2), 256, 256, d, torch.bfloat16, device="cuda", is_causal=True)

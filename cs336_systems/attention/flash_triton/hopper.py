@@ -49,9 +49,11 @@ class HopperFwdConfig:
     block_n: int = 128
     stages: int = 3
     num_warps: int = 8
+    head_major: bool = True  # one-dimensional grid, a head's query tiles consecutive (program_tile)
 
 
 PRODUCER_REGS = 24  # the producer warp's registers a thread (the least setmaxnreg allows)
+HEAD_MAJOR_MIN_TILES = 8  # query tiles a head needs before a forward's grid goes head-major
 
 
 def warp_specialized_maxnreg(consumers: int, consumer_regs: int, dq_regs: int = 0) -> int:
@@ -74,6 +76,7 @@ class WarpSpecializedFwdConfig:
     stages: int = 2
     pingpong: bool = False  # slower on an H100 in every configuration measured (session 10)
     consumer_regs: int = 240
+    head_major: bool = True  # one-dimensional grid, a head's query tiles consecutive (program_tile)
 
     @property
     def block_m(self) -> int:
@@ -113,10 +116,10 @@ def unsupported_reason(*tensors4: Tensor) -> str:
     return ""
 
 
-# Head dims whose backward defaults to the one-pass kernel (dQ added by a third warpgroup), where it
-# was measured faster than the two passes (OPTIMIZATION_LOG.md, "Session 11"); read at call time.
-# At d = 128 it does not fit: the consumers' accumulators spill and shared memory exceeds 227 KB.
-ONE_PASS_HEAD_DIMS: frozenset[int] = frozenset({64, 80})
+# Head dims whose backward defaults to the one-pass kernel, where it was measured faster than the two
+# passes (OPTIMIZATION_LOG.md, "Session 11" and "Session 12"): dQ added by a third warpgroup at d = 64
+# and 80, by the two consumers at d = 128 (a third warpgroup does not fit there); read at call time.
+ONE_PASS_HEAD_DIMS: frozenset[int] = frozenset({64, 80, 128})
 
 
 def preferred(d: int, kind: str = "fwd") -> bool:
@@ -191,9 +194,13 @@ def flash_fwd_hopper(
     else:
         kernel = hopper_kernels.flash_fwd_hopper_kernel
         specific = dict(BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
+    n_tiles = triton.cdiv(n_q, cfg.block_m)
+    # A head's tiles consecutive where a head has enough of them to keep L2 busy (on an H100, d = 80:
+    # -17 % at N = 4096, -5 % at 2048, +10 % at 512 with 4 tiles a head; OPTIMIZATION_LOG "Session 12").
+    head_major = cfg.head_major and n_tiles >= HEAD_MAJOR_MIN_TILES
     plans.launch(
         kernel,
-        (batch * heads, triton.cdiv(n_q, cfg.block_m)),
+        (batch * heads * n_tiles,) if head_major else (batch * heads, n_tiles),
         q4,
         k4,
         v4,
@@ -209,6 +216,7 @@ def flash_fwd_hopper(
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
         IS_CAUSAL=bool(is_causal),
+        HEAD_MAJOR=head_major,
         **specific,
     )
 
@@ -225,9 +233,8 @@ class HopperBwdConfig:
 
 
 def heuristic_bwd(d: int) -> HopperBwdConfig | WarpSpecializedBwdConfig:
-    """Backward kernel and tiles by head dim: at the head dims of `ONE_PASS_HEAD_DIMS` (64, 80) the
-    one-pass kernel (`ONE_PASS_CONFIGS`); at d = 128 the warp-specialised dK/dV pass (two consumer
-    warpgroups of 64 keys, 64-query steps, two stages); elsewhere the one-warpgroup dK/dV pass with
+    """Backward kernel and tiles by head dim: at the head dims of `ONE_PASS_HEAD_DIMS` (64, 80, 128)
+    the one-pass kernel (`ONE_PASS_CONFIGS`); elsewhere the one-warpgroup dK/dV pass with
     64 keys x 64-query steps, two stages, the fastest one-warpgroup candidate on an H100 at d = 64
     and 80 (flash_bench --tune-hopper; at d = 80 3.50 ms against 4.06 for 32-query steps, which need
     fewer registers, 190 instead of 254, but issue twice the waits). Above d = 128 the two fp32
@@ -235,8 +242,6 @@ def heuristic_bwd(d: int) -> HopperBwdConfig | WarpSpecializedBwdConfig:
     shrinks to 16 queries to keep the score tiles small."""
     if d in ONE_PASS_HEAD_DIMS:
         return ONE_PASS_CONFIGS[d]
-    if d == 128:
-        return WarpSpecializedBwdConfig(block_m=64, stages=2)
     if d <= 128:
         return HopperBwdConfig(64, 64, 2, 4)
     return HopperBwdConfig(16, 64, 2, 4)
@@ -289,11 +294,14 @@ class WarpSpecializedBwdConfig:
         return warp_specialized_maxnreg(self.consumers, self.consumer_regs, self.dq_regs)
 
 
-# The one-pass backward's register split per head dim: the consumers' dK/dV accumulators and score
-# tiles against the dQ warpgroup's accumulator (no spills at d = 64 in an offline sm_90 compile).
+# The one-pass backward per head dim: at d = 64 and 80 the register split between the consumers'
+# dK/dV accumulators and score tiles and the dQ warpgroup's accumulator (no spills at d = 64 in an
+# offline sm_90 compile); at d = 128 dQ in the consumers (240 registers each; two dS^T slots and one
+# float32 staging tile keep shared memory at 198 KB: a second staging tile measured no faster).
 ONE_PASS_CONFIGS = {
     64: WarpSpecializedBwdConfig(block_m=64, stages=2, consumer_regs=200, dq_regs=88),
     80: WarpSpecializedBwdConfig(block_m=64, stages=3, consumer_regs=208, dq_regs=72),
+    128: WarpSpecializedBwdConfig(block_m=64, stages=2, ds_slots=2, dq_buffers=1, dq_in_consumers=True),
 }
 
 

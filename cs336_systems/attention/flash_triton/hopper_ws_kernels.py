@@ -37,6 +37,7 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
     LN2,
     head_descriptor,
     issue_scores,
+    program_tile,
     softmax_step,
 )
 
@@ -242,12 +243,14 @@ def flash_fwd_ws_kernel(
     PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
+    HEAD_MAJOR: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """O and L like `flash_fwd_hopper_kernel`; a program covers CONSUMERS * 64 query rows.
 
-    Grid (B*H, cdiv(N_QUERIES, CONSUMERS * 64)); num_warps must be 4 (the default partition is
-    consumer 0; consumers 1.. and the producer warp are worker partitions).
+    Grid: `hopper_kernels.program_tile`'s for tiles of CONSUMERS * 64 rows, by HEAD_MAJOR; num_warps
+    must be 4 (the default partition is consumer 0; consumers 1.. and the producer warp are worker
+    partitions).
     """
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     SPLIT: gl.constexpr = D0 != D
@@ -255,10 +258,7 @@ def flash_fwd_ws_kernel(
     C: gl.constexpr = CONSUMERS
     BLOCK_M: gl.constexpr = C * WG_ROWS
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
-    off_bh = gl.program_id(0)
-    q_tile = gl.program_id(1)
-    if IS_CAUSAL:
-        q_tile = gl.num_programs(1) - 1 - q_tile  # longest rows first
+    off_bh, q_tile = program_tile(N_QUERIES, BLOCK_M, IS_CAUSAL, HEAD_MAJOR)
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_m = q_tile * BLOCK_M
