@@ -278,8 +278,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
             lb = dataclasses.replace(lb, name="protocol" if lb.is_protocol_shape() else "shapes")
             for i in range(args.lb_runs):  # repeated runs show the run-to-run spread; the split once, last
-                split = i == args.lb_runs - 1 and lb.is_protocol_shape()
-                run_leaderboard(lb, split=split, results_dir=results_dir)
+                run_leaderboard(lb, split=i == args.lb_runs - 1, results_dir=results_dir)
     if sweep_cfg is not None:
         cfg = sweep_cfg
         print(cfg)

@@ -84,7 +84,7 @@ def _tiles(impl: str) -> str:
         pp = ", ping-pong" if f.get("pingpong") == "True" else ""
         return f"{f['consumers']} x 64 rows, {f['block_n']} keys, {f['stages']} stages{pp}"
     if impl.startswith("WarpSpecializedBwdConfig"):
-        one_pass = ", one pass" if f.get("dq_regs", "0") != "0" else ""
+        one_pass = ", one pass" if f.get("dq_regs", "0") != "0" or f.get("dq_in_consumers") == "True" else ""
         return f"{f['consumers']} x 64 keys, {f['block_m']} queries, {f['stages']} stages{one_pass}"
     if "block_m" in f and "stages" in f:
         cap = f", <= {f['maxnreg']} regs" if f.get("maxnreg", "None") != "None" else ""
@@ -159,6 +159,31 @@ def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
     order = {f"{h} x {n} x {d}": i for i, (h, n, d) in enumerate(MODEL_SHAPES)}
     out = wide.reset_index().sort_values("shape", key=lambda c: c.map(order)).reset_index(drop=True)
     out.attrs["source"] = sh
+    return out
+
+
+def shape_throughput_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Forward and backward alone at each model shape (rows "shapes_split", the latest run of each
+    shape): TFLOP/s of ours and cuDNN's, ours / cuDNN's time per pass."""
+    sp = df[(df.name == "shapes_split") & (df.metric == "throughput")].copy()
+    if sp.empty:
+        return pd.DataFrame()
+    cfg = [json.loads(c) for c in sp.config_json]
+    sp["shape"] = [f"{c['heads']} x {c['seq_len']} x {c['d']}" for c in cfg]
+    sp["run_id"] = [c.get("run_id", sha) for c, sha in zip(cfg, sp.git_sha)]
+    last = sp.sort_values("timestamp").groupby("shape", sort=False).run_id.last()
+    sp = sp[sp.run_id == sp["shape"].map(last)]
+    tf = sp.pivot_table(index=["shape", "mode"], columns="impl", values="p50", aggfunc="first")
+    if not {"flash_triton", "sdpa_cudnn"} <= set(tf.columns):
+        return pd.DataFrame()
+    out = pd.DataFrame(
+        {"ours TFLOP/s": tf["flash_triton"], "cuDNN TFLOP/s": tf["sdpa_cudnn"],
+         "ours / cuDNN time": tf["sdpa_cudnn"] / tf["flash_triton"]}
+    ).reset_index()  # fmt: skip
+    order = {f"{h} x {n} x {d}": i for i, (h, n, d) in enumerate(MODEL_SHAPES)}
+    out = out.sort_values(["shape", "mode"], key=lambda c: c.map(order) if c.name == "shape" else c)
+    out = out.reset_index(drop=True)
+    out.attrs["source"] = sp
     return out
 
 

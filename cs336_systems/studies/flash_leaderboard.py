@@ -152,7 +152,8 @@ def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = T
 
 
 def _leaderboard_split(cfg: LeaderboardConfig, config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Forward-only and backward-only times at the protocol shape, and the bf16 matmul peak."""
+    """Forward-only and backward-only times at cfg's shape (rows "split" at the protocol shape,
+    "shapes_split" at the others), and the bf16 matmul peak."""
     rows = []
     peak = matmul_peak_tflops(cfg.device, cfg.matmul_n, getattr(torch, cfg.dtype))
     rows.append(
@@ -182,7 +183,8 @@ def _leaderboard_split(cfg: LeaderboardConfig, config: dict[str, Any]) -> list[d
                 modes=("fwd", "bwd"),
             )
         for mode in ("fwd", "bwd"):
-            common = _row_keys("split", impl, mode, cfg.dtype, cfg.seq_len, config)
+            name = "split" if cfg.is_protocol_shape() else "shapes_split"
+            common = _row_keys(name, impl, mode, cfg.dtype, cfg.seq_len, config)
             if mode not in stats:
                 rows.append(failure_row(metric="latency", unit="ms", note=note or "not measured", **common))
                 continue

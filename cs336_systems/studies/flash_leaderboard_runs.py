@@ -20,7 +20,7 @@ def _gluon_one_pass(cfg: dict[str, Any]) -> bool:
     `hopper_bwd_default` with its configuration in `hopper_dkdv` (the first such runs recorded only
     the configuration; every protocol run so far was on an sm_90 GPU, where it is the default)."""
     text = cfg.get("hopper_dkdv", "")
-    one_pass_cfg = "dq_regs=" in text and "dq_regs=0," not in text
+    one_pass_cfg = ("dq_regs=" in text and "dq_regs=0," not in text) or "dq_in_consumers=True" in text
     return bool(cfg.get("hopper_bwd_default", True)) and one_pass_cfg
 
 

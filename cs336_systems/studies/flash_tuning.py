@@ -212,11 +212,13 @@ HOPPER_WS_DKDV_CANDIDATES = {
     128: [(64, 2, 240, 2), (64, 3, 240, 2)],
     80: [(64, 2, 240, 2), (64, 4, 240, 2), (32, 4, 160, 3)],
 }
-# One-pass backward (dQ by a third warpgroup): (block_m, stages, consumer_regs, consumers, dq_regs
-# [, ds_slots, dq_buffers]): register splits that compile without spills for sm_90 (Triton 3.6).
+# One-pass backward: (block_m, stages, consumer_regs, consumers, dq_regs [, ds_slots, dq_buffers
+# [, dq_in_consumers]]): dQ by a third warpgroup (register splits that compile without spills for
+# sm_90, Triton 3.6), or at d = 128 by the two consumers.
 HOPPER_ONE_PASS_CANDIDATES = {
     64: [(64, 2, 184, 2, 120), (64, 3, 184, 2, 120), (64, 2, 200, 2, 88), (64, 2, 184, 2, 120, 3, 3)],
     80: [(64, 2, 208, 2, 72), (64, 3, 208, 2, 72)],
+    128: [(64, 2, 240, 2, 0, 2, 1, True), (64, 2, 240, 2, 0, 2, 2, True)],
 }
 HOPPER_DKDV_CANDIDATES = {
     64: [
