@@ -341,3 +341,19 @@ def test_pass_table_keeps_the_two_gluon_families_apart():
     assert t.loc["bwd", "WS tiles"] == "2 x 64 keys, 64 queries, 2 stages, one pass"
     f = flash_hopper._tiles("WarpSpecializedBwdConfig(block_m=64, stages=5, consumer_regs=240, consumers=2)")
     assert f == "2 x 64 keys, 64 queries, 5 stages"
+
+
+def test_a_model_shape_run_records_its_forward_and_backward_and_survives_the_floor(tmp_path):
+    """`flash_bench --leaderboard` at a model shape (CPU, float32, tiny): the forward/backward split
+    comes as rows "shapes_split" for the attention implementations (the host floor is a step, not an
+    attention, and has none), and the timed rows are stored before the split runs."""
+    from cs336_systems.studies.flash_leaderboard import LeaderboardConfig, run_leaderboard
+
+    cfg = LeaderboardConfig(heads=1, seq_len=16, d=16, rep_ms=1, warmup_ms=1, dtype="float32", device="cpu", matmul_n=64,
+                            impls=("flash_triton", "custom_op_floor"), name="shapes")  # fmt: skip
+    rows = run_leaderboard(cfg, results_dir=tmp_path, split=True)
+    stored = pd.read_csv(tmp_path / "flash_leaderboard.csv")
+    assert len(stored) == len(rows)
+    split = stored[stored.name == "shapes_split"]
+    assert set(split.impl) == {"flash_triton"} and set(split["mode"]) == {"fwd", "bwd"}
+    assert split.p50.notna().all() and set(stored[stored.name == "shapes"].impl) == set(cfg.impls)
