@@ -23,12 +23,14 @@ torch optimizers and torch FSDP, while the project's optimizers keep their state
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -123,7 +125,8 @@ def save(directory: str | Path, step: int, state: dict, train_state: dict, *, ke
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(state, checkpoint_id=tmp)
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=tmp)
     _maybe_die_in_save(step)
     _barrier()
     if rank0:
@@ -143,7 +146,17 @@ def save(directory: str | Path, step: int, state: dict, train_state: dict, *, ke
 
 def load(path: Path, state: dict) -> None:
     """Fill the tensors of `state` in place from the checkpoint at `path` (collective)."""
-    dcp.load(state, checkpoint_id=path)
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group DCP warns that it assumes one process, which is what we mean."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
+        yield
 
 
 def _fsync_dir(path: Path) -> None:

@@ -211,7 +211,8 @@ def train(cfg: TrainConfig) -> dict:
         _maybe_die(step, rank)
         t0 = time.perf_counter()
         x, y = rank_batch(run["data"], key=0, index=step, **batch_args)
-        lr = get_cosine_lr(step, cfg.lr, cfg.final_lr, cfg.warmup, cfg.steps)
+        # the cycle ends at the last step; a run no longer than its warmup keeps a one-step cycle
+        lr = get_cosine_lr(step, cfg.lr, cfg.final_lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1))
         loss, norm = engine.train_step(x, y, lr, cfg.grad_clip)
         loss = _mean_over_ranks(loss.float(), world).item()  # one host sync per step
         dt = time.perf_counter() - t0
