@@ -10,7 +10,8 @@ step and the generator states; batches are a pure function of (seed, step, rank)
 pure function] in `train.data`), so the resumed run continues exactly where the saved one was. The
 metrics file is cut back to the checkpoint's step, so it reads as one run.
 
-Per step, rank 0 writes one JSON line: step, loss (mean over the global batch), lr, grad_norm,
+Per step, rank 0 writes one JSON line: step, loss (mean over the global batch), lr, grad_norm (before
+clipping; null with zero2),
 tokens_per_s (global), step_time_s, elapsed_s, on GPU mfu (per GPU, bf16 or fp32 datasheet peak,
 matmul FLOPs = 3 x `ModelConfig.matmul_flops_per_token`, which counts the full T x T attention),
 and val_loss at evaluation steps.
@@ -224,7 +225,7 @@ def train(cfg: TrainConfig) -> dict:
             step=step,
             loss=loss,
             lr=lr,
-            grad_norm=float(norm),
+            grad_norm=None if norm is None else float(norm),
             tokens_per_s=tokens_per_step / dt,
             step_time_s=dt,
             elapsed_s=time.perf_counter() - t_begin,

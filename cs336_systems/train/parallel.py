@@ -9,7 +9,7 @@
   reduce-scattered, 1/N of the AdamW state per rank, weights all-gathered after the update.
 * fsdp: `distributed.FSDP`: weights, gradients and AdamW state sharded 1/N per rank.
 
-Every engine exposes `train_step(x, y, lr, clip) -> (local loss, global grad norm)`, `eval_loss`,
+Every engine exposes `train_step(x, y, lr, clip) -> (local loss, global grad norm or None)`, `eval_loss`,
 and `state()`: the tensors of a checkpoint by key, live tensors that DCP fills in place on load
 (see `train.checkpoint`), with `after_load(state)` to restore what is not a tensor (step counters).
 Replicated values have the same key on every rank (DCP writes them once); per-rank shards carry the
@@ -189,14 +189,14 @@ class Zero2Engine(Engine):
         self.optimizer = self.step.optimizer
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def train_step(self, x: Tensor, y: Tensor, lr: float, clip: float) -> tuple[Tensor, Tensor]:
+    def train_step(self, x: Tensor, y: Tensor, lr: float, clip: float) -> tuple[Tensor, Tensor | None]:
         self.set_lr(lr)
         with self.step.on_stream():
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.step.loss(x, y)
             loss.backward()
             self.optimizer.step()
-        return loss.detach(), torch.tensor(float("nan"))  # the norm is never formed
+        return loss.detach(), None  # the norm is never formed
 
     def state(self) -> dict[str, Tensor]:
         out = {f"model.{n}": p.detach() for n, p in self.model.named_parameters()}
