@@ -69,7 +69,7 @@ class TrainConfig:
     parallel: str = _f("none", "data parallelism over the ranks", choices=PARALLEL)
     precision: str = _f("auto", "auto: bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     optimizer: str = _f("auto", "AdamW implementation (auto: fused on GPU)", choices=OPTIMIZERS)
-    attention: str = _f("auto", "attention (auto: sdpa)", choices=("auto", *ATTENTION_IMPLS))
+    attention: str = _f("sdpa", "attention implementation", choices=tuple(ATTENTION_IMPLS))
     compile: str = _f("auto", "torch.compile each block (auto: on GPU)", choices=TOGGLES)
     fused_loss: str = _f("auto", "chunked LM head + loss (auto: on GPU, not with fsdp)", choices=TOGGLES)
     bucket_size_mb: float = _f(25.0, "DDP bucket size in MiB")
@@ -127,10 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m cs336_systems.train",
         description="Train a BasicsTransformerLM on a token file: one process, or every rank of a torchrun "
         "job (one GPU to several nodes). Resumes from the latest complete checkpoint in --checkpoint-dir.",
-        epilog="examples:\n"
+        epilog="example:\n"
         "  python -m cs336_systems.train --size debug --data tokens.bin --steps 30 --batch-size 4 \\\n"
         "      --context-length 64 --checkpoint-dir ckpt --checkpoint-every 10 --metrics metrics.jsonl "
         "--device cpu\n"
+        "several nodes (the same command on each; see the README for TORCH_DISABLE_SHARE_RDZV_TCP_STORE):\n"
         "  torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\\n"
         "      --max-restarts 3 -m cs336_systems.train --parallel ddp ...same flags...",
         formatter_class=_HelpFormatter,

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m cs336_systems.train.gpu_demo",
         description=__doc__,
+        epilog="example:\n  python -m cs336_systems.train.gpu_demo --out runs/gpu_demo",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", required=True, help="directory of the token file, metrics and summary")

@@ -64,7 +64,7 @@ class StepChoices:
         choices = cls(
             autocast=autocast,
             optimizer=optimizer,
-            attention="sdpa" if cfg.attention == "auto" else cfg.attention,
+            attention=cfg.attention,
             compile=toggle(cfg.compile, gpu and not fsdp),
             fused_loss=toggle(cfg.fused_loss, gpu and not fsdp),
             bf16_weights=autocast and optimizer == "fused" and cfg.parallel == "none",
