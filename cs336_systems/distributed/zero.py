@@ -183,6 +183,19 @@ class ZeroAdamW(torch.optim.Optimizer):
     def unit_names(self) -> list[str]:
         return [u.name for u in self._units]
 
+    def shard_state(self) -> dict[str, Tensor]:
+        """This rank's optimizer state by "<unit>.<name>": the live tensors (a checkpoint loads into them).
+
+        exp_avg and exp_avg_sq always; master only where it is a float32 copy apart from the weights
+        (with param_mode "bf16" or "fp32" the shard of the flat weights is the master itself).
+        """
+        out = {}
+        for u in self._units:
+            out[f"{u.name}.exp_avg"], out[f"{u.name}.exp_avg_sq"] = u.exp_avg, u.exp_avg_sq
+            if u.master is not u.shard:
+                out[f"{u.name}.master"] = u.master
+        return out
+
     def state_tensors(self) -> list[Tensor]:
         """The tensors this optimizer keeps (flat weights, masters, m, v), for memory accounting."""
         out = []
