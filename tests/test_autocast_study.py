@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cs336_systems.model import SIZES_2025
-from cs336_systems.studies import autocast_study as A
+from cs336_systems.studies.profiling import mixed_precision as A
 
 
 def test_toy_model_dtypes_under_cpu_bf16_autocast():

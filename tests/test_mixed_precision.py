@@ -2,13 +2,13 @@
 
 import pytest
 
-from cs336_systems.studies import mixed_precision
+from cs336_systems.studies.profiling import accumulation
 
 
 @pytest.fixture(scope="module")
 def facts():
-    df = mixed_precision.accumulation_experiment(steps=1000, increment=0.01)
-    return mixed_precision.facts(df, steps=1000, increment=0.01)
+    df = accumulation.accumulation_experiment(steps=1000, increment=0.01)
+    return accumulation.facts(df, steps=1000, increment=0.01)
 
 
 def test_fp32_accumulation_is_close_and_fp16_accumulation_is_far(facts):
@@ -32,4 +32,4 @@ def test_mixed_cases_carry_only_the_fp16_representation_error(facts):
 
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="steps"):
-        mixed_precision.accumulation_experiment(steps=0)
+        accumulation.accumulation_experiment(steps=0)

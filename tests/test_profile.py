@@ -15,7 +15,7 @@ from cs336_systems.measure.annotations import ATTENTION_RANGES, naive_annotated_
 from cs336_systems.measure.results import COLUMNS, append_rows, load_results
 from cs336_systems.measure.traces import load_trace, save_trace, short_kernel_name, slim_trace
 from cs336_systems.model import get_attention, get_config
-from cs336_systems.studies import profile as P
+from cs336_systems.studies.profiling import kernel_profile as P
 
 # --------------------------------------------------------------------------------------------------
 # Classification and names
@@ -383,11 +383,11 @@ def test_profiler_none_gives_timer_rows_only():
 
 def test_facts_on_the_committed_results():
     from cs336_systems.measure.results import REPO_ROOT, latest_run
-    from cs336_systems.studies import timing_analysis
+    from cs336_systems.studies.profiling import timing_facts
 
     data = REPO_ROOT / "figures" / "data"
     frame = P.profile_frame(latest_run(load_results("nsys_profile", data)))
-    bench = timing_analysis.timing_stats(load_results("benchmarking_script", data))
+    bench = timing_facts.timing_stats(load_results("benchmarking_script", data))
     facts = P.facts(frame, bench, 512)
     fwd = P.forward_table(frame, bench).xs(512, level="context_length")
     first, last = facts["sizes"][0], facts["sizes"][-1]

@@ -6,4 +6,9 @@ the labels and wrappers, `ddp_analysis` the tables, bucket model and facts), `sh
 (optimizer-state sharding; `sharding_analysis`) and `fsdp_bench` (FSDP; `fsdp_analysis`,
 `fsdp_trace` for the profiled step); `rank_memory` measures a rank's memory. Also `comm_bench`
 (all-reduce), `ddp_check` (DDP against one process), figures in `plots` and `trace_plot`.
+
+Shared helpers (other families may import them): `runner`, which also launches the training
+leaderboard's ranks, and `trace_plot`, the ranks' Chrome-trace timelines.
 """
+
+SHARED = ("runner", "trace_plot")
