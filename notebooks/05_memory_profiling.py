@@ -171,7 +171,7 @@ if not timelines:
     nb.have_results(pd.DataFrame(), "the memory snapshots")
 
 # %% [markdown]
-# **Method.** `python -m cs336_systems.studies.profiling.memory_run --parts memory block_saved` runs
+# **Method.** `python -m cs336_systems.studies.profiling --parts memory block_saved` runs
 # the benchmarking script's workload (batch 4, random tokens, naive attention), one untimed warm-up
 # step (so AdamW's state exists), then records one step with
 # `torch.cuda.memory._record_memory_history(stacks="python")` and dumps the allocator snapshot. The
