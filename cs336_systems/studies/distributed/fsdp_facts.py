@@ -11,7 +11,7 @@ from cs336_systems.measure.traces import load_trace
 from cs336_systems.model import BasicsTransformerLM, get_config
 from cs336_systems.studies.distributed.fsdp_trace import plot_timeline
 from cs336_systems.studies.distributed.rank_memory import GiB
-from cs336_systems.studies.distributed.sharding_analysis import MEASURED_VS_EXPECTED, gib_by_point
+from cs336_systems.studies.distributed.sharding_facts import MEASURED_VS_EXPECTED, gib_by_point
 
 PROBLEM = "fsdp_accounting"
 VARIANTS = ("replicated", "fsdp", "fsdp_bf16")
@@ -206,7 +206,7 @@ def render_figures(
 def _value(
     df: pd.DataFrame, impl: str, metric: str, mode: str | None = None, rank: int | None = None
 ) -> float:
-    from cs336_systems.studies.distributed.sharding_analysis import value
+    from cs336_systems.studies.distributed.sharding_facts import value
 
     return value(df, impl, metric, mode, rank)
 
