@@ -21,7 +21,7 @@ quick = False  # the same table from a scratch results directory (rows measured 
 
 # %% tags=["remove-input"]
 from cs336_systems.report import nb, show_table
-from cs336_systems.studies import problem_index
+from cs336_systems.studies.overview import problem_index
 
 results_dir = nb.setup(quick)
 table = problem_index.overview(results_dir)
@@ -47,7 +47,7 @@ show_table(
         **{"tests (count)": table["tests (count)"].str.replace("test_", "", regex=False)}
     ),
     caption="Every handout problem: where it is answered, the tests that cover it, its status",
-    provenance_from="the index in cs336_systems/studies/problem_index.py; counts and status read from tests/ "
+    provenance_from="the index in cs336_systems/studies/overview/problem_index.py; counts and status read from tests/ "
     "and figures/data/ when this document was built",
     wrap={"problem": 0.19, "handout": 0.09, "answered in": 0.23, "tests (count)": 0.16, "status": 0.14},
     breakable=True,

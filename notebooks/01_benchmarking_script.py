@@ -22,24 +22,24 @@ quick = False  # debug model on the CPU in seconds; results go to a scratch dir
 
 # %% tags=["remove-input"]
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies import timing_analysis, timing_gpu_run
+from cs336_systems.studies.profiling import timing_facts, timing_run
 
 results_dir = nb.setup(quick)
-plan = timing_gpu_run.make_plan(quick)
+plan = timing_run.make_plan(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    timing_gpu_run.measure_benchmarking_script(plan, results_dir)
+    timing_run.measure_benchmarking_script(plan, results_dir)
 df = load_results("benchmarking_script", results_dir)
-stats = timing_analysis.timing_stats(df)
+stats = timing_facts.timing_stats(df)
 stats = stats[stats.x == plan.context_length]
-steps = timing_analysis.ablation_steps(df, bench_warmup=plan.warmup)
-facts = timing_analysis.facts(df, context_length=plan.context_length, warmup=plan.warmup)
+steps = timing_facts.ablation_steps(df, bench_warmup=plan.warmup)
+facts = timing_facts.facts(df, context_length=plan.context_length, warmup=plan.warmup)
 
 # %% tags=["remove-input"]
 timing, ablation = facts.get("timing"), facts.get("ablation")
 answer = [
-    "**Answer.** (a) `python -m cs336_systems.studies.end_to_end` builds the model from flags (`--size`, "
+    "**Answer.** (a) `python -m cs336_systems.studies.profiling.end_to_end` builds the model from flags (`--size`, "
     "`--context-length`, `--mode forward|forward_backward|train`, `--warmup`, `--steps`), runs the warm-up "
     "steps, then times every phase of every step between two `torch.cuda.synchronize()` calls."
 ]
@@ -83,7 +83,7 @@ nb.md(" ".join(answer))
 # %% tags=["remove-input"]
 if nb.have_results(stats, "benchmarking_script"):
     show_table(
-        timing_analysis.timing_table(stats),
+        timing_facts.timing_table(stats),
         caption=f"(b) Milliseconds per step, mean ± std over {plan.steps} steps after {plan.warmup} warm-up steps "
         f"(context {plan.context_length}, batch 4, fp32)",
         provenance_from=df[df.x_name == "context_length"],
@@ -93,7 +93,7 @@ if nb.have_results(stats, "benchmarking_script"):
 
 # %% tags=["remove-input"]
 if nb.have_results(steps, "the warm-up ablation"):
-    save_figure(timing_analysis.plot_ablation(steps), "benchmarking_script__warmup_ablation")
+    save_figure(timing_facts.plot_ablation(steps), "benchmarking_script__warmup_ablation")
 
 # %% tags=["remove-input"]
 if ablation:

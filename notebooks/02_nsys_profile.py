@@ -25,22 +25,22 @@ context_length = 512  # the context of the per-size tables and of the class-shar
 
 # %% tags=["remove-input"]
 from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
-from cs336_systems.studies import profile, timing_analysis, timing_gpu_run
+from cs336_systems.studies.profiling import kernel_profile, timing_facts, timing_run
 
 results_dir = nb.setup(quick)
-plan = timing_gpu_run.make_plan(quick)
+plan = timing_run.make_plan(quick)
 ctx = plan.profile_contexts[-1] if quick else context_length
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    timing_gpu_run.run_profiling(plan, results_dir)
+    timing_run.run_profiling(plan, results_dir)
 df = load_results("nsys_profile", results_dir)
-frame = profile.profile_frame(latest_run(df))
-bench = timing_analysis.timing_stats(load_results("benchmarking_script", results_dir))
+frame = kernel_profile.profile_frame(latest_run(df))
+bench = timing_facts.timing_stats(load_results("benchmarking_script", results_dir))
 trace_path = results_dir / plan.trace_name
 device = "the CPU (quick run: aten ops stand in for kernels)" if quick else "the GPU"
 measured = ctx in set(frame.loc[frame.note == "", "context_length"])  # the answers quote context `ctx`
-facts = profile.facts(frame, bench, ctx) if measured else {}
+facts = kernel_profile.facts(frame, bench, ctx) if measured else {}
 
 # %% tags=["remove-input"]
 if measured:
@@ -85,7 +85,7 @@ if measured:
 # %% tags=["remove-input"]
 if measured:
     show_table(
-        profile.summary_table(frame, bench, ctx).reset_index(),
+        kernel_profile.summary_table(frame, bench, ctx).reset_index(),
         caption=f"(a)-(e) at context {ctx}: forward span (profiler) vs Python timer; "
         "top forward kernel; matmul share of kernel time; softmax vs attention matmuls",
         provenance_from=df,
@@ -103,17 +103,17 @@ if measured:
         "kernel time; mm: the matmul share of kernel time; smax t, FLOPs: softmax over QK^T + PV in time and in "
         "FLOPs; xmma_gemm tn 128x128x8 is sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_...",
     )
-    save_figure(timing_analysis.plot_class_shares(frame, ctx), "nsys_profile__class_shares")
+    save_figure(timing_facts.plot_class_shares(frame, ctx), "nsys_profile__class_shares")
 
 # %% tags=["remove-input"]
 failed = frame[frame.note != ""].drop_duplicates(["size", "context_length"])
 nb.md(
     "**Method.** Nsight Systems is not installed on the GPU hosts, so the numbers come from `torch.profiler` "
-    "with CUPTI tracing (`cs336_systems/studies/profile.py`): one untraced warm-up step, then one traced "
+    "with CUPTI tracing (`cs336_systems/studies/profiling/kernel_profile.py`): one untraced warm-up step, then one traced "
     "inference forward and one traced training step per configuration (fp32, batch 4, naive attention); the "
     "`record_function` ranges are also NVTX ranges, and a kernel belongs to the ranges that contain the CPU "
     "call that launched it, as in nsys's NVTX projection. `nsys profile --trace=cuda,nvtx "
-    "--pytorch=autograd-nvtx python -m cs336_systems.studies.profile ...` runs the same script under nsys. "
+    "--pytorch=autograd-nvtx python -m cs336_systems.studies.profiling.kernel_profile ...` runs the same script under nsys. "
     + (
         "Configurations that did not run: "
         + ", ".join(f"{r.size} at {r.context_length} ({r.note})" for r in failed.itertuples())
@@ -125,8 +125,8 @@ nb.md(
 
 # %% tags=["remove-input", "remove-cell"]
 if trace_path.exists():
-    fig = profile.plot_timeline(
-        profile.load_trace(trace_path),
+    fig = kernel_profile.plot_timeline(
+        kernel_profile.load_trace(trace_path),
         title=f"One training step, {plan.trace_size}, context {plan.trace_context}",
     )
     save_figure(fig, "nsys_profile__timeline")
@@ -134,7 +134,7 @@ if trace_path.exists():
 # %% tags=["remove-input", "appendix"]
 if measured:
     show_table(
-        profile.forward_table(frame, bench).reset_index(),
+        kernel_profile.forward_table(frame, bench).reset_index(),
         caption="nsys_profile (a): inference forward pass (ms) at every size and context: GPU span and summed "
         "kernel time (profiler), host time in the range, Python timer, unprofiled benchmark",
         provenance_from=df,

@@ -25,12 +25,12 @@ increment = 0.01
 import torch
 
 from cs336_systems.report import device_name, nb, show_table
-from cs336_systems.studies import mixed_precision
+from cs336_systems.studies.profiling import accumulation
 
 results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
-df = mixed_precision.accumulation_experiment(steps=steps, increment=increment)
+df = accumulation.accumulation_experiment(steps=steps, increment=increment)
 headers = {
     "case": "case",
     "result": "result",
@@ -53,7 +53,7 @@ show_table(
 )
 
 # %% tags=["remove-input"]
-facts = mixed_precision.facts(df, steps=steps, increment=increment)
+facts = accumulation.facts(df, steps=steps, increment=increment)
 nb.md(
     f"""**Answer.** Accumulating in fp32 gives {facts["fp32_result"]:.6f}, close to the exact {facts["exact"]:g}:
 each partial sum is rounded to fp32, whose spacing near {facts["exact"]:g} is only {facts["fp32_spacing"]:.2g}. Accumulating in fp16

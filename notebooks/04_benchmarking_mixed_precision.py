@@ -24,19 +24,19 @@ quick = False  # debug model on the CPU in seconds (bf16 autocast); results go t
 import pandas as pd
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies import autocast_study, timing_analysis, timing_gpu_run
+from cs336_systems.studies.profiling import mixed_precision, timing_facts, timing_run
 
 results_dir = nb.setup(quick)
-plan = timing_gpu_run.make_plan(quick)
+plan = timing_run.make_plan(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    timing_gpu_run.measure_mixed_precision(plan, results_dir)
+    timing_run.measure_mixed_precision(plan, results_dir)
 df = load_results("benchmarking_mixed_precision", results_dir)
-dtypes = timing_analysis.dtype_frame(df)
-stats = timing_analysis.timing_stats(df)
+dtypes = timing_facts.dtype_frame(df)
+stats = timing_facts.timing_stats(df)
 stats = stats[stats.x == plan.context_length]
-facts = autocast_study.facts(df, context_length=plan.context_length)
+facts = mixed_precision.facts(df, context_length=plan.context_length)
 
 # %% tags=["remove-input"]
 answer = []
@@ -45,7 +45,7 @@ if "dtype_of" in facts:
     answer.append(
         f"**Answer.** **(a)** Measured on {facts['gpu_name']} under {facts['autocast_dtype']} autocast: "
         f"parameters {dtype_of['model parameters (inside autocast)']} (autocast casts copies for the matmuls, "
-        f"{dtype_of[autocast_study.OPERANDS]}; it never changes what is stored), fc1 output "
+        f"{dtype_of[mixed_precision.OPERANDS]}; it never changes what is stored), fc1 output "
         f"{dtype_of['fc1 output']}, LayerNorm output {dtype_of['LayerNorm output']}, logits "
         f"{dtype_of['logits (fc2 output)']}, loss {dtype_of['loss']}, gradients {dtype_of['parameter gradients']} "
         "(the parameters' dtype)."
@@ -86,7 +86,7 @@ if "speedup" in facts:
 nb.md(" ".join(answer))
 
 # %% tags=["remove-input"]
-table = timing_analysis.mixed_table(stats)
+table = timing_facts.mixed_table(stats)
 if nb.have_results(stats, "the fp32 vs bf16 timings"):
     keep = [("train step", "fp32"), ("train step", "bf16")] + [
         (p, "speed-up") for p in ("forward (no_grad)", "forward", "backward", "optimizer step", "train step")
@@ -104,10 +104,10 @@ if nb.have_results(stats, "the fp32 vs bf16 timings"):
         note="fwd no_grad: --mode forward; the other phases: --mode train. fp32 rows are those of the same GPU "
         "session, so they can differ slightly from benchmarking_script's",
     )
-    save_figure(timing_analysis.plot_mixed(table), "benchmarking_mixed_precision__speedup")
+    save_figure(timing_facts.plot_mixed(table), "benchmarking_mixed_precision__speedup")
 
 # %% tags=["remove-input", "remove-cell"]
-ln = autocast_study.layernorm_frame()
+ln = mixed_precision.layernorm_frame()
 show_table(
     ln[["dtype", "spread", *[c for c in ln.columns if c not in ("dtype", "spread")]]].rename(
         columns={
@@ -118,7 +118,7 @@ show_table(
         }
     ),
     caption=f"benchmarking_mixed_precision (b): LayerNorm computed entirely in each dtype (rows of "
-    f"{autocast_study.LAYERNORM_WIDTH}), inputs of std 300 and 1; errors against fp64 on the same inputs",
+    f"{mixed_precision.LAYERNORM_WIDTH}), inputs of std 300 and 1; errors against fp64 on the same inputs",
     provenance_from="computed live (CPU)",
     formats={"largest finite": "{:.3g}", "spread": "{:g}"},
 )

@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies import memory, memory_analysis, memory_attention_gpu_run
+from cs336_systems.studies.profiling import memory, memory_facts, memory_run
 
 results_dir = nb.setup(quick)
 snapshot_dir = results_dir / "memory_profiling"
@@ -38,9 +38,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    memory_attention_gpu_run.memory_profiling_study(
-        snapshot_dir, quick=quick, device=device, results_dir=str(results_dir)
-    )
+    memory_run.memory_profiling_study(snapshot_dir, quick=quick, device=device, results_dir=str(results_dir))
 df = load_results("memory_profiling", results_dir)
 snapshots = {
     key: snapshot_dir / f"memory_profiling__{size}_{mode}_{precision}_ctx{ctx}.pickle.gz"
@@ -53,7 +51,7 @@ snapshots = {
 timelines = {m: memory.parse_timeline(memory.load_snapshot(p)) for m, p in snapshots.items() if p.exists()}
 fsize, fctx = ("debug", [32]) if quick else (block_size, block_context_lengths)
 results_f = {t: memory.block_saved_memory(fsize, batch, t, device="meta") for t in fctx}
-facts = memory_analysis.facts(
+facts = memory_facts.facts(
     df, timelines, size=size, ctx=ctx, batch=batch, block_size=fsize, block_results=results_f
 )
 
@@ -146,7 +144,7 @@ answer.append(
 nb.md(" ".join(answer))
 
 # %% tags=["remove-input"]
-breakdown = memory_analysis.breakdown_table(df, timelines)
+breakdown = memory_facts.breakdown_table(df, timelines)
 if nb.have_results(breakdown, "memory_profiling"):
     show_table(
         breakdown.rename_axis(f"GiB, {size}, batch 4").reset_index(),
@@ -173,7 +171,7 @@ if not timelines:
     nb.have_results(pd.DataFrame(), "the memory snapshots")
 
 # %% [markdown]
-# **Method.** `python -m cs336_systems.studies.memory_attention_gpu_run --parts memory block_saved` runs
+# **Method.** `python -m cs336_systems.studies.profiling --parts memory block_saved` runs
 # the benchmarking script's workload (batch 4, random tokens, naive attention), one untimed warm-up
 # step (so AdamW's state exists), then records one step with
 # `torch.cuda.memory._record_memory_history(stacks="python")` and dumps the allocator snapshot. The

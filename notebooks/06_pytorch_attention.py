@@ -28,7 +28,7 @@ reps = 100
 # %% tags=["remove-input"]
 
 from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
-from cs336_systems.studies import attention_results, pytorch_attention
+from cs336_systems.studies.attention import pytorch_attention, pytorch_attention_facts
 
 results_dir = nb.setup(quick)
 if quick:
@@ -42,7 +42,7 @@ if nb.should_measure(measure, gpus=1, quick=quick):
     pytorch_attention.attention_sweep(configs, results_dir=results_dir)
 df = latest_run(load_results("pytorch_attention", results_dir), keys=("name", "impl", "x_value", "metric"))
 df = df[df.impl == "naive"]
-facts = attention_results.facts(df)
+facts = pytorch_attention_facts.facts(df)
 
 # %% tags=["remove-input"]
 oom, scaling = facts["oom"], facts.get("scaling")
@@ -89,7 +89,7 @@ elif len(df):
     nb.md("**Answer.** No configuration ran out of memory.")
 
 # %% tags=["remove-input"]
-tab = attention_results.grid_table(df)
+tab = pytorch_attention_facts.grid_table(df)
 if nb.have_results(tab, "pytorch_attention"):
     show_table(
         tab.reset_index(),
@@ -99,10 +99,10 @@ if nb.have_results(tab, "pytorch_attention"):
         note="T = 32768 is beyond the handout grid, run at d = 16 only; '1 pass': the first forward pass, the "
         "one that completed before the out-of-memory error",
     )
-    save_figure(attention_results.plot_scaling(df), "pytorch_attention__scaling")
+    save_figure(pytorch_attention_facts.plot_scaling(df), "pytorch_attention__scaling")
 
 # %% [markdown]
-# **Method.** `cs336_systems.studies.pytorch_attention` times the model's own naive causal attention
+# **Method.** `cs336_systems.studies.attention.pytorch_attention` times the model's own naive causal attention
 # (softmax(Q K^T / sqrt(d)) V with the T x T scores materialised and a `torch.where` mask) on random
 # Q, K, V of shape (8, T, d): 3 warm-up forward+backward passes, then 100 forward passes
 # (`timeit.default_timer()` around each call plus `torch.cuda.synchronize()`), one more forward whose
@@ -112,7 +112,7 @@ if nb.have_results(tab, "pytorch_attention"):
 # %% tags=["remove-input", "remove-cell"]
 if oom is not None:
     show_table(
-        attention_results.accounting_table(
+        pytorch_attention_facts.accounting_table(
             pytorch_attention.BATCH_SIZE, oom["T"], oom["d"], device_bytes=facts["device_bytes"]
         ),
         caption=f"pytorch_attention: memory accounting of the smallest OOM configuration (batch 8, d = {oom['d']}, "

@@ -22,18 +22,18 @@ quick = False  # tiny attention grid (aot_eager backend) and the debug model eag
 
 # %% tags=["remove-input"]
 from cs336_systems.report import load_results, nb, show_table
-from cs336_systems.studies import compile_study
+from cs336_systems.studies.attention import torch_compile
 
 results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    compile_study.torch_compile_study(quick=quick, results_dir=str(results_dir))
+    torch_compile.torch_compile_study(quick=quick, results_dir=str(results_dir))
 compiled = load_results("torch_compile", results_dir)
 eager_attn = load_results("pytorch_attention", results_dir)
 attn_c = compiled[compiled.x_name == "seq_len"]
 model = compiled[compiled.x_name == "context_length"]
-facts = compile_study.facts(compiled, eager_attn[eager_attn.impl == "naive"])
+facts = torch_compile.facts(compiled, eager_attn[eager_attn.impl == "naive"])
 
 # %% tags=["remove-input"]
 answer = []
@@ -90,7 +90,7 @@ if "model" in facts:
 nb.md(" ".join(answer))
 
 # %% tags=["remove-input"]
-grid = compile_study.speedup_grid(facts["attention_table"])
+grid = torch_compile.speedup_grid(facts["attention_table"])
 if nb.have_results(grid, "compiled attention (and its eager baseline)"):
     show_table(
         grid.reset_index(),

@@ -29,7 +29,7 @@ budget_s = 480  # the sweep's time budget; what does not fit becomes 'skipped' r
 import pandas as pd
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies import flash_overhead, flash_sweep
+from cs336_systems.studies.attention import flash_overhead, flash_sweep
 
 results_dir = nb.setup(quick)
 
@@ -111,7 +111,7 @@ if on_gpu and "floor_ms" in over:
         )
     else:
         text += (
-            "`python -m cs336_systems.studies.flash_overhead` times every call from a CUDA graph replay beside the "
+            "`python -m cs336_systems.studies.attention.flash_overhead` times every call from a CUDA graph replay beside the "
             "eager call; it has not been run on a GPU yet, so the figure shows the eager calls against the N^2 slope "
             "the work follows, and the speed-up above is the eager ratio."
         )
@@ -147,14 +147,14 @@ if len(df):  # every head dim (Lab only; the appendix has the numbers)
     )
 
 # %% [markdown]
-# **Method.** `cs336_systems.studies.flash_bench` creates q, k, v of shape (1, 1, N, d) and an upstream
+# **Method.** `cs336_systems.studies.attention.flash_bench` creates q, k, v of shape (1, 1, N, d) and an upstream
 # gradient, makes one warm-up forward+backward (compilation), then times the forward, the backward
 # (`o.backward(do, retain_graph=True)`) and forward+backward with `triton.testing.do_bench` (10 ms warm-up,
 # 40 ms of repetitions, L2 flushed, CUDA events; medians). Peak memory is the allocator's peak over one
 # forward+backward above the inputs. fp32 matmuls run in TF32 for every implementation; SDPA is pinned to one
 # backend with `sdpa_kernel` (a backend that rejects an input is *unsupported*: both reject fp32). Our Triton
 # tiles come from the launcher's heuristic table as it was when the sweep ran on the H100.
-# `cs336_systems.studies.flash_overhead` adds, for the same calls, the time of a CUDA graph replay of each
+# `cs336_systems.studies.attention.flash_overhead` adds, for the same calls, the time of a CUDA graph replay of each
 # call (20 calls per graph for short calls), beside the eager call timed again in the same process.
 
 # %% tags=["remove-input", "appendix"]

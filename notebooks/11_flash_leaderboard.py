@@ -30,7 +30,7 @@ model_contexts = [512, 1024, 2048]  # batch 4; context 4096 is measured at batch
 
 # %% tags=["remove-input"]
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies import flash_leaderboard, flash_model, flash_tuning
+from cs336_systems.studies.attention import flash_leaderboard, flash_model, flash_tuning
 
 results_dir = nb.setup(quick)
 
@@ -117,7 +117,7 @@ if len(protocol) and not quick:
     )
 
 # %% [markdown]
-# **Protocol** (`python -m cs336_systems.studies.flash_bench --leaderboard`): one
+# **Protocol** (`python -m cs336_systems.studies.attention.flash_bench --leaderboard`): one
 # `torch.randn(3, 16, 16384, 64, dtype=bfloat16, requires_grad=True)` tensor unpacked along dim 0 into
 # q, k, v; `flash = torch.compile(FlashAttentionTriton.apply)`; the timed function is
 # `o = flash(q, k, v, True); o.sum().backward()`, measured by `triton.testing.do_bench(rep=10000,
@@ -225,7 +225,7 @@ if len(table):
 # %% [markdown]
 # ## Our kernel in the model
 # The model's attention switches to our kernel with `attention_impl="flash_triton"` (or
-# `model.set_attention("flash_triton")`). `python -m cs336_systems.studies.flash_model` first checks,
+# `model.set_attention("flash_triton")`). `python -m cs336_systems.studies.attention.flash_model` first checks,
 # on one 2.7B model and one batch, that the logits and every parameter's gradient with our kernel and with
 # SDPA match the naive T x T attention (float32 with full-precision matmuls, and bf16 autocast), then
 # times full training steps (forward, backward, AdamW; bf16 autocast, batch 4, 3 warm-up + 5 timed steps)

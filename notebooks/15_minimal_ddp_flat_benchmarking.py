@@ -23,11 +23,11 @@ only_missing = True  # the DDP notebooks share ddp_training.csv: measure only va
 
 # %% tags=["remove-input"]
 from cs336_systems.report import nb
-from cs336_systems.studies.distributed import ddp_analysis, train_bench
+from cs336_systems.studies.distributed import ddp_facts, train_bench
 from cs336_systems.studies.distributed.plots import plot_step_breakdown
 
-results_dir, df = ddp_analysis.measure_or_load(measure, variants, quick=quick, only_missing=only_missing)
-facts = ddp_analysis.facts(df)
+results_dir, df = ddp_facts.measure_or_load(measure, variants, quick=quick, only_missing=only_missing)
+facts = ddp_facts.facts(df)
 
 # %% tags=["remove-input"]
 if facts["naive_ok"] and facts["flat_ok"]:

@@ -25,14 +25,14 @@ only_missing = True  # the DDP notebooks share ddp_training.csv: measure only va
 
 # %% tags=["remove-input"]
 from cs336_systems.report import nb, save_figure
-from cs336_systems.studies.distributed import ddp_analysis, train_bench
+from cs336_systems.studies.distributed import ddp_facts, train_bench
 from cs336_systems.studies.distributed.plots import plot_ddp_timelines, plot_step_breakdown
 
 problem = "ddp_overlap_individual_parameters_benchmarking"
-results_dir, df = ddp_analysis.measure_or_load(
+results_dir, df = ddp_facts.measure_or_load(
     measure, variants, quick=quick, only_missing=only_missing, trace=traces
 )
-facts = ddp_analysis.facts(df)
+facts = ddp_facts.facts(df)
 
 # %% tags=["remove-input"]
 if facts["overlap_ok"] and facts["naive_ok"] and facts["flat_ok"]:
@@ -59,9 +59,9 @@ if facts["overlap_ok"] and facts["naive_ok"] and facts["flat_ok"]:
     nb.md(text)
 
 # %% tags=["remove-input"]
-stats = ddp_analysis.trace_facts(results_dir, traces)
+stats = ddp_facts.trace_facts(results_dir, traces)
 if stats:
-    backend = "NCCL" if not quick and "nccl" in ddp_analysis.describe_setup(df) else "all-reduce"
+    backend = "NCCL" if not quick and "nccl" in ddp_facts.describe_setup(df) else "all-reduce"
     lines = [
         f"{t}: {backend} kernels {s['comm_ms']:.1f} ms in total, {100 * s['hidden_fraction']:.0f} % of that time "
         f"with compute running, {s['comm_after_backward_ms']:.1f} ms of it after the last backward compute kernel"

@@ -27,7 +27,7 @@ only_missing = True  # the DDP notebooks share ddp_training.csv: measure only va
 
 # %% tags=["remove-input"]
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies.distributed import comm_bench, ddp_analysis, train_bench
+from cs336_systems.studies.distributed import comm_bench, ddp_facts, train_bench
 from cs336_systems.studies.distributed.plots import plot_bucket_model, plot_bucket_sweep
 
 problem = "ddp_bucketed_benchmarking"
@@ -57,8 +57,8 @@ if nb.should_measure(measure, gpus=2, quick=quick):
             comm_bench.run_grid(gloo_procs=[], results_dir=results_dir)
 df = load_results(train_bench.PROBLEM, results_dir)
 comm = load_results(comm_bench.PROBLEM, results_dir)
-summ = ddp_analysis.summary(df)
-facts = ddp_analysis.facts(df)
+summ = ddp_facts.summary(df)
+facts = ddp_facts.facts(df)
 
 # %% tags=["remove-input"]
 if facts["bucketed_count"]:
@@ -68,7 +68,7 @@ if facts["bucketed_count"]:
         f"with {facts['bucket_best_comm_ms']:.0f} ms of communication exposed after backward; the worst, "
         f"{facts['bucket_worst']}, takes {facts['bucket_worst_step_ms']:.0f} ms."
     ]
-    base = [f"{k} {facts[f'{k}_step_ms']:.0f} ms" for k in ddp_analysis.UNBUCKETED if facts[f"{k}_ok"]]
+    base = [f"{k} {facts[f'{k}_step_ms']:.0f} ms" for k in ddp_facts.UNBUCKETED if facts[f"{k}_ok"]]
     if base:
         parts.append("Without buckets: " + ", ".join(base) + " (single = one GPU, no communication).")
     if facts["ratio_count"]:
@@ -98,7 +98,7 @@ if facts["bucketed_count"]:
     nb.md(" ".join(parts))
 
 # %% tags=["remove-input"]
-stats = ddp_analysis.trace_facts(results_dir, trace_labels)
+stats = ddp_facts.trace_facts(results_dir, trace_labels)
 if stats:
     nb.md(
         "**Why (profiler, one traced step each, rank 0):** "
@@ -116,7 +116,7 @@ if stats:
 # %% tags=["remove-input"]
 if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
     show_table(
-        ddp_analysis.bucket_table(summ),
+        ddp_facts.bucket_table(summ),
         caption="(a) Time per training step (ms, mean) by maximum bucket size: ours and PyTorch DDP",
         provenance_from=df,
         note="the variants without buckets: the naive_ddp_benchmarking table (same run)",
@@ -146,13 +146,13 @@ if nb.have_results(df, train_bench.PROBLEM) and (summ.kind == "bucketed").any():
 
 # %% tags=["remove-input"]
 try:
-    model = ddp_analysis.bucket_model(df, comm) if facts["bucketed_count"] else None
+    model = ddp_facts.bucket_model(df, comm) if facts["bucketed_count"] else None
 except ValueError as exc:  # no all-reduce rows to fit o and w from
     model = None
     nb.md(f"*The overhead model needs the all-reduce benchmark of the same backend: {exc}.*")
 if model is not None:
     save_figure(plot_bucket_model(model), f"{problem}__overhead_model")
-    mf = ddp_analysis.model_facts(model)
+    mf = ddp_facts.model_facts(model)
     text = (
         f"Fitting $t = o + \\text{{bytes}}/w$ to the {mf['impl']} all-reduce times with {mf['world_size']} ranks "
         f"gives o = {mf['o_us']:.0f} us and w = {mf['w_GBps']:.1f} GB/s; with s = {mf['s_MB']:,.1f} MB of fp32 "

@@ -38,7 +38,7 @@ n_fsdp_max = 256  # right edge of the per-device memory plot
 import matplotlib.pyplot as plt
 
 from cs336_systems.report import latex_number, nb, save_figure, show_table
-from cs336_systems.studies import communication_accounting
+from cs336_systems.studies.written import communication_accounting
 
 results_dir = nb.setup(quick)
 SOURCE = communication_accounting.provenance()

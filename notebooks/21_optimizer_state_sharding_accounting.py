@@ -26,13 +26,13 @@ quick = False  # debug model, gloo on CPU, 2 ranks, 2 steps; results go to a scr
 import math
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies.distributed import sharding_analysis, sharding_bench
+from cs336_systems.studies.distributed import sharding_bench, sharding_facts
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
     config = sharding_bench.BenchConfig(**(sharding_bench.QUICK if quick else {}))
     sharding_bench.run(config, nproc=2, results_dir=results_dir)
-df = sharding_analysis.latest(load_results(sharding_bench.PROBLEM, results_dir))
+df = sharding_facts.latest(load_results(sharding_bench.PROBLEM, results_dir))
 
 
 def gib(x):
@@ -41,7 +41,7 @@ def gib(x):
 
 # %% tags=["remove-input"]
 if nb.have_results(df, sharding_bench.PROBLEM):
-    facts = sharding_analysis.facts(df)
+    facts = sharding_facts.facts(df)
     nb.md(
         f"**Answer.** **(a)** After initialisation every variant holds only the weights: "
         f"{gib(facts['unsharded_allocated_after_init'])} GiB allocated, of which {gib(facts['unsharded_params_after_init'])} GiB "
@@ -69,7 +69,7 @@ if nb.have_results(df, sharding_bench.PROBLEM):
 
 # %% tags=["remove-input"]
 if nb.have_results(df[df.unit == "ms"], "the step timings"):
-    facts = sharding_analysis.facts(df)
+    facts = sharding_facts.facts(df)
     nb.md(
         f"**(b)** An iteration takes {gib(facts['unsharded_step_ms'])} ms unsharded, {gib(facts['sharded_step_ms'])} ms with our sharded optimizer "
         f"({facts['sharded_step_change_pct']:+.1f} %) and {gib(facts['torch_zero_step_ms'])} ms with ZeroRedundancyOptimizer "
@@ -83,7 +83,7 @@ if nb.have_results(df[df.unit == "ms"], "the step timings"):
     )
 
 # %% tags=["remove-input"]
-zero1 = sharding_analysis.zero1_facts("xl", 2)
+zero1 = sharding_facts.zero1_facts("xl", 2)
 nb.md(
     f"**(c)** In memory the two are the same scheme: both keep full fp32 parameters and gradients on every rank "
     f"and divide only the optimizer state by $N$ ({zero1['ours_state_gib']:.1f} vs {zero1['dp_state_gib']:.1f} GiB of "
@@ -99,9 +99,9 @@ nb.md(
 
 # %% tags=["remove-input"]
 if nb.have_results(df, sharding_bench.PROBLEM):
-    steady = sharding_analysis.memory_table(df, rank=0).xs("steady:before_step", level="mode")
+    steady = sharding_facts.memory_table(df, rank=0).xs("steady:before_step", level="mode")
     cols = ["params", "grads", "optimizer_state", "allocated", "peak", "activations_peak"]
-    times = sharding_analysis.time_table(df)
+    times = sharding_facts.time_table(df)
     times = times[[c for c in ("step_time",) if c in times]]
     show_table(
         steady[[c for c in cols if c in steady]]
@@ -114,7 +114,7 @@ if nb.have_results(df, sharding_bench.PROBLEM):
         provenance_from=df,
     )
     save_figure(
-        sharding_analysis.plot_memory_breakdown(
+        sharding_facts.plot_memory_breakdown(
             df, points=("after_init", "steady:before_step", "steady:after_step")
         ),
         f"{sharding_bench.PROBLEM}__memory",
@@ -136,8 +136,8 @@ if nb.have_results(df, sharding_bench.PROBLEM):
 
 # %% tags=["remove-input", "remove-cell"]
 show_table(
-    sharding_analysis.zero1_comparison("xl", 2).reset_index(),
+    sharding_facts.zero1_comparison("xl", 2).reset_index(),
     caption="optimizer_state_sharding_accounting (c): model-state memory and data sent per device per step, XL on "
     "2 GPUs (computed)",
-    provenance_from="computed by sharding_analysis.zero1_comparison (cs336_systems.accounting)",
+    provenance_from="computed by sharding_facts.zero1_comparison (cs336_systems.accounting)",
 )

@@ -30,10 +30,10 @@ import torch
 
 from cs336_systems.model import get_config
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies import checkpointing_study
+from cs336_systems.studies.profiling import checkpointing
 
 results_dir = nb.setup(quick)
-strategies = list(checkpointing_study.STRATEGIES)
+strategies = list(checkpointing.STRATEGIES)
 if quick:
     size, batch_size, context_length = "debug", 2, 32
     strategies = [("block", 1), ("none", None), ("recursive", None)]
@@ -41,13 +41,13 @@ cfg = get_config(size, context_length=context_length)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    checkpointing_study.checkpointing_sweep(
+    checkpointing.checkpointing_sweep(
         size=size, batch_size=batch_size, context_length=context_length, results_dir=results_dir
     )
 df = load_results("gradient_checkpointing", results_dir)
 df = df[df.name == size]
-cost = checkpointing_study.cost_table(size, batch_size, context_length)
-facts = checkpointing_study.facts(df, cost)
+cost = checkpointing.cost_table(size, batch_size, context_length)
+facts = checkpointing.facts(df, cost)
 model = facts["model"]
 
 # %% [markdown]
@@ -132,7 +132,7 @@ if "measured" in facts:
         )
     )
 # %% tags=["remove-input"]
-meas = checkpointing_study.measured_table(df)
+meas = checkpointing.measured_table(df)
 if nb.have_results(meas, "gradient_checkpointing"):
     show_table(
         meas,
@@ -141,7 +141,7 @@ if nb.have_results(meas, "gradient_checkpointing"):
         provenance_from=df,
     )
     save_figure(
-        checkpointing_study.plot_cost_model(cost[cost.group_size <= 16], df),
+        checkpointing.plot_cost_model(cost[cost.group_size <= 16], df),
         "gradient_checkpointing__peak_vs_group",
     )
 

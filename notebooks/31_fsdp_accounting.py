@@ -24,13 +24,13 @@ quick = False  # debug model, gloo on CPU, 2 ranks, 2 steps; results go to a scr
 import math
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies.distributed import fsdp_analysis, fsdp_bench, fsdp_parity, sharding_analysis
+from cs336_systems.studies.distributed import fsdp_bench, fsdp_facts, fsdp_parity, sharding_facts
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
     config = fsdp_bench.FsdpBenchConfig(**(fsdp_bench.QUICK if quick else {}))
     fsdp_bench.run(config, nproc=2, results_dir=results_dir)
-df = sharding_analysis.latest(load_results(fsdp_bench.PROBLEM, results_dir))
+df = sharding_facts.latest(load_results(fsdp_bench.PROBLEM, results_dir))
 size = df.name.iloc[0] if len(df) else "xl_2026"
 
 
@@ -39,7 +39,7 @@ def gib(x):
 
 
 # %% tags=["remove-input"]
-facts = fsdp_analysis.facts(df, size, 2)
+facts = fsdp_facts.facts(df, size, 2)
 if not math.isnan(facts["measured_saving"]):
     nb.md(
         f"**Answer.** **(a)** Data parallelism keeps 16 bytes of training state per parameter on every rank (fp32 "
@@ -69,12 +69,12 @@ else:
     )
 
 # %% tags=["remove-input"]
-slack = fsdp_analysis.slack_table(df)
+slack = fsdp_facts.slack_table(df)
 if len(slack):
-    nb.md(fsdp_analysis.allgather_answer(df))
+    nb.md(fsdp_facts.allgather_answer(df))
 
 # %% tags=["remove-input"]
-parts = fsdp_analysis.peak_breakdown(df)
+parts = fsdp_facts.peak_breakdown(df)
 if nb.have_results(parts, fsdp_bench.PROBLEM):
     show_table(
         parts.reset_index(),
@@ -84,7 +84,7 @@ if nb.have_results(parts, fsdp_bench.PROBLEM):
         note="start = allocated after the optimizer step minus the gradients, which zero_grad(set_to_none=True) frees",
         formats={c: "{:.2f}" for c in parts.columns},
     )
-_ = fsdp_analysis.render_figures(df, results_dir, show=("__timeline_fsdp",))
+_ = fsdp_facts.render_figures(df, results_dir, show=("__timeline_fsdp",))
 
 # %% [markdown]
 # **Setup.** `python -m cs336_systems.studies.distributed.fsdp_bench`: the 2026 xl model (the 2025 2.7B

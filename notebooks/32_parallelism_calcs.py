@@ -47,7 +47,7 @@ n_max = 64  # right edge of the plots over N
 import matplotlib.pyplot as plt
 
 from cs336_systems.report import latex_number, nb, save_figure, show_table
-from cs336_systems.studies import parallelism_calcs
+from cs336_systems.studies.written import parallelism_calcs
 
 results_dir = nb.setup(quick)
 SOURCE = parallelism_calcs.provenance()

@@ -15,7 +15,7 @@
 # A training step faster than stock PyTorch: the project's fastest training step of the 2.7B model (batch 4, bf16 autocast) against the step a
 # PyTorch user writes in ten lines (SDPA, `torch.compile(model)`, `torch.optim.AdamW(fused=True)`),
 # both built from the same weights and timed in interleaved rounds in one process
-# (`python -m cs336_systems.studies.train_step`). Ours: a multi-tensor Triton AdamW with the reference
+# (`python -m cs336_systems.studies.training.train_step`). Ours: a multi-tensor Triton AdamW with the reference
 # AdamW's semantics, bf16 compute weights written by the optimizer from fp32 masters, a chunked
 # LM-head + cross-entropy, and each block compiled on its own.
 
@@ -29,7 +29,8 @@ context_lengths = [512, 2048]
 import pandas as pd
 
 from cs336_systems.report import latest_run, load_results, nb, save_figure, show_table
-from cs336_systems.studies import flash_model, train_step, train_step_results
+from cs336_systems.studies.attention import flash_model
+from cs336_systems.studies.training import train_step, train_step_facts
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, quick=quick):
@@ -40,7 +41,7 @@ if nb.should_measure(measure, quick=quick):
     )
     train_step.main([*argv, "--results-dir", str(results_dir)])
 df = latest_run(load_results(train_step.PROBLEM, results_dir), keys=("name", "impl", "x_value", "metric"))
-facts = train_step_results.facts(df) if nb.have_results(df) else {}
+facts = train_step_facts.facts(df) if nb.have_results(df) else {}
 
 # %% tags=["remove-input"]
 ctxs = sorted(k for k in facts if isinstance(k, int))
@@ -114,12 +115,12 @@ if rows:
 
 # %% tags=["remove-input"]
 if "waterfall" in facts:
-    save_figure(train_step_results.plot_waterfall(df), "training_step__waterfall")
+    save_figure(train_step_facts.plot_waterfall(df), "training_step__waterfall")
 
 # %% tags=["remove-input", "remove-cell"]
 if "waterfall" in facts:
     show_table(
-        train_step_results.waterfall_table(df).reset_index(names="stage"),
+        train_step_facts.waterfall_table(df).reset_index(names="stage"),
         caption="training_step: waterfall, each optimisation added to the previous stage (median ms)",
         formats={c: "{:.1f}" for c in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")},
         provenance_from=df,

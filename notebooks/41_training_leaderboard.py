@@ -16,7 +16,7 @@
 # The 2026 handout's leaderboard times one full training step (forward, loss, backward, AdamW) of an
 # 8B `BasicsTransformerLM` (34 layers, d_model 4096, d_ff 11008, 32 heads, vocabulary 151936, context
 # 32768, batch 2, causal, bf16) on two GPUs, from empty PyTorch/Triton caches within 10 minutes.
-# One command (`python -m cs336_systems.studies.training_leaderboard`) runs our step and, in the same
+# One command (`python -m cs336_systems.studies.training.leaderboard`) runs our step and, in the same
 # run, the stock PyTorch step (FSDP2 `fully_shard` per block, SDPA, per-block activation checkpointing,
 # fused `torch.optim.AdamW`, a chunked LM-head + cross-entropy, each block compiled) in the same
 # precision mode. Ours: ZeRO-2 over flat per-unit buffers (each unit's gradients reduce-scattered from
@@ -41,7 +41,7 @@ import math
 import pandas as pd
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies import training_leaderboard, training_leaderboard_results
+from cs336_systems.studies.training import leaderboard, leaderboard_facts
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=nproc, quick=quick):
@@ -51,9 +51,9 @@ if nb.should_measure(measure, gpus=nproc, quick=quick):
         if quick
         else ["--param-modes", *param_modes, "--rep-ms", str(rep_ms), "--warmup-ms", str(warmup_ms)]
     )
-    training_leaderboard.main([*argv, "--results-dir", str(results_dir)])
-df = load_results(training_leaderboard.PROBLEM, results_dir)
-facts = training_leaderboard_results.facts(df)
+    leaderboard.main([*argv, "--results-dir", str(results_dir)])
+df = load_results(leaderboard.PROBLEM, results_dir)
+facts = leaderboard_facts.facts(df)
 
 # %% tags=["remove-input"]
 if facts["status"] == "not run":
@@ -187,10 +187,10 @@ datasheet bf16 peak{mfu_mm}. {("Other configurations (ours vs stock, same run): 
 
 # %% tags=["remove-input", "remove-cell"]
 show_table(
-    training_leaderboard_results.memory_plan_table("8B_leaderboard", 34, world_size=2, batch=1),
+    leaderboard_facts.memory_plan_table("8B_leaderboard", 34, world_size=2, batch=1),
     caption="Memory plan per GPU of the 8B config on 2 GPUs (computed from the config, not measured)",
     formats={"GiB": "{:.1f}"},
-    provenance_from="computed: cs336_systems.studies.training_leaderboard_memory",
+    provenance_from="computed: cs336_systems.studies.training.leaderboard_memory",
 )
 
 # %% tags=["remove-input", "remove-cell"]
@@ -214,7 +214,7 @@ if len(configs):
     )
 
 # %% tags=["remove-input", "appendix"]
-breakdown = training_leaderboard_results.breakdown_table(df) if len(configs) else pd.DataFrame()
+breakdown = leaderboard_facts.breakdown_table(df) if len(configs) else pd.DataFrame()
 if len(breakdown):
     show_table(
         breakdown.drop(columns=[c for c in ("setup_s",) if c in breakdown]).rename(
@@ -241,7 +241,7 @@ if len(breakdown):
     )
 
 # %% tags=["remove-input"]
-by_attention = training_leaderboard_results.attention_table(df)
+by_attention = leaderboard_facts.attention_table(df)
 if len(by_attention) > 1:
     show_table(
         by_attention.drop(columns=["config"] if by_attention.config.nunique() == 1 else []).rename(
@@ -259,13 +259,13 @@ if len(by_attention) > 1:
 # %% tags=["remove-input"]
 head = facts.get("headline", {})
 trace = (
-    training_leaderboard_results.trace_path(df, results_dir, head.get("mode"), head.get("GPUs"))
+    leaderboard_facts.trace_path(df, results_dir, head.get("mode"), head.get("GPUs"))
     if len(configs)
     else None
 )
 if trace is not None:
     save_figure(
-        training_leaderboard_results.plot_step_timeline(
+        leaderboard_facts.plot_step_timeline(
             trace,
             title=f"one step of ours, rank 0 ({head.get('mode')}, {head.get('GPUs')} GPUs, "
             f"git {facts.get('profiled', {}).get('git', '?')})",

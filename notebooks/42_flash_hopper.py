@@ -41,7 +41,7 @@ quick = False  # a tiny float32 run of the tl path on the CPU; results go to a s
 import torch
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies import flash_backward_tuning, flash_hopper, flash_leaderboard
+from cs336_systems.studies.attention import flash_backward_tuning, flash_hopper, flash_leaderboard
 
 results_dir = nb.setup(quick)
 on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

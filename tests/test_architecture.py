@@ -3,7 +3,8 @@
 Layers: library (model, attention, kernels, training, distributed, accounting) <- measure <- studies;
 report may use library and measure but no study; train (the training entry point, an application) may
 use library and measure, and nothing imports it; notebooks use studies, report and the library packages' public
-API. Every import counts: module level, inside functions, absolute and relative.
+API. Studies are grouped in families and import across families only what a family declares shared.
+Every import counts: module level, inside functions, absolute and relative.
 """
 
 from __future__ import annotations
@@ -112,6 +113,79 @@ def test_imports_point_one_way(module):
     assert not bad, "\n".join(bad)
 
 
+# Studies: one package per family (cs336_systems.studies.<family>). A study imports studies of its own
+# family, or a module another family declares shared (`SHARED = (...)` in the family's __init__.py);
+# the overview family (problem index, README summary) reads every family.
+STUDIES = f"{PACKAGE}.studies"
+READS_EVERY_FAMILY = {"overview"}
+
+
+def family(module: str) -> str | None:
+    """The family of a study module (None for the studies package itself and anything else)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and module.startswith(f"{STUDIES}.") else None
+
+
+def shared_modules() -> set[str]:
+    """Every module a family declares shared, read from the `SHARED` tuple of its __init__.py."""
+    shared = set()
+    for module, path in MODULES.items():
+        if path.name != "__init__.py" or module.count(".") != 2 or not module.startswith(f"{STUDIES}."):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SHARED" for t in node.targets):
+                shared |= {f"{module}.{name}" for name in ast.literal_eval(node.value)}
+    return shared
+
+
+def cross_family_imports(graph: dict[str, dict[str, int]], shared: set[str]) -> list[str]:
+    """`module:line imports target` for every import of another family's study that is not shared."""
+    bad = []
+    for module, edges in graph.items():
+        here = family(module)
+        if here is None or here in READS_EVERY_FAMILY:
+            continue
+        for target, line in edges.items():
+            there = family(target)
+            if there is not None and there != here and target not in shared:
+                bad.append(f"{module}:{line} imports {target} ({here} -> {there}, not declared SHARED)")
+    return bad
+
+
+def test_the_family_rule_flags_an_import_across_families():
+    graph = {
+        f"{STUDIES}.attention.flash_model": {f"{STUDIES}.profiling.end_to_end": 3},
+        f"{STUDIES}.attention.torch_compile": {f"{STUDIES}.profiling.memory": 7},
+        f"{STUDIES}.profiling.memory": {f"{STUDIES}.profiling.memory_block": 1},
+        f"{STUDIES}.overview.readme_summary": {f"{STUDIES}.training.leaderboard_facts": 2},
+    }
+    bad = cross_family_imports(graph, shared={f"{STUDIES}.profiling.end_to_end"})
+    assert bad == [
+        f"{STUDIES}.attention.torch_compile:7 imports {STUDIES}.profiling.memory "
+        "(attention -> profiling, not declared SHARED)"
+    ]
+
+
+def test_every_declared_shared_module_exists():
+    shared = shared_modules()
+    assert f"{STUDIES}.profiling.end_to_end" in shared
+    assert not shared - set(MODULES), sorted(shared - set(MODULES))
+
+
+def test_studies_import_only_their_family_or_a_shared_module():
+    bad = cross_family_imports(GRAPH, shared_modules())
+    assert not bad, "\n".join(bad)
+
+
+def test_studies_are_grouped_in_families():
+    loose = [
+        m
+        for m in MODULES
+        if m.startswith(f"{STUDIES}.") and m.count(".") == 2 and MODULES[m].name != "__init__.py"
+    ]
+    assert not loose, f"studies outside a family package: {loose}"
+
+
 def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan, iterative)."""
     index: dict[str, int] = {}
@@ -211,7 +285,7 @@ def test_notebook_check_flags_what_it_should():
         path.write_text(text)
         assert len(notebook_violations(path)) == 3
         path.write_text(
-            "from cs336_systems.studies import memory\nfrom cs336_systems.model import get_config\n"
+            "from cs336_systems.studies.profiling import memory\nfrom cs336_systems.model import get_config\n"
         )
         assert notebook_violations(path) == []
 

@@ -13,7 +13,7 @@ import torch
 
 from cs336_systems.attention import FlashAttentionTriton
 from cs336_systems.attention.flash_triton import KernelOptions, hopper, launch, tiles, use_configs
-from cs336_systems.studies.flash_tuning import HOPPER_ONE_PASS_CANDIDATES
+from cs336_systems.studies.attention.flash_tuning import HOPPER_ONE_PASS_CANDIDATES
 from tests.attention_helpers import check_outputs, make_case, run_impl
 
 HOPPER = KernelOptions(hopper=True)

@@ -15,7 +15,7 @@ from einops import rearrange
 
 from cs336_systems.attention import FlashAttentionTriton, attention_reference
 from cs336_systems.attention.flash_triton import BwdConfig, FwdConfig, KernelOptions, launch, use_configs
-from cs336_systems.studies.flash_backward_tuning import one_pass_candidates
+from cs336_systems.studies.attention.flash_backward_tuning import one_pass_candidates
 from tests.attention_helpers import check_outputs, make_case, run_impl
 
 pytestmark = pytest.mark.filterwarnings("ignore:tl.make_block_ptr is deprecated")

@@ -25,7 +25,7 @@ from cs336_systems.model.checkpointing import (
     saved_tensors,
     saved_tensors_by_op,
 )
-from cs336_systems.studies import checkpointing_study as study
+from cs336_systems.studies.profiling import checkpointing as study
 
 CFG = get_config("debug").replace(num_layers=5, context_length=32)  # odd depth: uneven groups and halves
 STRATEGIES = [

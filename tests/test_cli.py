@@ -21,11 +21,19 @@ N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _cli_modules() -> list[str]:
+    """Every `python -m` name: a module with a main guard, or a package with one in its __main__.py."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if '__name__ == "__main__"' in path.read_text():
-            found.append(".".join(path.relative_to(ROOT).with_suffix("").parts))
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found.append(".".join(parts[:-1] if parts[-1] == "__main__" else parts))
     return found
+
+
+def _entry(module: str):
+    """The module whose `main` `python -m <module>` runs (a package's __main__)."""
+    is_package = (ROOT / module.replace(".", "/") / "__main__.py").exists()
+    return importlib.import_module(f"{module}.__main__" if is_package else module)
 
 
 CLIS = _cli_modules()
@@ -33,24 +41,24 @@ CLIS = _cli_modules()
 # render the README summary from the committed results, or train: metrics JSONL and checkpoints).
 NOT_MEASURING = {
     "cs336_systems.distributed.launch",
-    "cs336_systems.train.__main__",
+    "cs336_systems.train",
     "cs336_systems.train.gpu_demo",
     "cs336_systems.train.make_tokens",
     "cs336_systems.studies.distributed.ddp_check",
-    "cs336_systems.studies.readme_summary",
+    "cs336_systems.studies.overview.readme_summary",
 }
 MEASURING = [m for m in CLIS if ".report." not in m and m not in NOT_MEASURING]
 
 
 def _help(module: str, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        importlib.import_module(module).main(["--help"])
+        _entry(module).main(["--help"])
     assert exit_info.value.code in (0, None)
     return capsys.readouterr().out
 
 
 def test_the_cli_list_is_complete():
-    assert len(CLIS) >= 15 and "cs336_systems.studies.flash_bench" in CLIS
+    assert len(CLIS) >= 15 and "cs336_systems.studies.attention.flash_bench" in CLIS
 
 
 @pytest.mark.parametrize("module", CLIS)
@@ -82,7 +90,7 @@ def test_no_cli_parses_a_flag_with_a_silent_lambda():
 
 
 def test_compile_maybe_is_an_error(tmp_path, capsys):
-    from cs336_systems.studies import end_to_end
+    from cs336_systems.studies.profiling import end_to_end
 
     with pytest.raises(SystemExit) as exit_info:
         end_to_end.main(["--size", "debug", "--compile", "maybe", "--results-dir", str(tmp_path)])
@@ -92,15 +100,18 @@ def test_compile_maybe_is_an_error(tmp_path, capsys):
 
 
 USAGE_ERRORS = [
-    ("studies.end_to_end", ["--size", "huge"], "--size"),
-    ("studies.end_to_end", ["--size", "debug", "--batch-size", "0"], "batch_size"),
-    ("studies.end_to_end", ["--size", "debug", "--attention", "fast"], "--attention"),
-    ("studies.profile", ["--size", "debug", "--context-length", "0"], "--context-length"),
-    ("studies.flash_bench", ["--impls", "flash_triton,warp"], "unknown impls ['warp']"),
-    ("studies.flash_bench", ["--dtypes", "float33"], "unknown dtypes ['float33']"),
-    ("studies.flash_bench", ["--tune", "64:bfloat:16384"], "--tune"),
-    ("studies.flash_model", ["--quick", "--impls", "naive", "fast"], "--impls"),
-    ("studies.memory_attention_gpu_run", ["--quick", "--compile-sizes", "huge"], "--compile-sizes"),
+    ("studies.profiling.end_to_end", ["--size", "huge"], "--size"),
+    ("studies.profiling.end_to_end", ["--size", "debug", "--batch-size", "0"], "batch_size"),
+    ("studies.profiling.end_to_end", ["--size", "debug", "--attention", "fast"], "--attention"),
+    ("studies.profiling.kernel_profile", ["--size", "debug", "--context-length", "0"], "--context-length"),
+    ("studies.attention.flash_bench", ["--impls", "flash_triton,warp"], "unknown impls ['warp']"),
+    ("studies.attention.flash_bench", ["--dtypes", "float33"], "unknown dtypes ['float33']"),
+    ("studies.attention.flash_bench", ["--tune", "64:bfloat:16384"], "--tune"),
+    ("studies.attention.flash_model", ["--quick", "--impls", "naive", "fast"], "--impls"),
+    ("studies.attention", ["--quick", "--compile-sizes", "huge"], "--compile-sizes"),
+    ("studies.attention", ["--quick", "--attn-reps", "0"], "--attn-reps"),
+    ("studies.profiling", ["--quick", "--parts", "memory", "timeline"], "--parts"),
+    ("studies.profiling", ["--quick", "--budget-s", "0"], "--budget-s"),
     ("studies.distributed.comm_bench", ["--grid", "--nccl-procs", "two"], "--nccl-procs"),
     ("studies.distributed.comm_bench", ["--grid", "--sizes-mb", "0"], "sizes_mb"),
     ("studies.distributed.ddp_check", ["--variants", "bucketed:x"], "--variants"),
@@ -111,10 +122,10 @@ USAGE_ERRORS = [
     ("studies.distributed.train_bench", ["--size", "debug", "--backend", "gloo", "--nproc", "2", "--global-batch", "3"],
      "--global-batch 3 is not divisible"),
     ("studies.distributed.fsdp_parity", ["--device", "tpu"], "--device"),
-    ("studies.train_step", ["--size", "huge"], "--size"),
-    ("studies.training_leaderboard", ["--size", "huge"], "--size"),
-    ("studies.training_leaderboard", ["--quick", "--checkpoint-blocks", "some"], "--checkpoint-blocks"),
-    ("studies.training_leaderboard", ["--rep-ms", "0"], "--rep-ms"),
+    ("studies.training.train_step", ["--size", "huge"], "--size"),
+    ("studies.training.leaderboard", ["--size", "huge"], "--size"),
+    ("studies.training.leaderboard", ["--quick", "--checkpoint-blocks", "some"], "--checkpoint-blocks"),
+    ("studies.training.leaderboard", ["--rep-ms", "0"], "--rep-ms"),
 ]  # fmt: skip
 if N_GPUS < 2:  # impossible on this machine: NCCL needs a GPU per process
     USAGE_ERRORS += [
@@ -130,7 +141,7 @@ if N_GPUS < 2:  # impossible on this machine: NCCL needs a GPU per process
         ),
     ]
 if N_GPUS == 0:
-    USAGE_ERRORS += [("studies.flash_model", ["--device", "cuda"], "--device cuda")]
+    USAGE_ERRORS += [("studies.attention.flash_model", ["--device", "cuda"], "--device cuda")]
 
 
 @pytest.mark.parametrize(
@@ -141,7 +152,7 @@ def test_configuration_mistakes_are_usage_errors_before_any_work(
 ):
     """Item 10: exit status 2 and a message naming the argument; no row, no file, nothing measured."""
     monkeypatch.setenv("CS336_RESULTS_DIR", str(tmp_path))
-    mod = importlib.import_module(f"cs336_systems.{module}")
+    mod = _entry(f"cs336_systems.{module}")
     with pytest.raises(SystemExit) as exit_info:
         mod.main(
             [*argv, "--results-dir", str(tmp_path)] if module != "studies.distributed.ddp_check" else argv
@@ -153,7 +164,7 @@ def test_configuration_mistakes_are_usage_errors_before_any_work(
 
 def test_an_unwritable_results_dir_stops_a_cli_before_measuring(tmp_path, capsys):
     """Item 4 at the CLI boundary: the error comes before the work, naming the directory."""
-    from cs336_systems.studies import end_to_end
+    from cs336_systems.studies.profiling import end_to_end
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -171,13 +182,13 @@ def _digest(root: Path) -> str:
 
 
 QUICK_RUNS = [
-    ["cs336_systems.studies.flash_bench", "--quick"],
-    ["cs336_systems.studies.flash_model", "--quick"],
-    ["cs336_systems.studies.memory_attention_gpu_run", "--quick", "--parts", "memory"],
+    ["cs336_systems.studies.attention.flash_bench", "--quick"],
+    ["cs336_systems.studies.attention.flash_model", "--quick"],
+    ["cs336_systems.studies.profiling", "--quick", "--parts", "memory"],
     ["cs336_systems.studies.distributed.fsdp_bench", "--quick"],
     ["cs336_systems.studies.distributed.sharding_bench", "--quick"],
-    ["cs336_systems.studies.train_step", "--quick"],
-    ["cs336_systems.studies.training_leaderboard", "--quick"],
+    ["cs336_systems.studies.training.train_step", "--quick"],
+    ["cs336_systems.studies.training.leaderboard", "--quick"],
 ]
 
 

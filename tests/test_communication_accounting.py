@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cs336_systems.studies import communication_accounting
+from cs336_systems.studies.written import communication_accounting
 
 D, F, L = 16384, 53248, 126
 

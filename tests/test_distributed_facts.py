@@ -14,20 +14,20 @@ import pytest
 from cs336_systems.measure.results import load_results
 from cs336_systems.studies.distributed import (
     comm_bench,
-    ddp_analysis,
     ddp_check,
-    fsdp_analysis,
+    ddp_facts,
     fsdp_bench,
-    sharding_analysis,
+    fsdp_facts,
     sharding_bench,
+    sharding_facts,
     train_bench,
 )
-from cs336_systems.studies.distributed.sharding_analysis import value
+from cs336_systems.studies.distributed.sharding_facts import value
 
 
 def committed_rows(problem: str, latest: bool = True) -> pd.DataFrame:
     df = load_results(problem)
-    df = sharding_analysis.latest(df) if latest else df
+    df = sharding_facts.latest(df) if latest else df
     if df.empty:
         pytest.skip(f"no committed {problem} rows")
     return df
@@ -62,7 +62,7 @@ def raw_mean(df: pd.DataFrame, variant: str, metric: str, column: str = "mean") 
 
 def test_sharding_facts_match_the_rows(sharding_rows):
     df = sharding_rows
-    facts = sharding_analysis.facts(df)
+    facts = sharding_facts.facts(df)
     steady = "steady:before_step"
     unsharded = value(df, "unsharded", "allocated", steady, 0)
     sharded = value(df, "sharded_optimizer", "allocated", steady, 0)
@@ -80,7 +80,7 @@ def test_sharding_facts_match_the_rows(sharding_rows):
 
 
 def test_zero1_facts():
-    facts = sharding_analysis.zero1_facts("xl", 2)
+    facts = sharding_facts.zero1_facts("xl", 2)
     # ZeRO-1 sends one all-reduce's volume (2 Psi), ours 3 Psi: ratio 1.5 for fp32 on 2 devices.
     assert facts["sent_ratio"] == pytest.approx(1.5, rel=0.01)
     assert facts["ours_state_gib"] < facts["dp_state_gib"]
@@ -89,8 +89,8 @@ def test_zero1_facts():
 def test_fsdp_facts_match_the_rows(fsdp_rows):
     df = fsdp_rows
     size = df.name.iloc[0]
-    facts = fsdp_analysis.facts(df, size, 2)
-    expect = fsdp_analysis.expected_table(size, 2)
+    facts = fsdp_facts.facts(df, size, 2)
+    expect = fsdp_facts.expected_table(size, 2)
     assert facts["expected_saving"] == pytest.approx(expect.loc["state", "saved GiB"])
     # FSDP on 2 ranks halves the 16 bytes per parameter (up to padding and the replicated norms).
     assert facts["fsdp_state"] == pytest.approx(facts["replicated_state"] / 2, rel=0.01)
@@ -111,8 +111,8 @@ def test_fsdp_facts_match_the_rows(fsdp_rows):
 
 
 def test_fsdp_peak_breakdown_adds_up_to_the_measured_peak(fsdp_rows):
-    parts = fsdp_analysis.peak_breakdown(fsdp_rows)
-    assert set(parts.index) == set(fsdp_analysis.VARIANTS)
+    parts = fsdp_facts.peak_breakdown(fsdp_rows)
+    assert set(parts.index) == set(fsdp_facts.VARIANTS)
     for impl, row in parts.iterrows():
         start = value(fsdp_rows, impl, "allocated", "steady:after_step", 0) - value(
             fsdp_rows, impl, "grads", "steady:after_step", 0
@@ -123,30 +123,26 @@ def test_fsdp_peak_breakdown_adds_up_to_the_measured_peak(fsdp_rows):
     # the fp32 variants run the same model on the same data: their rises differ by FSDP's working set only
     rise = parts["rise to the peak"]
     assert (
-        0
-        <= rise["fsdp"] - rise["replicated"]
-        < fsdp_analysis.expected_working_set_bytes("xl_2026", 4) / 2**30
+        0 <= rise["fsdp"] - rise["replicated"] < fsdp_facts.expected_working_set_bytes("xl_2026", 4) / 2**30
     )
 
 
 def test_fsdp_allgather_answer_quotes_the_slack_table(fsdp_rows):
-    text = fsdp_analysis.allgather_answer(fsdp_rows)
-    table = fsdp_analysis.slack_table(fsdp_rows)
+    text = fsdp_facts.allgather_answer(fsdp_rows)
+    table = fsdp_facts.slack_table(fsdp_rows)
     assert text.startswith("**(b)** ")
     for (impl, phase), row in table.iterrows():
         assert f"{impl} {phase}: " in text and f"of {int(row.waits)} waits hidden" in text
 
 
 def test_fsdp_facts_without_rows_are_nan():
-    facts = fsdp_analysis.facts(
-        sharding_analysis.latest(load_results(fsdp_bench.PROBLEM)).iloc[0:0], "debug", 2
-    )
+    facts = fsdp_facts.facts(sharding_facts.latest(load_results(fsdp_bench.PROBLEM)).iloc[0:0], "debug", 2)
     assert math.isnan(facts["measured_saving"]) and facts["expected_saving"] > 0
 
 
 def test_ddp_facts_match_the_rows(ddp_rows):
     df = ddp_rows
-    f = ddp_analysis.facts(df)
+    f = ddp_facts.facts(df)
     for v in ("single", "naive", "flat", "overlap"):
         assert f[f"{v}_ok"], f"{v} was measured in the committed rows"
         assert f[f"{v}_step_ms"] == pytest.approx(raw_mean(df, v, "step_time"))
@@ -168,7 +164,7 @@ def test_ddp_facts_match_the_rows(ddp_rows):
 
 def test_ddp_bucket_facts_match_the_rows(ddp_rows):
     df = ddp_rows
-    f = ddp_analysis.facts(df)
+    f = ddp_facts.facts(df)
     variants = {json.loads(c)["variant"] for c in df.config_json}
     bucketed = sorted(v for v in variants if v.startswith("bucketed:"))
     steps = {v: raw_mean(df, v, "step_time") for v in bucketed}
@@ -188,14 +184,14 @@ def test_ddp_bucket_facts_match_the_rows(ddp_rows):
 
 
 def test_ddp_facts_without_rows_are_nan(ddp_rows):
-    f = ddp_analysis.facts(ddp_rows.iloc[0:0])
+    f = ddp_facts.facts(ddp_rows.iloc[0:0])
     assert not f["naive_measured"] and not f["naive_ok"] and math.isnan(f["naive_step_ms"])
     assert f["bucketed_count"] == 0
 
 
 def test_bucket_model_facts(ddp_rows, comm_rows):
-    model = ddp_analysis.bucket_model(ddp_rows, comm_rows, grid_mb=[0.5, 1, 10, 100, 1000, 4000])
-    f = ddp_analysis.model_facts(model)
+    model = ddp_facts.bucket_model(ddp_rows, comm_rows, grid_mb=[0.5, 1, 10, 100, 1000, 4000])
+    f = ddp_facts.model_facts(model)
     assert f["o_us"] == pytest.approx(model["o_s"] * 1e6)
     assert f["one_allreduce_ms"] == pytest.approx(model["s_bytes"] / model["w_Bps"] * 1e3)
     assert f["compute_to_comm"] == pytest.approx(f["backward_ms"] / f["one_allreduce_ms"])
@@ -207,10 +203,10 @@ def test_bucket_model_facts(ddp_rows, comm_rows):
 
 
 def test_ddp_trace_facts_read_the_committed_traces(tmp_path):
-    present = ddp_analysis.trace_facts(None, ["naive", "overlap"])
+    present = ddp_facts.trace_facts(None, ["naive", "overlap"])
     assert set(present) == {"naive", "overlap"}
     assert 0 <= present["overlap"]["hidden_fraction"] <= 1
-    assert ddp_analysis.trace_facts(tmp_path, ["naive"]) == {}
+    assert ddp_facts.trace_facts(tmp_path, ["naive"]) == {}
 
 
 def test_comm_facts_match_the_rows(comm_rows):

@@ -1,4 +1,4 @@
-"""The end_to_end benchmark CLI and the budgeted Section-1 GPU driver, on the CPU with the debug model:
+"""The end_to_end benchmark CLI and the profiling family's entry (`python -m cs336_systems.studies.profiling`), on the CPU with the debug model:
 rows and schema, per-step sample accounting, failure rows that do not stop a sweep, skipped rows."""
 
 import json
@@ -9,8 +9,8 @@ import torch
 
 from cs336_systems.measure.budget import TimeBudget
 from cs336_systems.measure.results import COLUMNS, load_results
-from cs336_systems.studies import end_to_end as E
-from cs336_systems.studies import timing_gpu_run as S
+from cs336_systems.studies.profiling import end_to_end as E
+from cs336_systems.studies.profiling import timing_run as S
 
 
 def test_cli_writes_schema_rows_with_every_step(tmp_path):
@@ -133,20 +133,23 @@ def test_budget_skips_are_recorded_not_dropped(tmp_path):
     assert TimeBudget(5.0).subprocess_timeout(floor_s=30.0) == 30.0
 
 
-def test_driver_quick_stages(tmp_path):
-    summary = S.main(
+def test_family_entry_runs_the_chosen_parts_unbounded(tmp_path):
+    from cs336_systems.studies.profiling.__main__ import main
+
+    manifest = main(
         [
             "--out",
             str(tmp_path / "out"),
             "--quick",
             "--results-dir",
             str(tmp_path / "res"),
-            "--stages",
-            "bench",
+            "--parts",
             "mixed",
+            "bench",
         ]
     )
-    assert set(summary["stages"]) == {"bench", "mixed"}
+    assert list(manifest["parts"]) == ["bench", "mixed"]  # the family's order, not the command line's
+    assert manifest["budget_s"] is None  # no budget unless one is asked for
     bench = load_results("benchmarking_script", tmp_path / "res")
     mixed = load_results("benchmarking_mixed_precision", tmp_path / "res")
     assert set(bench["mode"]) == set(E.MODES) and (bench.note == "").all()
@@ -157,17 +160,16 @@ def test_driver_quick_stages(tmp_path):
         bench[bench["mode"].isin(["forward", "train"])].sort_values(["mode", "metric"]).reset_index(drop=True)
     )
     assert list(fp32.samples) == list(same.samples)
-    assert (
-        json.loads((tmp_path / "out" / "summary.json").read_text())["results"]["benchmarking_script"]["rows"]
-        == 9
-    )
+    saved = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert saved["parts"]["bench"]["rows"] == 9 and saved["parts"]["bench"]["skipped"] == 0
 
 
 def test_quick_refuses_committed_results_dir(tmp_path):
     from cs336_systems.measure.results import REPO_ROOT
+    from cs336_systems.studies.profiling.__main__ import main
 
     with pytest.raises(SystemExit, match="committed"):
-        S.main(["--out", str(tmp_path), "--quick", "--results-dir", str(REPO_ROOT / "figures" / "data")])
+        main(["--out", str(tmp_path), "--quick", "--results-dir", str(REPO_ROOT / "figures" / "data")])
 
 
 def test_flash_model_check_and_sweep_quick(tmp_path):
@@ -175,7 +177,7 @@ def test_flash_model_check_and_sweep_quick(tmp_path):
     and the training sweep gives a row per implementation (tiny model, CPU interpreter)."""
     import json
 
-    from cs336_systems.studies import flash_model as FM
+    from cs336_systems.studies.attention import flash_model as FM
 
     FM.main(["--quick", "--results-dir", str(tmp_path)])
     df = pd.read_csv(tmp_path / f"{FM.PROBLEM}.csv")
@@ -191,7 +193,7 @@ def test_flash_model_check_and_sweep_quick(tmp_path):
 
 
 def test_row_fields_carry_the_configuration_and_take_overrides():
-    from cs336_systems.studies.end_to_end import EndToEndConfig, row_fields
+    from cs336_systems.studies.profiling.end_to_end import EndToEndConfig, row_fields
 
     cfg = EndToEndConfig(size="small", context_length=128, mode="forward", device="cpu")
     fields = row_fields(cfg, "p")

@@ -11,7 +11,7 @@ import torch
 
 from cs336_systems.attention.flash_triton import launch
 from cs336_systems.measure.results import REPO_ROOT
-from cs336_systems.studies import flash_leaderboard, flash_model, flash_tuning
+from cs336_systems.studies.attention import flash_leaderboard, flash_model, flash_tuning
 
 FWD = repr(launch.heuristic_fwd(16384, 16384, 64, torch.bfloat16, interpreter=False))
 BWD = launch.heuristic_bwd(16384, 16384, 64, torch.bfloat16, interpreter=False)
@@ -106,7 +106,7 @@ def test_ncu_summary_parses_metrics_units_and_the_busiest_pipeline():
 
 def test_sweep_facts_on_the_committed_results():
     from cs336_systems.report import load_results
-    from cs336_systems.studies import flash_sweep
+    from cs336_systems.studies.attention import flash_sweep
 
     df = flash_sweep.sweep_frame(load_results(flash_sweep.PROBLEM))
     facts = flash_sweep.facts(df)
@@ -144,7 +144,7 @@ def test_leaderboard_facts_on_the_committed_results():
     assert on_h200["runs_meeting_target"] == int((ratio[final.gpu == "H200"] <= 0.72).sum()) >= 1
     split = df[(df.name == "split") & (df.metric == "throughput")]
     last = split[split.git_sha == split.git_sha.iloc[-1]].set_index(["impl", "mode"]).p50
-    peak = df[df.name == "matmul_peak"].p50.iloc[-1]
+    peak = df[(df.name == "matmul_peak") & (df.git_sha == split.git_sha.iloc[-1])].p50.iloc[-1]  # that run's
     # the tl kernels' passes: the portable impl of the latest split run (its default backward is Gluon's)
     assert facts["bwd_peak_fraction"] == pytest.approx(last[("flash_triton_portable", "bwd")] / peak)
     assert facts["bwd_tflops_issued"] == pytest.approx(last[("flash_triton_portable", "bwd")] * 1.4)
@@ -187,7 +187,7 @@ def test_hopper_facts_on_the_committed_results():
     import json
 
     from cs336_systems.report import load_results
-    from cs336_systems.studies import flash_hopper
+    from cs336_systems.studies.attention import flash_hopper
 
     df = load_results(flash_hopper.PROBLEM)
     f = flash_hopper.facts(df)
@@ -236,7 +236,7 @@ def test_a_tuning_candidate_is_timed_only_when_it_runs_and_matches_the_reference
 
     import torch
 
-    from cs336_systems.studies.flash_tuning import time_candidate
+    from cs336_systems.studies.attention.flash_tuning import time_candidate
 
     args = ("hopper_tuning", "dkdv", "cand", lambda: None, torch.bfloat16, 128, {"d": 64})
     row, ms, note = time_candidate(*args, check=lambda: 1e-3)
@@ -255,7 +255,7 @@ def test_one_pass_table_on_the_committed_results():
     """The one-pass rows as notebook 42 states them: the best candidate against the two-pass median
     of the same run, slower at both head dims (the prose says so)."""
     from cs336_systems.report import load_results
-    from cs336_systems.studies import flash_backward_tuning
+    from cs336_systems.studies.attention import flash_backward_tuning
 
     df = load_results(flash_tuning.LEADERBOARD)
     table = flash_backward_tuning.one_pass_table(df).set_index("head dim")
@@ -269,7 +269,7 @@ def test_one_pass_table_on_the_committed_results():
 
 
 def test_custom_op_floor_has_our_step_structure():
-    from cs336_systems.studies.attention_impls import CustomOpFloor, leaderboard_step
+    from cs336_systems.studies.attention.impls import CustomOpFloor, leaderboard_step
 
     x = torch.randn(3, 2, 40, 16, requires_grad=True)
     q, k, v = x.unbind(0)
@@ -285,7 +285,7 @@ def test_throughput_table_on_the_committed_results():
     the datasheet, beside the published FlashAttention-3 figures."""
     from cs336_systems.accounting.hardware import peak_flops
     from cs336_systems.report import load_results
-    from cs336_systems.studies import flash_hopper
+    from cs336_systems.studies.attention import flash_hopper
 
     df = load_results(flash_tuning.LEADERBOARD)
     t = flash_hopper.throughput_table(df).set_index("pass")
@@ -310,7 +310,7 @@ def test_pass_table_keeps_the_two_gluon_families_apart():
 
     import pandas as pd
 
-    from cs336_systems.studies import flash_hopper
+    from cs336_systems.studies.attention import flash_hopper
 
     def row(impl, mode, p50, d=64, t=0):
         return {"name": "hopper_tuning", "metric": "latency", "impl": impl, "mode": mode, "p50": p50,
@@ -347,7 +347,7 @@ def test_a_model_shape_run_records_its_forward_and_backward_and_survives_the_flo
     """`flash_bench --leaderboard` at a model shape (CPU, float32, tiny): the forward/backward split
     comes as rows "shapes_split" for the attention implementations (the host floor is a step, not an
     attention, and has none), and the timed rows are stored before the split runs."""
-    from cs336_systems.studies.flash_leaderboard import LeaderboardConfig, run_leaderboard
+    from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig, run_leaderboard
 
     cfg = LeaderboardConfig(heads=1, seq_len=16, d=16, rep_ms=1, warmup_ms=1, dtype="float32", device="cpu", matmul_n=64,
                             impls=("flash_triton", "custom_op_floor"), name="shapes")  # fmt: skip

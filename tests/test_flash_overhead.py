@@ -1,4 +1,4 @@
-"""The host-overhead measurement of flash_benchmarking (studies/flash_overhead): its rows, its facts.
+"""The host-overhead measurement of flash_benchmarking (studies/attention/flash_overhead): its rows, its facts.
 
 On a CPU the path runs up to the CUDA graph (eager rows measured, graph rows say why not); the facts
 are checked on the committed sweep rows and on synthetic graph rows; the graph timing itself runs on a
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cs336_systems.measure.results import REPO_ROOT, load_results, make_row
-from cs336_systems.studies import flash_overhead as fo
+from cs336_systems.studies.attention import flash_overhead as fo
 
 DATA = REPO_ROOT / "figures" / "data"
 

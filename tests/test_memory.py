@@ -8,9 +8,9 @@ import pytest
 from matplotlib.figure import Figure
 
 from cs336_systems.model import get_config
-from cs336_systems.studies import memory as mem
-from cs336_systems.studies import memory_timeline
-from cs336_systems.studies.end_to_end import EndToEndConfig
+from cs336_systems.studies.profiling import memory as mem
+from cs336_systems.studies.profiling import memory_timeline
+from cs336_systems.studies.profiling.end_to_end import EndToEndConfig
 
 MIB = 2**20
 ATTN = {
@@ -25,7 +25,7 @@ CALL = {"filename": "/venv/lib/torch/nn/modules/module.py", "line": 1782, "name"
 def _marker(phase: str, addr: int) -> list[dict]:
     frames = [
         {
-            "filename": "/repo/cs336_systems/studies/memory.py",
+            "filename": "/repo/cs336_systems/studies/profiling/memory.py",
             "line": 80,
             "name": f"_memory_mark_{phase}",
         }
@@ -260,7 +260,7 @@ def test_marker_functions_carry_the_prefix_the_timeline_parses():
 
 def _committed_memory_facts():
     from cs336_systems.measure.results import REPO_ROOT, load_results
-    from cs336_systems.studies import memory_analysis
+    from cs336_systems.studies.profiling import memory_facts
 
     df = load_results("memory_profiling", REPO_ROOT / "figures" / "data")
     timelines = {
@@ -280,7 +280,7 @@ def _committed_memory_facts():
             {"op": "matmul", "bytes": 2**30, "share": 0.125, "num_tensors": 1, "shapes": ""},
         ],
     }
-    f = memory_analysis.facts(
+    f = memory_facts.facts(
         df,
         timelines,
         size="2.7B",
@@ -333,10 +333,10 @@ def test_memory_facts_match_a_direct_computation_on_the_committed_data():
 
 def test_memory_facts_leave_out_what_was_not_measured():
     from cs336_systems.measure.results import COLUMNS
-    from cs336_systems.studies import memory_analysis
+    from cs336_systems.studies.profiling import memory_facts
 
     block = {"saved": {"activation": 2**20}, "expected_grad_bytes": 2**20, "by_op": []}
-    f = memory_analysis.facts(
+    f = memory_facts.facts(
         pd.DataFrame(columns=COLUMNS),
         {},
         size="debug",
@@ -350,7 +350,7 @@ def test_memory_facts_leave_out_what_was_not_measured():
     )
     assert f["block_T"] == 32 and f["block_top_ops"] == []
     with pytest.raises(ValueError, match="block_results is empty"):
-        memory_analysis.facts(
+        memory_facts.facts(
             pd.DataFrame(columns=COLUMNS),
             {},
             size="debug",

@@ -477,7 +477,7 @@ def test_runner_reports_failures_and_timeouts(tmp_path, monkeypatch, capsys):
 def test_accumulation_experiment_matches_ieee_simulation():
     import numpy as np
 
-    from cs336_systems.studies.mixed_precision import accumulation_experiment
+    from cs336_systems.studies.profiling.accumulation import accumulation_experiment
 
     df = accumulation_experiment().set_index("case")
     # independent reference: numpy scalars, rounding every partial sum to the accumulator's dtype

@@ -1,4 +1,4 @@
-"""The writeup's overview table (studies/problem_index): every notebook listed once, every named file real,
+"""The writeup's overview table (studies/overview/problem_index): every notebook listed once, every named file real,
 the status read from the committed rows (the NCCL process counts the handout asks for and no row has)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from cs336_systems.measure.results import REPO_ROOT
-from cs336_systems.studies import problem_index as pi
+from cs336_systems.studies.overview import problem_index as pi
 
 NOTEBOOKS = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("[0-9]*_*.py"))
 

@@ -3,7 +3,7 @@
 import pytest
 
 from cs336_systems.model import get_config
-from cs336_systems.studies import parallelism_calcs
+from cs336_systems.studies.written import parallelism_calcs
 
 C, W = 989.4e12, 450e9  # H100 SXM: dense bf16 peak, NVLink bytes/s per direction
 

@@ -10,9 +10,9 @@ import torch
 from cs336_systems.measure.budget import TimeBudget
 from cs336_systems.measure.results import load_results
 from cs336_systems.model.checkpointing import saved_tensors
-from cs336_systems.studies import attention_results, memory_attention_gpu_run
-from cs336_systems.studies import pytorch_attention as pa
-from cs336_systems.studies.compile_study import attention_compile_sweep, whole_model_compile_sweep
+from cs336_systems.studies.attention import pytorch_attention as pa
+from cs336_systems.studies.attention import pytorch_attention_facts
+from cs336_systems.studies.attention.torch_compile import attention_compile_sweep, whole_model_compile_sweep
 
 
 def test_accounting_against_hand_computation():
@@ -87,7 +87,7 @@ def test_oom_paths_become_rows(ok_calls):
     fwd, bwd = (rows[rows.metric == m].iloc[0] for m in ("forward_time", "backward_time"))
     assert fwd.note == "" and fwd.n == 2 and bwd.note == "OOM"
     assert ("first_backward_time" in set(rows.metric)) == bool(ok_calls)
-    assert attention_results.smallest_oom(
+    assert pytorch_attention_facts.smallest_oom(
         pd.DataFrame(
             [
                 {"note": "OOM", "name": "d32", "x_value": 8192},
@@ -127,10 +127,10 @@ def test_compiled_sweep_replays_backward(tmp_path):
 
 
 def test_scaling_exponent():
-    assert attention_results.scaling_exponent(
+    assert pytorch_attention_facts.scaling_exponent(
         [256, 1024, 4096], [3 * t * t for t in (256, 1024, 4096)]
     ) == pytest.approx(2.0)
-    assert math.isnan(attention_results.scaling_exponent([256], [1.0]))
+    assert math.isnan(pytorch_attention_facts.scaling_exponent([256], [1.0]))
 
 
 def test_whole_model_sweep_eager_and_skipped(tmp_path):
@@ -151,22 +151,36 @@ def test_whole_model_sweep_eager_and_skipped(tmp_path):
     assert set(compiled.note) == {"skipped: test"} and "wall_time" in set(compiled.metric)
 
 
-def test_driver_quick_part_writes_manifest(tmp_path, monkeypatch):
-    monkeypatch.setenv("CS336_RESULTS_DIR", str(tmp_path / "data"))
-    out = tmp_path / "out"
-    assert (
-        memory_attention_gpu_run.main(
-            ["--quick", "--parts", "block_saved", "--out", str(out), "--device", "cpu"]
-        )
-        == 0
+def test_family_entries_write_a_manifest(tmp_path):
+    from cs336_systems.studies.attention.__main__ import main as attention_main
+    from cs336_systems.studies.profiling.__main__ import main as profiling_main
+
+    results, out = tmp_path / "data", tmp_path / "out"
+    manifest = profiling_main(
+        ["--quick", "--parts", "block_saved", "--out", str(out), "--results-dir", str(results)]
     )
-    manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quick"] and list(manifest["parts"]) == ["block_saved"]
-    assert "debug_ctx64" in json.loads((out / "block_saved_by_op.json").read_text())
-    assert set(load_results("memory_profiling", tmp_path / "data").metric) == {
+    assert json.loads((out / "manifest.json").read_text())["parts"] == manifest["parts"]
+    assert "debug_ctx64" in json.loads((results / "memory_profiling" / "block_saved_by_op.json").read_text())
+    assert set(load_results("memory_profiling", results).metric) == {
         "block_saved_activation_hooks",
         "block_param_grad_expected",
     }
+    manifest = attention_main(
+        [
+            "--quick",
+            "--parts",
+            "attention",
+            "--budget-s",
+            "1e-9",
+            "--out",
+            str(out),
+            "--results-dir",
+            str(results),
+        ]
+    )
+    part = manifest["parts"]["attention"]
+    assert part["rows"] > 0 and part["skipped"] == part["rows"]  # an exhausted budget skips, never drops
 
 
 @pytest.mark.gpu

@@ -19,10 +19,10 @@ def committed(problem: str) -> pd.DataFrame:
 
 
 def test_autocast_facts_on_the_committed_run():
-    from cs336_systems.studies import autocast_study
+    from cs336_systems.studies.profiling import mixed_precision
 
     df = committed("benchmarking_mixed_precision")
-    facts = autocast_study.facts(df, context_length=512)
+    facts = mixed_precision.facts(df, context_length=512)
     # (a) CUDA autocast: matmul outputs in the low precision, LayerNorm, loss and gradients in fp32
     dtype_of = facts["dtype_of"]
     low = facts["autocast_dtype"]
@@ -46,10 +46,10 @@ def test_autocast_facts_on_the_committed_run():
 def test_benchmarking_script_facts_on_the_committed_run():
     import json
 
-    from cs336_systems.studies import timing_analysis
+    from cs336_systems.studies.profiling import timing_facts
 
     df = committed("benchmarking_script")
-    facts = timing_analysis.facts(df, context_length=512, warmup=5)
+    facts = timing_facts.facts(df, context_length=512, warmup=5)
     timing = facts["timing"]
     rows = df[
         (df.x_name == "context_length")
@@ -76,10 +76,10 @@ def test_benchmarking_script_facts_on_the_committed_run():
 
 def test_pytorch_attention_facts_on_the_committed_run():
     from cs336_systems.measure.results import latest_run
-    from cs336_systems.studies import attention_results
+    from cs336_systems.studies.attention import pytorch_attention_facts
 
     df = latest_run(committed("pytorch_attention"), keys=("name", "impl", "x_value", "metric"))
-    facts = attention_results.facts(df[df.impl == "naive"])
+    facts = pytorch_attention_facts.facts(df[df.impl == "naive"])
     oom = facts["oom"]
     # the extra point d = 16, T = 32768 is the only one past the H200's 141 GB
     # its first forward pass completed (a first_forward_time row) and no first backward did: the backward
@@ -102,7 +102,7 @@ def test_pytorch_attention_facts_on_the_committed_run():
 
 
 def test_memory_breakdown_adds_up_to_the_snapshot_peak_and_near_the_allocator_peak():
-    from cs336_systems.studies import memory, memory_analysis
+    from cs336_systems.studies.profiling import memory, memory_facts
 
     df = committed("memory_profiling")
     timelines = {
@@ -112,8 +112,8 @@ def test_memory_breakdown_adds_up_to_the_snapshot_peak_and_near_the_allocator_pe
             )
         )
     }
-    table = memory_analysis.breakdown_table(df, timelines)
-    parts = memory_analysis.peak_parts(timelines["train"])
+    table = memory_facts.breakdown_table(df, timelines)
+    parts = memory_facts.peak_parts(timelines["train"])
     col = "train step fp32"
     part_rows = [r for r in table.index if r.startswith("T = 512 peak") and not r.endswith("snapshot total")]
     assert table.loc[part_rows, col].sum() == pytest.approx(table.loc["T = 512 peak: snapshot total", col])
@@ -127,20 +127,20 @@ def test_memory_breakdown_adds_up_to_the_snapshot_peak_and_near_the_allocator_pe
 
 
 def test_layernorm_overflow_is_in_the_squares_not_the_mean():
-    from cs336_systems.studies import autocast_study
+    from cs336_systems.studies.profiling import mixed_precision
 
-    facts = autocast_study.facts(committed("benchmarking_mixed_precision"), context_length=512)
+    facts = mixed_precision.facts(committed("benchmarking_mixed_precision"), context_length=512)
     assert facts["fp16_mean_accumulates_wider"] is True  # torch's fp16 mean does not overflow on the sum
     assert facts["fp16_overflow_deviation"] == pytest.approx(255.9, abs=0.1)
     assert facts["fp16_sum_overflow_rms"] == pytest.approx((65504 / 1024) ** 0.5)
 
 
 def test_gradient_checkpointing_facts_on_the_committed_run():
-    from cs336_systems.studies import checkpointing_study
+    from cs336_systems.studies.profiling import checkpointing
 
     df = committed("gradient_checkpointing")
     df = df[df.name == "xl_2026"]
-    facts = checkpointing_study.facts(df, checkpointing_study.cost_table("xl_2026", 4, 2048))
+    facts = checkpointing.facts(df, checkpointing.cost_table("xl_2026", 4, 2048))
     model, measured = facts["model"], facts["measured"]
     assert model["num_blocks"] == 32 and model["recursive_forward_passes"] == 6  # ceil(log2 32) + 1
     assert model["recursive_GiB"] < model["one_level_GiB"] < model["none_GiB"]
@@ -158,10 +158,10 @@ def test_gradient_checkpointing_facts_on_the_committed_run():
 
 def test_torch_compile_facts_on_the_committed_runs():
     from cs336_systems.measure.results import latest_run
-    from cs336_systems.studies import compile_study
+    from cs336_systems.studies.attention import torch_compile
 
     compiled, eager = committed("torch_compile"), committed("pytorch_attention")
-    facts = compile_study.facts(compiled, eager[eager.impl == "naive"])
+    facts = torch_compile.facts(compiled, eager[eager.impl == "naive"])
     attention = facts["attention"]
     keys = ("name", "impl", "x_value", "metric")
 
@@ -183,7 +183,7 @@ def test_torch_compile_facts_on_the_committed_runs():
     assert [(d, t, eager_note) for d, t, eager_note, *_ in attention["only_compiled_ran"]] == [
         (16, 32768, "OOM")
     ]
-    grid = compile_study.speedup_grid(facts["attention_table"])
+    grid = torch_compile.speedup_grid(facts["attention_table"])
     assert grid.loc[(16, "fwd"), "T=32768"] == "70.3"  # compiled only: no speedup over a failed eager run
     assert grid.loc[(16, "fwd"), f"T={longest}"].endswith(
         f"({dict(attention['forward_at_longest_by_d'])[16]:.2f}x)"
@@ -196,10 +196,10 @@ def test_torch_compile_facts_on_the_committed_runs():
 
 def test_training_step_facts_on_the_committed_run():
     from cs336_systems.measure.results import latest_run
-    from cs336_systems.studies import train_step, train_step_results
+    from cs336_systems.studies.training import train_step, train_step_facts
 
     df = latest_run(committed(train_step.PROBLEM), keys=("name", "impl", "x_value", "metric"))
-    facts = train_step_results.facts(df)
+    facts = train_step_facts.facts(df)
     compare = df[(df.name == "compare") & (df.metric == "step_ms")]
     for ctx in (512, 2048):
         p50 = compare[compare.x_value.astype(float) == ctx].set_index("impl")["p50"]
@@ -214,7 +214,7 @@ def test_training_step_facts_on_the_committed_run():
 
 
 def test_training_leaderboard_facts_on_the_committed_run():
-    from cs336_systems.studies import training_leaderboard_results as results
+    from cs336_systems.studies.training import leaderboard_facts as results
 
     df = committed("training_leaderboard")
     facts = results.facts(df)

@@ -12,7 +12,7 @@ import pytest
 matplotlib.use("Agg")
 
 from cs336_systems.measure.results import append_rows, load_results, make_row
-from cs336_systems.studies.distributed import comm_bench, ddp_analysis, train_bench
+from cs336_systems.studies.distributed import comm_bench, ddp_facts, train_bench
 from cs336_systems.studies.distributed.plots import render_figures
 from cs336_systems.studies.distributed.train_bench import TrainBenchConfig, Variant
 
@@ -85,7 +85,7 @@ def test_traces_summary_and_figures(sweep, tmp_path):
     out, _ = sweep
     for label in ("naive", "overlap"):
         assert train_bench.trace_path(out, label).exists()
-    summ = ddp_analysis.summary(load_results(train_bench.PROBLEM, out))
+    summ = ddp_facts.summary(load_results(train_bench.PROBLEM, out))
     assert list(summ.kind) == ["single", "naive", "flat", "overlap", "bucketed", "torch"]
     assert summ.loc[summ.kind == "single", "overhead_ms"].iloc[0] == 0
     assert math.isnan(summ.loc[summ.kind == "flat", "step_ms"].iloc[0])
@@ -109,7 +109,7 @@ def test_traces_summary_and_figures(sweep, tmp_path):
             )
         )
     append_rows(comm_bench.PROBLEM, rows, out)
-    model = ddp_analysis.bucket_model(
+    model = ddp_facts.bucket_model(
         load_results(train_bench.PROBLEM, out),
         load_results(comm_bench.PROBLEM, out),
         grid_mb=[0.001, 0.01, 1],

@@ -13,8 +13,8 @@ from cs336_systems.kernels.adamw import BLOCK, ChunkPlan, adamw_step_
 from cs336_systems.kernels.linear_cross_entropy import linear_cross_entropy
 from cs336_systems.model import MODEL_SIZES, AdamW, BasicsTransformerLM, cross_entropy
 from cs336_systems.model.loss import random_batch
-from cs336_systems.studies import train_step as study
-from cs336_systems.studies import train_step_results
+from cs336_systems.studies.training import train_step as study
+from cs336_systems.studies.training import train_step_facts
 from cs336_systems.training import FusedAdamW, TrainStepConfig, build_train_step, mixed_precision_groups
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,7 +208,7 @@ def test_study_quick_run_writes_nothing_by_default(tmp_path, capsys):
     df = study.main(["--quick", "--parts", "compare", "--no-save"])
     assert set(df[df.name == "compare"].impl) == {"stock", "ours"}
     assert (df[df.metric == "step_ms"].p50 > 0).all()
-    facts = train_step_results.facts(df)
+    facts = train_step_facts.facts(df)
     assert math.isfinite(facts[32]["ratio"])
     study.main(["--quick", "--parts", "compare", "--results-dir", str(tmp_path)])
     assert (tmp_path / "training_step.csv").exists()

@@ -171,7 +171,7 @@ def test_do_bench_all_ranks_makes_do_bench_calls():
 
 def test_memory_plan_of_the_8b_config():
     from cs336_systems.model import get_config
-    from cs336_systems.studies import training_leaderboard_memory as memory
+    from cs336_systems.studies.training import leaderboard_memory as memory
 
     cfg = get_config("8B_leaderboard")
     plan = memory.memory_plan(cfg, batch=1, world_size=2, loss_chunk=4096)
@@ -212,7 +212,7 @@ def test_facts_say_not_run_without_rows_and_quote_the_latest_run():
     import pandas as pd
 
     from cs336_systems.measure.results import COLUMNS
-    from cs336_systems.studies import training_leaderboard_results as results
+    from cs336_systems.studies.training import leaderboard_facts as results
 
     assert results.facts(pd.DataFrame(columns=COLUMNS)) == {"status": "not run"}
     rows = [
@@ -241,9 +241,9 @@ def test_facts_say_not_run_without_rows_and_quote_the_latest_run():
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
-    from cs336_systems.studies import training_leaderboard, training_leaderboard_results
+    from cs336_systems.studies.training import leaderboard, leaderboard_facts
 
-    df = training_leaderboard.main(["--quick", "--results-dir", str(tmp_path)])
+    df = leaderboard.main(["--quick", "--results-dir", str(tmp_path)])
     step = df[df.metric == "step_ms"]
     assert sorted(zip(step.impl, step.dtype)) == sorted(
         (p, m) for p in ("ours", "stock") for m in ("bf16", "fp32_master")
@@ -261,7 +261,7 @@ def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
     assert len(list(tmp_path.glob("training_leaderboard__trace_ours-*_ws2.json.gz"))) == 2
     backend = df[(df.name == "sdpa_backend") & (df.metric == "backend")].note
     assert len(backend) == 1 and backend.iloc[0] in torch.nn.attention.SDPBackend.__members__
-    facts = training_leaderboard_results.facts(df)
+    facts = leaderboard_facts.facts(df)
     assert facts["status"] == "quick CPU run" and facts["wall_s"] > 0 and not facts["failures"]
     assert facts["stock_sdpa_backend"] == backend.iloc[0]
     assert set(facts["phases"]) == {"forward", "backward", "optimizer_step"}
@@ -272,11 +272,11 @@ def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
 @pytest.mark.timeout(900)
 def test_small_gpu_run_measures_ours_and_stock_in_both_modes_gpu(tmp_path):
     """The CLI's GPU path on a small config: NCCL on one rank, compiled blocks, FSDP2, auto checkpointing."""
-    from cs336_systems.studies import training_leaderboard
+    from cs336_systems.studies.training import leaderboard
 
     argv = ["--size", "small", "--layers", "2", "--context-length", "256", "--nproc", "1", "--rep-ms", "50"]
     argv += ["--warmup-ms", "10", "--estimate-calls", "2", "--param-modes", "bf16", "fp32_master"]
-    df = training_leaderboard.main([*argv, "--results-dir", str(tmp_path)])
+    df = leaderboard.main([*argv, "--results-dir", str(tmp_path)])
     step = df[df.metric == "step_ms"]
     assert len(step) == 4 and (step.note == "").all() and (step["mean"] > 0).all(), step
     assert (df[df.metric == "peak_memory_gib"]["mean"] > 0).all()
@@ -288,7 +288,7 @@ def test_facts_on_the_committed_runs():
     every run keeps its own stock step (per attention and per recompute choice); one-GPU rows keep their
     own memory and MFU; the cold-start wall time is the run marked cold."""
     from cs336_systems.report import load_results
-    from cs336_systems.studies import training_leaderboard_results as results
+    from cs336_systems.studies.training import leaderboard_facts as results
 
     df = load_results(results.PROBLEM)
     facts = results.facts(df)
@@ -319,8 +319,8 @@ def test_facts_on_the_committed_runs():
 def test_a_profile_without_gpu_events_is_not_measured_and_an_earlier_profile_stands_in(tmp_path):
     """A run whose profiler saw no GPU activity records its communication as not measured (never 0);
     the timeline and the quoted communication then come from the latest run that was profiled."""
-    from cs336_systems.studies import training_leaderboard as study
-    from cs336_systems.studies import training_leaderboard_results as results
+    from cs336_systems.studies.training import leaderboard as study
+    from cs336_systems.studies.training import leaderboard_facts as results
 
     assert study._missing_note("comm_ms", math.nan) == study.NO_GPU_PROFILE
     assert study._missing_note("comm_ms", 0.0) == "" and study._missing_note("tflops", math.nan) == ""

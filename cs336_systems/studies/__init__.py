@@ -1,21 +1,18 @@
-"""One module per handout problem or family: each measures (a CLI and functions that append tidy rows
-through `cs336_systems.measure.results`) and analyses its rows for the notebooks.
+"""The studies: one package per family of handout problems. A study measures (a CLI and functions that
+append tidy rows through `cs336_systems.measure.results`) and derives the numbers its notebook quotes.
 
-* `end_to_end`, `autocast_study`, `mixed_precision`, `profile`, `timing_analysis`: benchmarking_script,
-  mixed precision and nsys_profile; `timing_gpu_run` is their budgeted one-GPU run.
-* `memory` (+ `memory_analysis`, the facts of its answers), `pytorch_attention` (+ `attention_results`,
-  its rows' tables and facts), `compile_study`, `checkpointing_study`: memory_profiling,
-  pytorch_attention, torch_compile, gradient_checkpointing;
-  `memory_attention_gpu_run` is their budgeted one-GPU run.
-* `communication_accounting`, `parallelism_calcs`: the written accounting problems (2025 section 2.4,
-  2026 section 8), computed from `cs336_systems.accounting`.
-* `flash_bench`, `flash_model`: FlashAttention-2 benchmarks, the leaderboard, our kernel in the model;
-  `flash_overhead`: the same calls timed from CUDA graph replays beside the eager call (host overhead).
-* `distributed/`: all-reduce, DDP, optimizer-sharding and FSDP benchmarks (torchrun workers) and plots.
-* `train_step` (+ `train_step_results`, its rows' waterfall and facts): the 2026 training_step problem.
-* `readme_summary`: the README's headline results, computed from the committed rows.
-* `problem_index`: every handout problem, where it is answered, its tests and status (the writeup's
-  overview, notebook 00).
+* `profiling/`: benchmarking_script, mixed precision, nsys_profile, memory_profiling,
+  gradient_checkpointing; `python -m cs336_systems.studies.profiling` measures them on this host.
+* `attention/`: pytorch_attention, torch_compile, the FlashAttention-2 benchmarks, tuning, host
+  overhead, the Hopper kernels; `python -m cs336_systems.studies.attention` measures the naive and
+  compiled attention on this host, `python -m cs336_systems.studies.attention.flash_bench` the kernels.
+* `training/`: training_step and the 8B training leaderboard.
+* `distributed/`: all-reduce, DDP, optimizer-state sharding and FSDP benchmarks (torchrun workers).
+* `written/`: the written accounting problems (2025 section 2.4, 2026 section 8).
+* `overview/`: the problem index (notebook 00) and the README's headline results.
 
-Layer: may import the library, `measure` and (for plotting only) `report`; notebooks import studies.
+A study imports studies of its own family only, or a module another family lists in its `SHARED`
+(e.g. `profiling.end_to_end`, `distributed.runner`); `overview` reads every family.
+`tests/test_architecture.py` checks it. Layer: a study may import the library, `measure` and (for
+plotting only) `report`; notebooks import studies.
 """

@@ -29,7 +29,7 @@ calling it runs the protocol's step on this rank's batch:
 Per parameter and rank, ZeRO-2 keeps the full compute weights plus 1/N of the optimizer state
 (gradients one unit at a time): 2 + 4/N bytes in bf16, 2 + 12/N with float32 masters. FSDP keeps 1/N
 of weights, gradients and state: 8/N and 16/N. At N = 2 both are 4 and 8 bytes per parameter (30 and
-61 GiB of the 8B model; `studies/training_leaderboard_memory.py` computes them), so sharding the
+61 GiB of the 8B model; `studies/training/leaderboard_memory.py` computes them), so sharding the
 weights too saves no memory, while it would cost an all-gather of every block in forward and again in
 backward (or keeping them gathered). The project's own FSDP (distributed/fsdp) also gathers per
 Linear and cannot run under activation checkpointing. With more ranks FSDP would save memory; the

@@ -24,7 +24,7 @@ gradient and two gradients in flight in reduce-scatters at a time (`expected_wor
 [Note: do the all-gathers finish in time?] is in fsdp_trace, which analyses the profiled step.
 
 Entry points as in sharding_bench (through `runner`: driver without torchrun, worker under it;
-`fsdp_analysis` holds the tables, figures and the notebook's facts):
+`fsdp_facts` holds the tables, figures and the notebook's facts):
 
     python -m cs336_systems.studies.distributed.fsdp_bench --figures-dir figures      # 2 GPUs
     python -m cs336_systems.studies.distributed.fsdp_bench --quick                    # CPU, gloo, debug model
@@ -52,8 +52,8 @@ from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.measure.traces import load_trace, save_trace
 from cs336_systems.model import AdamW, cross_entropy
-from cs336_systems.studies.distributed import fsdp_analysis, runner
-from cs336_systems.studies.distributed.fsdp_analysis import (
+from cs336_systems.studies.distributed import fsdp_facts, runner
+from cs336_systems.studies.distributed.fsdp_facts import (
     PROBLEM,
     VARIANTS,
     expected_state_bytes,
@@ -349,7 +349,7 @@ def run(
     """Launch the workers (relaunching after a crashed variant), then render the figures."""
     df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
     if figures_dir is not None:
-        fsdp_analysis.render_figures(df, results_dir, figures_dir)
+        fsdp_facts.render_figures(df, results_dir, figures_dir)
     return df
 
 
@@ -373,8 +373,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     if df is None:
         return None
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(fsdp_analysis.memory_table(df).to_string())
-        print(fsdp_analysis.saving_table(df).to_string())
+        print(fsdp_facts.memory_table(df).to_string())
+        print(fsdp_facts.saving_table(df).to_string())
         t = df[df.metric.isin(["allgather_hidden_fraction", "allgather_exposed_total", "step_time"])]
         print(t[["impl", "mode", "metric", "mean", "note"]].to_string())
     return df

@@ -212,7 +212,7 @@ def render_figures(results_dir: str | os.PathLike | None, figures_dir: str | os.
     from cs336_systems.report.figures import save_figure
     from cs336_systems.report.style import apply_style
     from cs336_systems.studies.distributed.comm_bench import PROBLEM as COMM
-    from cs336_systems.studies.distributed.ddp_analysis import bucket_model, summary
+    from cs336_systems.studies.distributed.ddp_facts import bucket_model, summary
     from cs336_systems.studies.distributed.train_bench import PROBLEM as DDP
 
     apply_style()

@@ -29,7 +29,7 @@ all-reduce, optimizer step) bracketed by device synchronisation; an iteration co
 Entry points (through `runner`): under torchrun the module is a worker that runs the variants in
 order; without it, it is the driver, which launches the workers, records a failure row for a variant
 that crashes (e.g. out of memory) and relaunches the rest, then renders the figures
-(`sharding_analysis` holds the tables, figures and the notebook's facts):
+(`sharding_facts` holds the tables, figures and the notebook's facts):
 
     python -m cs336_systems.studies.distributed.sharding_bench --figures-dir figures            # 2 GPUs
     python -m cs336_systems.studies.distributed.sharding_bench --quick                          # CPU, gloo, debug
@@ -53,14 +53,14 @@ from cs336_systems.measure import cli
 from cs336_systems.measure.results import make_row
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.model import AdamW, cross_entropy
-from cs336_systems.studies.distributed import runner, sharding_analysis
+from cs336_systems.studies.distributed import runner, sharding_facts
 from cs336_systems.studies.distributed.rank_memory import (
     GiB,
     all_reduce_gradients,
     memory_snapshot,
     release_memory,
 )
-from cs336_systems.studies.distributed.sharding_analysis import IMPL, PROBLEM, VARIANTS
+from cs336_systems.studies.distributed.sharding_facts import IMPL, PROBLEM, VARIANTS
 
 MODULE = "cs336_systems.studies.distributed.sharding_bench"
 ADAMW_KWARGS = dict(lr=1e-4, weight_decay=0.01)
@@ -209,7 +209,7 @@ def run(
     """Launch the workers (relaunching after a crashed variant), then render figures; returns the rows."""
     df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
     if figures_dir is not None and not df.empty:
-        sharding_analysis.render_figures(df, figures_dir)
+        sharding_facts.render_figures(df, figures_dir)
     return df
 
 
@@ -225,8 +225,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     if df is None:
         return None
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_rows", 200):
-        print(sharding_analysis.memory_table(df).to_string())
-        print(sharding_analysis.time_table(df).to_string())
+        print(sharding_facts.memory_table(df).to_string())
+        print(sharding_facts.time_table(df).to_string())
     return df
 
 

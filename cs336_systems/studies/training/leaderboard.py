@@ -1,0 +1,493 @@
+"""training_leaderboard: the 2026 leaderboard's training step (8B config), ours against stock FSDP2, in one run.
+
+    python -m cs336_systems.studies.training.leaderboard --nproc 2 --cold            # the protocol, 2 GPUs
+    python -m cs336_systems.studies.training.leaderboard --nproc 1 --layers 34 8     # one GPU, batch 1
+    python -m cs336_systems.studies.training.leaderboard --quick                     # CPU, gloo, 2 ranks
+
+The protocol (HANDOUT_SPEC 5.2) and the choices made here:
+* inputs, targets = torch.randint(high=vocab, size=(2, ranks * batch_per_rank, T)) from one seeded
+  generator on every rank; rank r takes rows [r * batch_per_rank, (r + 1) * batch_per_rank) (one
+  sequence per GPU by default: batch 2 on 2 GPUs, batch 1 on one);
+* the project's BasicsTransformerLM in the config (`--size`, `--layers` overrides the depth for the
+  full-width model at fewer layers), causal, initialised from one seed (the same weights for both
+  paths); attention: ours `--attention` (default SDPA pinned to cuDNN, the fastest at this shape on
+  Hopper; our FlashAttention or plain SDPA), stock plain SDPA (PyTorch picks the backend);
+* precision (`--param-modes`): "bf16" = parameters and AdamW state in bf16 (the config's torch_dtype
+  read literally, the headline); "fp32_master" = float32 master parameters, bf16 compute;
+  both paths run in the same mode (leaderboard_stock.py says how stock does);
+* AdamW with default hyperparameters (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01): the
+  project's AdamW semantics for ours, torch.optim.AdamW(fused=True) for stock;
+* the step: zero_grad(set_to_none=True), forward with the loss (the mean cross-entropy, i.e. the
+  protocol's cross_entropy(logits, targets).sum() of a mean; both paths compute it chunked without
+  materialising the logits), backward, optimizer step; timed by `measure.timing.do_bench_all_ranks`,
+  i.e. do_bench(step, rep=--rep-ms, warmup=--warmup-ms) with every rank making the same calls and
+  each call counted at its slowest rank; the headline is do_bench's statistic, the mean (p50 too);
+* `--cold`: TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR point at fresh directories for the ranks;
+  the wall time of the whole run (from the launch of this process) is a row. Ours runs first in
+  every configuration, so its compile and autotuning start from the empty caches.
+
+Ours (cs336_systems.training.leaderboard): ZeRO-2 over flat per-unit buffers, the fused AdamW in the
+mode's precision on the local shard, the chunked fused LM-head + cross-entropy, each block compiled,
+and only the first k blocks checkpointed (`--keep-attention`: keeping their attention's outputs), k
+from `--checkpoint-blocks` or planned ("auto"): one step with every block checkpointed gives the peak
+P; an unchecked block costs A, its measured saved bytes beyond a checkpointed block's;
+k = L - floor((device memory - margin - P) / A) (the ranks agree on the largest k). After an OOM
+(one rank only) the step is retried with 2 more checkpointed blocks, up to 3 times.
+
+Rows (problem training_leaderboard; name "<size>:<layers>L", impl ours/stock, dtype the mode,
+x_name world_size): step_ms (per timed call, slowest rank), forward_ms / backward_ms / optimizer_ms
+(CUDA events in the timed calls; ours applies most of its update inside backward), peak_memory_gib
+per rank (x_name rank), tflops, mfu_datasheet, mfu_measured_peak, setup_s (build + compile + first
+step), checkpoint_blocks and block_saved_gib (ours), comm_ms / comm_exposed_ms (from a profiled
+step of ours on rank 0, saved as `training_leaderboard__trace_<variant>.json.gz`), matmul_peak, and
+wall_s of the run. Skipped, OOM and failed variants are rows with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import math
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from cs336_systems.accounting.hardware import peak_flops
+from cs336_systems.distributed.zero import PARAM_MODES
+from cs336_systems.measure import cli
+from cs336_systems.measure.results import append_rows, capture_failure, device_name, failure_row, make_row
+from cs336_systems.measure.results import results_dir as default_results_dir
+from cs336_systems.measure.timing import synchronize
+from cs336_systems.model import BasicsTransformerLM, get_config
+from cs336_systems.studies.distributed import runner
+from cs336_systems.studies.training import leaderboard_memory as memory
+from cs336_systems.studies.training.leaderboard_bench import (
+    ProtocolStep,
+    bench,
+    bench_ours_fitting,
+    plan_checkpointing,
+    profile_step,
+)
+from cs336_systems.studies.training.leaderboard_stock import StockFsdp2Step
+from cs336_systems.studies.training.train_step import matmul_peak, step_flops
+from cs336_systems.training import LeaderboardConfig, build_leaderboard_step
+
+PROBLEM = "training_leaderboard"
+MODULE = "cs336_systems.studies.training.leaderboard"
+PATHS = ("ours", "stock")
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # never NVLink multicast
+ALLOC_CONF = "expandable_segments:True"  # both paths: less fragmentation at 100+ GiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderboardRunConfig:
+    size: str = "8B_leaderboard"
+    layers: tuple[int, ...] = ()  # () = the size's depth
+    context_length: int = 0  # 0 = the size's
+    batch_per_rank: int = 1
+    param_modes: tuple[str, ...] = ("bf16",)
+    paths: tuple[str, ...] = PATHS
+    attention: str = "sdpa_cudnn"
+    checkpoint_blocks: str = "auto"
+    keep_attention: bool = True
+    loss_chunk: int = 4096
+    compile: bool = True
+    overlap: bool = True
+    rep_ms: float = 30_000.0
+    warmup_ms: float = 10_000.0
+    estimate_calls: int = 5
+    trace: bool = True
+    margin_gib: float = 6.0
+    backend: str = "nccl"
+    cold: bool = False
+    variants: tuple[str, ...] = ()  # "<path>-<mode>-L<layers>", in run order
+    run_id: str = ""
+
+    def __post_init__(self) -> None:
+        mcfg = get_config(self.size)
+        if not self.layers:
+            object.__setattr__(self, "layers", (mcfg.num_layers,))
+        if not self.context_length:
+            object.__setattr__(self, "context_length", mcfg.context_length)
+        if min(self.layers) < 1 or self.batch_per_rank < 1 or self.context_length < 1 or self.loss_chunk < 1:
+            raise ValueError("--layers, --batch-per-rank, --context-length and --loss-chunk must be positive")
+        if unknown := set(self.param_modes) - set(PARAM_MODES) | set(self.paths) - set(PATHS):
+            raise ValueError(f"unknown param modes or paths {sorted(unknown)}")
+        if self.checkpoint_blocks != "auto" and not (self.checkpoint_blocks.isdigit()):
+            raise ValueError(f"--checkpoint-blocks must be 'auto' or a count, got {self.checkpoint_blocks!r}")
+        if self.rep_ms <= 0 or self.warmup_ms < 0 or self.estimate_calls < 1:
+            raise ValueError("--rep-ms must be > 0, --warmup-ms >= 0, --estimate-calls >= 1")
+        if not self.variants:
+            order = [p for p in PATHS if p in self.paths]
+            labels = [f"{p}-{m}-L{n}" for n in self.layers for m in self.param_modes for p in order]
+            object.__setattr__(self, "variants", tuple(labels))
+
+
+def parse_variant(label: str) -> tuple[str, str, int]:
+    path, mode, layers = label.split("-")
+    return path, mode, int(layers.removeprefix("L"))
+
+
+def _keys(cfg: LeaderboardRunConfig, label: str, world_size: int) -> dict[str, Any]:
+    path, mode, layers = parse_variant(label)
+    config = asdict(cfg) | {"variant": label, "world_size": world_size}
+    return dict(
+        problem=PROBLEM, name=f"{cfg.size}:{layers}L", impl=path, dtype=mode, mode="train", config=config
+    )
+
+
+def protocol_batch(cfg: LeaderboardRunConfig, vocab: int, device, rank: int, world_size: int):
+    """This rank's rows of the protocol's torch.randint(high=vocab, size=(2, global batch, T))."""
+    g = torch.Generator().manual_seed(2026)
+    data = torch.randint(
+        high=vocab, size=(2, world_size * cfg.batch_per_rank, cfg.context_length), generator=g
+    )
+    rows = slice(rank * cfg.batch_per_rank, (rank + 1) * cfg.batch_per_rank)
+    return data[0, rows].to(device), data[1, rows].to(device)
+
+
+def build_path(cfg: LeaderboardRunConfig, label: str, device: torch.device):
+    """(step, model config) of a variant: the model built from seed 0, then ours or the stock step."""
+    path, mode, layers = parse_variant(label)
+    mcfg = get_config(cfg.size, num_layers=layers, context_length=cfg.context_length)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if mode == "bf16" else None
+    attention = cfg.attention if path == "ours" else "sdpa"
+    model = BasicsTransformerLM.from_config(mcfg, attention_impl=attention, device=device, dtype=dtype)
+    if path == "stock":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        return StockFsdp2Step(
+            model, param_mode=mode, mesh=mesh, compile=cfg.compile, loss_chunk=cfg.loss_chunk
+        ), mcfg
+    k = layers if cfg.checkpoint_blocks == "auto" else int(cfg.checkpoint_blocks)
+    ours = LeaderboardConfig(
+        param_mode=mode,
+        attention=attention,
+        compile=cfg.compile,
+        checkpoint_blocks=k,
+        keep_attention=cfg.keep_attention,
+        loss_chunk=cfg.loss_chunk,
+        overlap=cfg.overlap,
+    )
+    return build_leaderboard_step(model, ours), mcfg
+
+
+def measure_variant(
+    cfg: LeaderboardRunConfig, label: str, device: torch.device, results_dir
+) -> tuple[list, None]:
+    """One variant on every rank; its rows on rank 0. With one rank an OOM or error is a row; with
+    several it ends the worker and the runner records it ([Note: why a failed variant ends the worker])."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path, mode, layers = parse_variant(label)
+    mcfg = get_config(cfg.size, num_layers=layers, context_length=cfg.context_length)
+    if rank == 0:
+        print(f"[{PROBLEM}] {label} on {world} x {device_name(device)} ...", flush=True)
+    if device.type == "cuda":
+        plan = memory.memory_plan(mcfg, batch=cfg.batch_per_rank, world_size=world, loss_chunk=cfg.loss_chunk)
+        note = memory.skip_note(plan, mcfg, path=path, mode=mode, capacity=torch.cuda.mem_get_info(device)[1])
+        if note:
+            return (failure_rows(cfg, label, note, world) if rank == 0 else []), None
+    outcome: dict = {}
+    rows: list[dict] = []
+    with capture_failure(outcome) if world == 1 else contextlib.nullcontext():
+        rows = _measure(cfg, label, device, results_dir)
+    _release(device)
+    if outcome:
+        return (failure_rows(cfg, label, outcome["note"], world) if rank == 0 else []), None
+    return rows, None
+
+
+def _release(device) -> None:
+    torch._dynamo.reset()  # compiled code must not keep a variant's model alive
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list[dict]:
+    path, _, _ = parse_variant(label)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.perf_counter()
+    step, mcfg = build_path(cfg, label, device)
+    tokens, targets = protocol_batch(cfg, mcfg.vocab_size, device, rank, world)
+    protocol = ProtocolStep(step, tokens, targets)
+    plan: dict = {}
+    if path == "ours" and cfg.checkpoint_blocks == "auto":
+        plan = plan_checkpointing(step, protocol, cfg, device)  # its first step compiles
+        step.set_checkpoint_blocks(plan["checkpoint_blocks"])
+    else:
+        protocol()  # the first step: compilation
+        synchronize(device)
+    setup_s = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if path == "ours":
+        result, note = bench_ours_fitting(step, protocol, cfg, device, plan)
+    else:
+        result, note = bench(protocol, cfg, device), ""
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else math.nan
+    comm: dict[str, float] = {}
+    if path == "ours" and cfg.trace:
+        trace = default_results_dir(results_dir) / f"{PROBLEM}__trace_{label}_ws{world}.json.gz"
+        comm = profile_step(protocol, device, trace)
+    peaks = runner.gather_to_rank0(peak)
+    del step, protocol
+    if rank != 0:
+        return []
+    extra = {"setup_s": ("s", setup_s)} | {m: ("ms", v) for m, v in comm.items()}
+    if "checkpoint_blocks" in plan:
+        extra["checkpoint_blocks"] = ("blocks", plan["checkpoint_blocks"])
+    if "block_saved" in plan:
+        extra["block_saved_gib"] = ("GiB", plan["block_saved"] / 2**30)
+    return _rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device)
+
+
+NO_GPU_PROFILE = "the profiler recorded no GPU activity (CUPTI unavailable): not measured"
+
+
+def _missing_note(metric: str, value: float) -> str:
+    return NO_GPU_PROFILE if metric.startswith("comm") and math.isnan(value) else ""
+
+
+def _rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device) -> list[dict]:
+    """step / phase rows (ms per timed call), throughput and MFU, peak memory per rank, `extra`."""
+    keys = _keys(cfg, label, world)
+    bench = {k: result[k] for k in ("estimate_ms", "n_warmup", "n_repeat", "calls")}
+    keys["config"] |= {"bench": bench, "checkpoint_plan": plan}
+    at = dict(x_name="world_size", x_value=world)
+    rows = [make_row(metric="step_ms", unit="ms", samples=result["times_ms"], note=note, **at, **keys)]
+    rows += [
+        make_row(metric=f"{p}_ms", unit="ms", samples=v, **at, **keys) for p, v in result["phases"].items()
+    ]
+    mean_s = sum(result["times_ms"]) / len(result["times_ms"]) / 1e3
+    flops = step_flops(mcfg, cfg.batch_per_rank, cfg.context_length)  # per rank, no recomputation
+    extra = extra | {"tflops": ("TFLOP/s", flops / mean_s / 1e12)}
+    extra["mfu_measured_peak"] = ("fraction", flops / mean_s / measured_matmul_peak(device))
+    if (datasheet := peak_flops(device_name(device), "bf16")) is not None:
+        extra["mfu_datasheet"] = ("fraction", flops / mean_s / datasheet)
+    rows += [
+        make_row(metric=m, unit=u, value=float(v), note=_missing_note(m, v), **at, **keys)
+        for m, (u, v) in extra.items()
+    ]
+    rows += [
+        make_row(metric="peak_memory_gib", unit="GiB", value=p / 2**30, x_name="rank", x_value=r, **keys)
+        for r, p in enumerate(peaks)
+        if not math.isnan(p)
+    ]
+    return rows
+
+
+@functools.cache
+def measured_matmul_peak(device: torch.device) -> float:
+    """The bf16 matmul FLOP/s of this device, measured once per process (train_step.matmul_peak)."""
+    return matmul_peak(device)
+
+
+def failure_rows(cfg: LeaderboardRunConfig, label: str, note: str, world_size: int) -> list[dict]:
+    at = dict(x_name="world_size", x_value=world_size)
+    return [failure_row(metric="step_ms", unit="ms", note=note, **at, **_keys(cfg, label, world_size))]
+
+
+def finish_rows(cfg: LeaderboardRunConfig, kept: dict, world_size: int) -> list[dict]:
+    """The matmul rate measured by rank 0 (the reference of mfu_measured_peak), and the backend that
+    plain SDPA (the stock step's attention) picks for the config's attention on this device."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    keys = dict(problem=PROBLEM, name="matmul_peak", impl="torch.mm", dtype="bf16", config=asdict(cfg))
+    rows = [make_row(metric="tflops", unit="TFLOP/s", value=measured_matmul_peak(device) / 1e12, **keys)]
+    keys = dict(problem=PROBLEM, name="sdpa_backend", impl="stock", dtype="bf16", config=asdict(cfg))
+    backend = sdpa_backend(get_config(cfg.size, context_length=cfg.context_length), device)
+    return [*rows, make_row(metric="backend", unit="", value=math.nan, note=backend, **keys)]
+
+
+def sdpa_backend(mcfg, device: torch.device) -> str:
+    """The SDPBackend PyTorch chooses for one sequence of `mcfg`'s causal attention in bf16."""
+    from torch.nn.attention import SDPBackend
+
+    head = mcfg.d_model // mcfg.num_heads
+    q = torch.empty(1, mcfg.num_heads, mcfg.context_length, head, device=device, dtype=torch.bfloat16)
+    return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
+
+
+STUDY = runner.Study(
+    problem=PROBLEM, module=MODULE, measure=measure_variant, failure_rows=failure_rows, finish=finish_rows
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------------
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux /proc), else since this module was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
+
+
+def _wall_s(started: float | None) -> float:
+    """Wall seconds of the run: the process's age now, or the time since `started`."""
+    return _process_age_s() if started is None else time.perf_counter() - started
+
+
+def run(
+    cfg: LeaderboardRunConfig,
+    *,
+    nproc: int,
+    results_dir=None,
+    figures_dir=None,
+    timeout_s: float = 3600.0,
+    started: float | None = None,
+):
+    """Launch the ranks (torchrun), then record the wall time of the whole run (since `started`, a
+    `time.perf_counter()` value; None: since this process started); returns this run's rows."""
+    env = {**GPU_ENV, "PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF}
+    if cfg.backend == "gloo":  # gloo ranks compute on the CPU: Triton kernels run in its interpreter
+        env["TRITON_INTERPRET"] = "1"
+    env = {k: v for k, v in env.items() if k not in os.environ or k in GPU_ENV}  # else the caller's win
+    caches = {}
+    if cfg.cold:
+        for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+            caches[var] = tempfile.mkdtemp(prefix=f"cold-{var.split('_')[0].lower()}-")
+    env |= caches
+    df = runner.run_config_study(
+        STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s, env=env
+    )
+    run_id = df.config_json.str.extract(r'"run_id": "(\w+)"')[0].dropna()
+    config = asdict(cfg) | {"caches": caches, "nproc": nproc, "run_id": run_id.iloc[0] if len(run_id) else ""}
+    wall = make_row(
+        problem=PROBLEM, name="run", impl="all", dtype="", metric="wall_s", unit="s", value=_wall_s(started),
+        x_name="world_size", x_value=nproc, config=config, note="cold caches" if cfg.cold else "",
+    )  # fmt: skip
+    append_rows(PROBLEM, [wall], results_dir)
+    print(f"[{PROBLEM}] wall time of the run: {wall['p50']:.0f} s", flush=True)
+    return pd.concat([df, pd.DataFrame([wall])], ignore_index=True)
+
+
+QUICK = dict(
+    size="debug", layers=(2,), context_length=64, param_modes=("bf16", "fp32_master"), attention="sdpa",
+    compile=False, rep_ms=40.0, warmup_ms=10.0, estimate_calls=2, loss_chunk=48, backend="gloo",
+)  # fmt: skip
+
+
+def _parser():
+    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.training.leaderboard --nproc 2 --cold")
+    d = LeaderboardRunConfig()
+    runner.add_worker_arguments(p)
+    cli.add_size(p, d.size)
+    p.add_argument("--layers", nargs="+", type=int, default=[], help="depths to run (default: the size's)")
+    p.add_argument("--context-length", type=int, default=0, help="0: the size's context length")
+    p.add_argument("--batch-per-rank", type=int, default=d.batch_per_rank, help="sequences per GPU")
+    p.add_argument("--param-modes", nargs="+", choices=list(PARAM_MODES), default=list(d.param_modes))
+    p.add_argument(
+        "--paths", nargs="+", choices=PATHS, default=list(d.paths), help="ours, the stock FSDP2 step"
+    )
+    p.add_argument(
+        "--attention",
+        choices=["flash_triton", "sdpa", "sdpa_cudnn"],
+        default=d.attention,
+        help="attention of ours",
+    )
+    p.add_argument("--checkpoint-blocks", default=d.checkpoint_blocks, help="ours: 'auto' or how many blocks")
+    p.add_argument(
+        "--keep-attention",
+        type=cli.boolean,
+        default=d.keep_attention,
+        help="ours: recomputed blocks keep the attention's outputs (selective checkpointing)",
+    )
+    p.add_argument("--loss-chunk", type=int, default=d.loss_chunk, help="tokens per LM-head + loss chunk")
+    p.add_argument("--compile", type=cli.boolean, default=d.compile, help="compile each block (both paths)")
+    p.add_argument(
+        "--overlap", type=cli.boolean, default=d.overlap, help="ours: update units inside backward"
+    )
+    p.add_argument("--rep-ms", type=float, default=d.rep_ms, help="do_bench rep (ms of timed calls)")
+    p.add_argument("--warmup-ms", type=float, default=d.warmup_ms, help="do_bench warmup (ms)")
+    p.add_argument(
+        "--estimate-calls", type=int, default=d.estimate_calls, help="do_bench's estimate calls (5)"
+    )
+    p.add_argument("--trace", type=cli.boolean, default=d.trace, help="profile one step of ours on rank 0")
+    p.add_argument("--margin-gib", type=float, default=d.margin_gib, help="ours 'auto': memory left free")
+    p.add_argument("--cold", action="store_true", help="fresh Triton and Inductor cache directories")
+    p.add_argument(
+        "--backend", default="nccl" if torch.cuda.is_available() else "gloo", choices=["nccl", "gloo"]
+    )
+    p.add_argument(
+        "--nproc", type=int, default=1 if torch.cuda.device_count() < 2 else 2, help="ranks (GPUs)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="CPU smoke run: gloo, 2 ranks, debug model, no compile"
+    )
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per torchrun launch")
+    cli.add_results_dir(p)
+    p.add_argument("--figures-dir", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.DataFrame | None:
+    """The CLI; `from_shell`: the wall-time row counts from this process's start (else from this call)."""
+    started = None if from_shell else time.perf_counter()
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.quick:
+        args.nproc = 2
+
+    def fields() -> dict[str, Any]:
+        given = dict(
+            size=args.size, layers=tuple(args.layers), context_length=args.context_length,
+            batch_per_rank=args.batch_per_rank, param_modes=tuple(args.param_modes), paths=tuple(args.paths),
+            attention=args.attention, checkpoint_blocks=args.checkpoint_blocks,
+            keep_attention=args.keep_attention, loss_chunk=args.loss_chunk,
+            compile=args.compile, overlap=args.overlap, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
+            estimate_calls=args.estimate_calls, trace=args.trace, margin_gib=args.margin_gib, cold=args.cold,
+            backend=args.backend,
+        )  # fmt: skip
+        return given | (QUICK if args.quick else {})
+
+    if args.worker is None:
+        with cli.usage_errors(p):
+            cfg = LeaderboardRunConfig(**fields())
+            mcfg = get_config(cfg.size, num_layers=max(cfg.layers), context_length=cfg.context_length)
+            plan = memory.memory_plan(
+                mcfg, batch=cfg.batch_per_rank, world_size=args.nproc, loss_chunk=cfg.loss_chunk
+            )
+        print(f"[{PROBLEM}] memory plan at {max(cfg.layers)} layers, {args.nproc} rank(s), GiB:", flush=True)
+        print({k: round(v / memory.GiB, 2) for k, v in plan.items() if k not in ("params", "world_size")})
+    df = runner.config_cli(
+        p, args, STUDY, LeaderboardRunConfig, fields, functools.partial(run, started=started)
+    )
+    if df is not None and not df.empty:
+        with pd.option_context("display.width", 200, "display.max_columns", 20):
+            print(summary(df).to_string())
+    return df
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Mean step (ms) per variant and world size, with notes, for printing."""
+    t = df[df.metric == "step_ms"]
+    return t[["name", "impl", "dtype", "x_value", "mean", "p50", "n", "note"]].reset_index(drop=True)
+
+
+if __name__ == "__main__":
+    main(from_shell=True)

@@ -1,0 +1,466 @@
+"""training_step: the project's fastest training step against the stock PyTorch step, in one process.
+
+    python -m cs336_systems.studies.training.train_step --size 2.7B --context-length 512 2048 --batch-size 4
+    python -m cs336_systems.studies.training.train_step --quick          # debug model on the CPU, scratch results
+
+Per (size, context), rows under problem "training_step":
+* `compare`: the stock step and ours, built from the same initial weights and timed in interleaved
+  rounds (`--rounds` x `--steps` steps each, after `--warmup`); per path the median step and its
+  forward / backward / optimizer phases (CUDA events), peak memory, first-step (compile) time and MFU
+  against the datasheet bf16 peak and against the bf16 matmul rate measured in this run.
+  Stock = the same architecture with `F.scaled_dot_product_attention`, `torch.compile(model)`,
+  `torch.optim.AdamW(fused=True)` and `F.cross_entropy`, bf16 autocast over fp32 weights.
+  Ours = `TrainStepConfig.fastest()` (see `cs336_systems.training.step`), attention per `--attention`.
+* `waterfall`: the step with one optimisation added at a time (`STAGES`), each built afresh.
+* `bandwidth`: device copy GB/s and the fused AdamW's GB/s (28 bytes per parameter) on the shapes
+  of the model's first blocks.
+* `check` (`--check`): 20 steps of ours and of the plain reference step (same weights and batches,
+  reference AdamW, no fusions, bf16 autocast): the loss of every step.
+
+Peak memory of a path = its persistent tensors (parameters, buffers, optimizer state: storages
+counted once) + the largest transient allocation above everything resident during its steps, so the
+other path's model living in the same process is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cs336_systems.accounting.hardware import peak_flops
+from cs336_systems.measure import cli
+from cs336_systems.measure.results import (
+    append_rows,
+    capture_failure,
+    device_name,
+    failure_row,
+    make_row,
+)
+from cs336_systems.measure.timing import kernel_time, synchronize
+from cs336_systems.model import MODEL_SIZES, BasicsTransformerLM, ModelConfig
+from cs336_systems.model.loss import random_batch
+from cs336_systems.training import FusedAdamW, TrainStepConfig, build_train_step
+from cs336_systems.training.fused_adamw import mixed_precision_groups
+
+PROBLEM = "training_step"
+PHASES = ("forward", "backward", "optimizer")
+# the command-line options recorded as each context length's run config
+RUN_CONFIG_KEYS = ("size", "batch_size", "rounds", "steps", "warmup", "compile", "attention")
+PARTS = ("bandwidth", "check", "compare", "waterfall")
+
+STAGES: list[tuple[str, dict]] = [
+    ("handout fp32", {}),
+    ("+ bf16 autocast", dict(autocast=True)),
+    ("+ our FlashAttention", dict(attention="flash_triton")),
+    ("+ compile per block", dict(compile=True)),
+    ("+ fused AdamW", dict(optimizer="fused")),
+    ("+ bf16 compute weights", dict(bf16_weights=True)),
+    ("+ fused LM-head loss", dict(fused_loss=True)),
+    ("SDPA instead of our attention", dict(attention="sdpa")),
+    ("+ overlap with backward", dict(overlap=True)),  # = TrainStepConfig.fastest()
+]
+
+
+class StockStep:
+    """What a PyTorch user writes: SDPA, torch.compile(model), fused torch AdamW, bf16 autocast."""
+
+    def __init__(self, model: BasicsTransformerLM, *, compile: bool, lr: float, weight_decay: float):
+        model.set_attention("sdpa")
+        self.model = model
+        self.forward = torch.compile(model) if compile else model
+        fused = next(model.parameters()).is_cuda
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=fused)
+
+    def on_stream(self):
+        return contextlib.nullcontext()
+
+    def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+            logits = self.forward(tokens)
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def timed_step(step, tokens: Tensor, targets: Tensor) -> tuple[Tensor, dict[str, float] | None]:
+    """One step in three phases; on CUDA returns events to read after a sync, else host seconds."""
+    cuda = tokens.is_cuda
+    marks = []
+
+    def mark():
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append(ev)
+        else:
+            marks.append(time.perf_counter())
+
+    with step.on_stream():
+        mark()
+        loss = step.loss(tokens, targets)
+        mark()
+        loss.backward()
+        mark()
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
+        mark()
+    return loss.detach(), marks
+
+
+def phase_ms(marks) -> dict[str, float]:
+    if isinstance(marks[0], float):
+        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
+    else:
+        gaps = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+    return dict(zip(PHASES, gaps)) | {"step": sum(gaps)}
+
+
+def persistent_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, Tensor)]
+    if isinstance(optimizer, FusedAdamW):
+        tensors += [optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def step_flops(cfg: ModelConfig, batch: int, ctx: int) -> float:
+    """Model FLOPs of one step: 3 x forward matmuls (weights incl. LM head, causal attention halved)."""
+    d = cfg.d_model
+    weights = cfg.num_layers * (4 * d * d + 3 * d * cfg.d_ff) + cfg.vocab_size * d
+    attention = cfg.num_layers * 4 * batch * ctx * ctx * d * 0.5
+    return 3.0 * (2.0 * batch * ctx * weights + attention)
+
+
+def matmul_peak(device) -> float:
+    """Measured bf16 matmul FLOP/s (8192^3 on CUDA; a small product on the CPU)."""
+    n = 8192 if torch.device(device).type == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = kernel_time(lambda: a @ b, device=device)["p50"]
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def bandwidth_rows(cfg: ModelConfig, device, run_cfg: dict) -> list[dict]:
+    """Copy bandwidth and the fused AdamW's effective bandwidth on the first blocks' shapes."""
+    cuda = torch.device(device).type == "cuda"
+    n = 2**28 if cuda else 2**20
+    buffers = [torch.empty(n, device=device), torch.empty(n, device=device)]
+    copy_ms = kernel_time(lambda: buffers[1].copy_(buffers[0]), device=device)["p50"]
+    buffers.clear()
+    blocks = min(cfg.num_layers, 8)
+    model = BasicsTransformerLM.from_config(cfg.replace(num_layers=blocks), device=device)
+    opt = FusedAdamW(mixed_precision_groups(model))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    numel = sum(p.numel() for p in model.parameters())
+    adamw_ms = kernel_time(opt.step, device=device)["p50"]
+    rows = []
+    bandwidth = {"problem": PROBLEM, "name": "bandwidth", "metric": "bandwidth", "unit": "GB/s"}
+    for impl, ms, nbytes in [("copy", copy_ms, 2 * 4 * n), ("fused_adamw", adamw_ms, 28 * numel)]:
+        config = run_cfg | {"bytes": nbytes, "ms": ms, "blocks": blocks}
+        rows.append(make_row(impl=impl, value=nbytes / (ms * 1e-3) / 1e9, config=config, **bandwidth))
+    return rows
+
+
+def _at_context(run_cfg: dict) -> dict[str, Any]:
+    """Row keywords of this run: the problem, its context length as the x axis, and `run_cfg` as config."""
+    at = {"x_name": "context_length", "x_value": run_cfg["context_length"]}
+    return {"problem": PROBLEM, "config": run_cfg, **at}
+
+
+def _step_failure(name: str, impl: str, note: str, run_cfg: dict) -> dict[str, Any]:
+    """The row of a path whose step could not run (an OOM or an error); the other paths go on."""
+    return failure_row(name=name, impl=impl, metric="step_ms", unit="ms", note=note, **_at_context(run_cfg))
+
+
+def _rows_for_path(path: str, name: str, times: list[dict], extra: dict, run_cfg: dict) -> list[dict]:
+    train = {"name": name, "impl": path, "mode": "train", "dtype": "bf16"}
+    timed = [(f"{m}_ms", [t[m] for t in times]) for m in ("step", *PHASES)]
+    rows = [
+        make_row(metric=metric, unit="ms", samples=samples, **train, **_at_context(run_cfg | extra))
+        for metric, samples in timed
+    ]
+    rows += [
+        make_row(metric=metric, unit=unit, value=value, **train, **_at_context(run_cfg))
+        for metric, (unit, value) in extra.items()
+        if isinstance(value, float | int)
+    ]
+    return rows
+
+
+def ours_config(args) -> TrainStepConfig:
+    """`TrainStepConfig.fastest()` with the CLI's choices for our step."""
+    return TrainStepConfig.fastest(
+        attention=args.attention,
+        compile=args.compile,
+        compile_mode=args.compile_mode,
+        overlap=args.overlap,
+        overlap_programs=args.overlap_programs or None,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+    )
+
+
+def ours_label(args) -> str:
+    """'ours' for `TrainStepConfig.fastest()`; options that differ from it are named in the label."""
+    label = "ours"
+    if not args.overlap:
+        label += " -overlap"
+    elif args.overlap_programs:
+        label += f" +overlap grid {args.overlap_programs}"
+    if args.compile_mode != "default":
+        label += f" +{args.compile_mode}"
+    return label
+
+
+def _build(path: str, cfg: ModelConfig, state: dict, args, stage: dict | None = None):
+    model = BasicsTransformerLM.from_config(cfg, device=args.device)
+    model.load_state_dict(state)
+    hp = dict(lr=args.lr, weight_decay=args.weight_decay)
+    if path == "stock":
+        return StockStep(model, compile=args.compile, **hp)
+    if path.startswith("ours"):
+        return build_train_step(model, ours_config(args))
+    return build_train_step(model, TrainStepConfig(**stage, **hp))
+
+
+def _first_step_s(step, batch) -> float:
+    start = time.perf_counter()
+    timed_step(step, *batch)
+    synchronize()
+    return time.perf_counter() - start
+
+
+def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: float) -> list[dict]:
+    """Stock vs ours, interleaved rounds; returns rows (a failure row per path that could not run)."""
+    paths = ["stock", ours_label(args)]
+    steps, times, extra = {}, {p: [] for p in paths}, {}
+    flops = step_flops(cfg, args.batch_size, run_cfg["context_length"])
+    datasheet = peak_flops(device_name(), "bf16")
+    rows = []
+
+    def failed(path: str, note: str) -> None:  # an OOM or error is a row, and the other paths go on
+        rows.append(_step_failure("compare", path, note, run_cfg))
+        steps.pop(path, None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    for path in paths:
+        outcome: dict = {}
+        with capture_failure(outcome):
+            steps[path] = _build(path, cfg, state, args)
+            extra[path] = {"first_step_s": ("s", _first_step_s(steps[path], batches[0]))}
+            for i in range(args.warmup):
+                timed_step(steps[path], *batches[i % len(batches)])
+        if outcome:
+            failed(path, outcome["note"])
+    peaks = {p: 0 for p in steps}
+    for r in range(args.rounds):
+        for path in list(steps)[:: 1 if r % 2 == 0 else -1]:
+            synchronize()
+            base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            outcome = {}
+            with capture_failure(outcome):
+                marks = [timed_step(steps[path], *batches[i % len(batches)])[1] for i in range(args.steps)]
+                synchronize()
+                times[path] += [phase_ms(m) for m in marks]
+            if outcome:
+                failed(path, outcome["note"] + f" (in round {r + 1})")
+            elif torch.cuda.is_available():
+                peaks[path] = max(peaks[path], torch.cuda.max_memory_allocated() - base)
+    for path, step in steps.items():
+        med = pd.Series([t["step"] for t in times[path]]).median()
+        e = extra[path] | {
+            "peak_memory_gib": ("GiB", (persistent_bytes(step.model, step.optimizer) + peaks[path]) / 2**30),
+            "tflops": ("TFLOP/s", flops / (med * 1e-3) / 1e12),
+            "mfu_measured_peak": ("fraction", flops / (med * 1e-3) / peak),
+        }
+        if datasheet:
+            e["mfu_datasheet"] = ("fraction", flops / (med * 1e-3) / datasheet)
+        rows += _rows_for_path(path, "compare", times[path], e, run_cfg)
+    steps.clear()
+    return rows
+
+
+def waterfall(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches) -> list[dict]:
+    rows, stage = [], {}
+    for label, change in STAGES:
+        stage = stage | change
+        if not args.compile:
+            stage.pop("compile", None)
+        if stage.get("attention") == "flash_triton" and not torch.cuda.is_available():
+            stage["attention"] = "sdpa"  # the interpreter cannot run bf16 attention
+        outcome: dict = {}
+        with capture_failure(outcome):
+            step = _build("stage", cfg, state, args, stage)
+            first = _first_step_s(step, batches[0])
+            for i in range(args.warmup):
+                timed_step(step, *batches[i % len(batches)])
+            marks = [timed_step(step, *batches[i % len(batches)])[1] for i in range(args.steps)]
+            synchronize()
+            extra = {"first_step_s": ("s", first)}
+            times = [phase_ms(m) for m in marks]
+            rows += _rows_for_path(label, "waterfall", times, extra, run_cfg | {"stage": stage})
+            del step
+        if outcome:
+            rows.append(_step_failure("waterfall", label, outcome["note"], run_cfg | {"stage": stage}))
+        torch._dynamo.reset()  # compiled code must not keep the stage's model alive
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def check(cfg: ModelConfig, args, state: dict, batches, num_steps: int = 20) -> list[dict]:
+    """Loss of each of `num_steps` steps: ours vs the plain reference step (reference AdamW, no fusions)."""
+    attention = "sdpa" if not torch.cuda.is_available() else args.attention
+    optimizer = {"lr": args.lr, "weight_decay": args.weight_decay}
+    configs = {
+        "reference": TrainStepConfig(autocast=True, attention="sdpa", **optimizer),
+        "ours": dataclasses.replace(ours_config(args), attention=attention),
+    }
+    loss = {"problem": PROBLEM, "name": "check", "mode": "train", "dtype": "bf16", "metric": "loss"}
+    check_config = {"size": args.size_name, "context_length": cfg.context_length}
+    loss |= {"x_name": "step", "unit": "nats", "config": check_config}
+    rows = []
+    for name, tc in configs.items():
+        model = BasicsTransformerLM.from_config(cfg, device=args.device)
+        model.load_state_dict(state)
+        step = build_train_step(model, tc)
+        losses = [step(*batches[i % len(batches)]).item() for i in range(num_steps)]
+        rows += [make_row(impl=name, x_value=i + 1, value=v, **loss) for i, v in enumerate(losses)]
+        del step, model
+        gc.collect()
+    return rows
+
+
+def run(args) -> pd.DataFrame:
+    rows: list[dict] = []
+    device = torch.device(args.device)
+    peak = matmul_peak(device)
+    matmul = {"problem": PROBLEM, "name": "matmul_peak", "impl": "torch.mm", "dtype": "bf16"}
+    rows.append(make_row(metric="tflops", unit="TFLOP/s", value=peak / 1e12, **matmul))
+    for ctx in args.context_length:
+        cfg = MODEL_SIZES[args.size].replace(context_length=ctx)
+        run_cfg = {key: getattr(args, key) for key in RUN_CONFIG_KEYS} | {"context_length": ctx}
+        run_cfg["ours"] = dataclasses.asdict(ours_config(args))
+        torch.manual_seed(0)
+        state = {
+            k: v.detach().cpu()
+            for k, v in BasicsTransformerLM.from_config(cfg, device=device).state_dict().items()
+        }
+        gen = torch.Generator().manual_seed(1)
+        batches = [
+            random_batch(args.batch_size, ctx, cfg.vocab_size, device=device, generator=gen) for _ in range(4)
+        ]
+        if "bandwidth" in args.parts and ctx == args.context_length[0]:
+            rows += bandwidth_rows(cfg, device, run_cfg)
+        if "check" in args.parts and ctx == args.context_length[0]:
+            rows += check(cfg, args, state, batches)
+        if "compare" in args.parts:
+            rows += compare(cfg, args, run_cfg, state, batches, peak)
+        if "waterfall" in args.parts:
+            rows += waterfall(cfg, args, run_cfg, state, batches)
+        print(summary(pd.DataFrame(rows)).to_string(), flush=True)
+    df = pd.DataFrame(rows)
+    if not args.no_save:
+        print("rows ->", append_rows(PROBLEM, rows, args.results_dir))
+    return df
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Median step time per (name, impl, context) with the ours/stock ratio, for printing."""
+    t = df[df.metric == "step_ms"]
+    if t.empty:
+        return t
+    return t.pivot_table(index=["name", "impl"], columns="x_value", values="p50", sort=False)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cs336_systems.studies.training.train_step",
+        description=__doc__.split("\n\n")[0],
+        epilog="example: python -m cs336_systems.studies.training.train_step --size 2.7B --context-length 512 2048",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--size", choices=list(MODEL_SIZES), default="2.7B", help="model size preset")
+    p.add_argument("--context-length", nargs="+", type=int, default=[512, 2048])
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds of stock and ours")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per path per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compile) step")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument(
+        "--attention", choices=["flash_triton", "sdpa"], default="sdpa", help="attention of our step"
+    )
+    p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="our step applies the update after backward instead of overlapping it",
+    )
+    p.add_argument(
+        "--compile-mode",
+        choices=["default", "max-autotune-no-cudagraphs"],
+        default="default",
+        help="torch.compile mode of our blocks (stock always uses the default)",
+    )
+    p.add_argument(
+        "--overlap-programs",
+        type=int,
+        default=0,
+        help="grid cap of our overlapped optimizer launches (0: uncapped)",
+    )
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="eager stock and ours")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    cli.add_results_dir(p)
+    p.add_argument("--no-save", action="store_true", help="print only")
+    p.add_argument(
+        "--quick", action="store_true", help="debug model, 2 rounds of 2 steps, no compile, no save"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    args = _parser().parse_args(argv)
+    if args.quick:
+        args.size, args.context_length, args.rounds, args.steps, args.warmup = "debug", [32], 2, 2, 1
+        args.compile, args.no_save = False, args.results_dir is None
+        args.attention = "flash_triton" if torch.cuda.is_available() else "sdpa"
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--rounds and --steps must be >= 1 and --warmup >= 0")
+    if args.attention == "flash_triton" and torch.device(args.device).type != "cuda":
+        raise SystemExit(
+            "--attention flash_triton needs a CUDA device for bf16 (use --attention sdpa on a CPU)"
+        )
+    if any(c < 1 for c in args.context_length):
+        raise SystemExit(f"--context-length must be positive, got {args.context_length}")
+    if not args.no_save:
+        args.results_dir = str(cli.results_dir_for(args.results_dir, quick=args.quick))
+    args.size_name = args.size
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
