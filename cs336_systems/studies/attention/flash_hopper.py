@@ -269,6 +269,8 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
     tp = throughput_table(df)
     if len(tp):
         out["throughput"] = tp.set_index("pass").to_dict("index")
+    per_shape = shape_throughput_table(df)  # forward and backward alone at each model shape
+    out["shape_passes"] = {(r["shape"], r["mode"]): r.to_dict() for _, r in per_shape.iterrows()}
     one = flash_backward_tuning.one_pass_table(df)  # the tl one-pass attempt (session 9)
     out["tl_one_pass_ratio"] = {int(r["head dim"]): r["one-pass / two-pass"] for _, r in one.iterrows()}
     return out
