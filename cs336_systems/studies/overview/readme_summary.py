@@ -23,7 +23,8 @@ def _device(df: pd.DataFrame) -> str:
 def flash_section() -> str:
     from cs336_systems.studies.attention.flash_leaderboard import final_runs, protocol_runs
 
-    runs = protocol_runs(load_results("flash_leaderboard"))
+    df = load_results("flash_leaderboard")
+    runs = protocol_runs(df)
     final = final_runs(runs)
     if final.empty:
         final = runs.tail(1)
@@ -50,7 +51,35 @@ def flash_section() -> str:
         "fwd + bwd, do_bench(rep=10000) median; the runs of the final tl kernels, per GPU):\n\n"
         + pd.DataFrame(rows).to_markdown(index=False)
         + hopper_sentence(runs)
+        + model_shape_sentence(df)
     )
+
+
+def model_shape_sentence(df: pd.DataFrame) -> str:
+    """The 8B model's attention shape: ours against cuDNN in the latest run of that shape, and each
+    pass alone (flash_hopper's tables)."""
+    from cs336_systems.studies.attention import flash_hopper
+
+    shapes = flash_hopper.shapes_table(df)
+    key = "32 x 32768 x 128"
+    if shapes.empty or key not in set(shapes["shape"]) or "ours / sdpa_cudnn" not in shapes:
+        return ""
+    row = shapes.set_index("shape").loc[key]
+    src = shapes.attrs["source"]
+    src = src[src["shape"] == key]
+    out = (
+        f" At the 8B model's attention shape ({key}) ours takes **{row['ours / sdpa_cudnn']:.2f}x** cuDNN's "
+        f"time ({row['flash_triton']:.1f} vs {row['sdpa_cudnn']:.1f} ms, {src.gpu_name.iloc[-1]}, "
+        f"{src.git_sha.iloc[-1][:7]})"
+    )
+    passes = flash_hopper.shape_throughput_table(df)
+    passes = passes[passes["shape"] == key].set_index("mode")
+    if {"fwd", "bwd"} <= set(passes.index):
+        out += (
+            f"; alone, forward {passes.loc['fwd', 'ours TFLOP/s']:.0f} vs {passes.loc['fwd', 'cuDNN TFLOP/s']:.0f} "
+            f"TFLOP/s, backward {passes.loc['bwd', 'ours TFLOP/s']:.0f} vs {passes.loc['bwd', 'cuDNN TFLOP/s']:.0f}"
+        )
+    return out + "."
 
 
 def hopper_sentence(runs: pd.DataFrame) -> str:
