@@ -138,18 +138,25 @@ def pass_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _latest_run_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of each shape's latest run (one `run_leaderboard` call), with a "shape" column."""
+    if rows.empty:
+        return rows
+    rows = rows.copy()
+    cfg = [json.loads(c) for c in rows.config_json]
+    rows["shape"] = [f"{c['heads']} x {c['seq_len']} x {c['d']}" for c in cfg]
+    rows["run_id"] = [c.get("run_id", sha) for c, sha in zip(cfg, rows.git_sha)]
+    last = rows.sort_values("timestamp").groupby("shape", sort=False).run_id.last()
+    return rows[rows.run_id == rows["shape"].map(last)]
+
+
 def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
     """Forward + backward at each model shape, from the latest run (one `run_leaderboard` call, one
     process) of that shape: every implementation it timed (median ms) and ours against SDPA's two
     backends. Implementations that run did not time are blank, never filled from another run."""
-    sh = df[(df.name == "shapes") & (df.metric == "latency")].copy()
+    sh = _latest_run_per_shape(df[(df.name == "shapes") & (df.metric == "latency")])
     if sh.empty:
         return pd.DataFrame()
-    cfg = [json.loads(c) for c in sh.config_json]
-    sh["shape"] = [f"{c['heads']} x {c['seq_len']} x {c['d']}" for c in cfg]
-    sh["run_id"] = [c.get("run_id", sha) for c, sha in zip(cfg, sh.git_sha)]
-    last = sh.sort_values("timestamp").groupby("shape", sort=False).run_id.last()
-    sh = sh[sh.run_id == sh["shape"].map(last)]
     sh = latest_run(sh, keys=("name", "impl", "shape", "metric"))
     wide = sh.pivot_table(index="shape", columns="impl", values="p50", aggfunc="first", sort=False)
     wide = wide[[i for i in SHAPE_IMPLS if i in wide.columns]]
@@ -165,14 +172,9 @@ def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
 def shape_throughput_table(df: pd.DataFrame) -> pd.DataFrame:
     """Forward and backward alone at each model shape (rows "shapes_split", the latest run of each
     shape): TFLOP/s of ours and cuDNN's, ours / cuDNN's time per pass."""
-    sp = df[(df.name == "shapes_split") & (df.metric == "throughput")].copy()
+    sp = _latest_run_per_shape(df[(df.name == "shapes_split") & (df.metric == "throughput")])
     if sp.empty:
         return pd.DataFrame()
-    cfg = [json.loads(c) for c in sp.config_json]
-    sp["shape"] = [f"{c['heads']} x {c['seq_len']} x {c['d']}" for c in cfg]
-    sp["run_id"] = [c.get("run_id", sha) for c, sha in zip(cfg, sp.git_sha)]
-    last = sp.sort_values("timestamp").groupby("shape", sort=False).run_id.last()
-    sp = sp[sp.run_id == sp["shape"].map(last)]
     tf = sp.pivot_table(index=["shape", "mode"], columns="impl", values="p50", aggfunc="first")
     if not {"flash_triton", "sdpa_cudnn"} <= set(tf.columns):
         return pd.DataFrame()
