@@ -255,6 +255,13 @@ def test_dq_in_the_consumers_needs_two_equal_power_of_two_halves(d, half):
     assert cfg.one_pass and cfg.head_split(d) == half
 
 
+def test_a_head_dim_the_consumers_cannot_halve_is_refused_with_a_clear_error():
+    cfg = hopper.WarpSpecializedBwdConfig(dq_in_consumers=True)
+    tensors = [torch.zeros(1, 1, 4, 80) for _ in range(7)] + [torch.zeros(1, 1, 4)] * 2
+    with pytest.raises(ValueError, match="head dim 80 cannot be split into two equal"):
+        hopper.flash_bwd_hopper(tensors, True, cfg)
+
+
 def test_dq_either_in_a_warpgroup_of_its_own_or_in_the_consumers():
     with pytest.raises(ValueError, match="either in a warpgroup of its own"):
         hopper.WarpSpecializedBwdConfig(dq_regs=88, dq_in_consumers=True)

@@ -314,14 +314,14 @@ def flash_bwd_hopper(
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
     cfg = cfg or heuristic_bwd(d)
-    _set_allocator(q4.device)
     ws = isinstance(cfg, WarpSpecializedBwdConfig)
+    d0 = cfg.head_split(d) if ws else split_head_dim(d)
+    if d0 is None:  # before any allocation or launch
+        raise ValueError(f"{cfg}: head dim {d} cannot be split into two equal power-of-two column blocks")
+    _set_allocator(q4.device)
     one_pass = ws and cfg.one_pass
     # one pass: a zeroed float32 dQ that the kernel adds into, then cast into dq4 (all planned)
     dq_acc = buffer_kernels.zeroed_float32("dq_acc", (batch * heads, n_q, d), q4.device) if one_pass else lse
-    d0 = cfg.head_split(d) if ws else split_head_dim(d)
-    if d0 is None:
-        raise ValueError(f"{cfg}: head dim {d} cannot be split into two equal power-of-two column blocks")
     if ws:
         kernel = hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel
         specific = dict(
