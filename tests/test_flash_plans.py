@@ -177,3 +177,64 @@ def test_scratch_tensors_are_allocated_zeroed_and_cast_again_on_replay():
     buffer_kernels.cast_rows_into(other, src)
     # to bf16 within one unit in the last place (the interpreter's cast truncates, CUDA's rounds)
     torch.testing.assert_close(other.float(), src.view(2, 3, 5, 32)[..., :24], rtol=2**-7, atol=0)
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return FlashAttentionTriton.apply(q, k, v, True)
+
+
+def _reference_grads(q, k, v, do):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
+    o.backward(do.double())
+    return o, q64.grad, k64.grad, v64.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 80, 128], ids=["d64", "d80", "d128"])
+def test_gpu_forward_and_backward_replay_inside_a_cuda_graph(d):
+    """`torch.cuda.make_graphed_callables` captures our forward and backward (every launch, the
+    one-pass backward's float32 dQ scratch from the graph's pool); replays on new values written into
+    the static inputs match the float64 reference (each replay's outputs poisoned first)."""
+    g = torch.Generator(device="cuda").manual_seed(d)
+    shape = (2, 4, 512, d)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    graphed = torch.cuda.make_graphed_callables(_Attention(), (q, k, v))
+    for _ in range(2):  # new inputs: the graphed callable copies them into the captured ones
+        qn, kn, vn = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                      for _ in range(3))  # fmt: skip
+        do = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        o = graphed(qn, kn, vn)
+        o.backward(do)
+        torch.cuda.synchronize()
+        want_o, want_dq, want_dk, want_dv = _reference_grads(qn, kn, vn, do)
+        torch.testing.assert_close(o.double(), want_o, atol=2e-2, rtol=2e-2)
+        for got, want in ((qn.grad, want_dq), (kn.grad, want_dk), (vn.grad, want_dv)):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_the_compiled_step_runs_as_cuda_graphs_under_reduce_overhead():
+    """`torch.compile(mode="reduce-overhead")` (Inductor's CUDA graph trees) captures the compiled
+    forward and backward with our operators inside: no cudagraph skip is counted, and the replayed
+    step's gradients match the float64 reference on new inputs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, True), mode="reduce-overhead")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, 8, 512, 80)
+    for _ in range(4):  # warm-up, record, then replays
+        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for _ in range(3))  # fmt: skip
+        do = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        step(q, k, v).backward(do)
+    torch.cuda.synchronize()
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    _, want_dq, want_dk, want_dv = _reference_grads(q, k, v, do)
+    for got, want in ((q.grad, want_dq), (k.grad, want_dk), (v.grad, want_dv)):
+        torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2)
