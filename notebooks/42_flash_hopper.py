@@ -201,7 +201,8 @@ if len(shapes) and "sdpa_flash" in shapes:
 # %% tags=["remove-input", "appendix"]
 if nb.have_results(shapes, "the model-shape comparison"):
     short = {"flash_triton": "ours", "flash_triton_portable": "portable", "flash_triton_gluon": "gluon",
-             "custom_op_floor": "host floor"}  # fmt: skip
+             "custom_op_floor": "host floor", "flash_triton_graphed": "ours graphed",
+             "sdpa_flash_graphed": "flash graphed", "sdpa_cudnn_graphed": "cuDNN graphed"}  # fmt: skip
     wide = shapes[[c for c in shapes.columns if not c.startswith("ours /")]].rename(columns=short)
     show_table(
         wide,

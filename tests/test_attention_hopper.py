@@ -153,6 +153,7 @@ WS_CONFIGS = [
     hopper.WarpSpecializedFwdConfig(pingpong=True),
     hopper.WarpSpecializedFwdConfig(pingpong=False),
     hopper.WarpSpecializedFwdConfig(head_major=False),
+    hopper.WarpSpecializedFwdConfig(stages=3),
     hopper.WarpSpecializedFwdConfig(block_n=64, stages=3, pingpong=True),
     hopper.WarpSpecializedFwdConfig(consumers=3, block_n=64, stages=3, consumer_regs=160, pingpong=True),
 ]

@@ -357,3 +357,12 @@ def test_a_model_shape_run_records_its_forward_and_backward_and_survives_the_flo
     split = stored[stored.name == "shapes_split"]
     assert set(split.impl) == {"flash_triton"} and set(split["mode"]) == {"fwd", "bwd"}
     assert split.p50.notna().all() and set(stored[stored.name == "shapes"].impl) == set(cfg.impls)
+
+
+def test_the_graphed_steps_need_a_cuda_device():
+    from cs336_systems.studies.attention.impls import LEADERBOARD_IMPLS, STEP_ONLY, leaderboard_step
+
+    assert set(STEP_ONLY) <= set(LEADERBOARD_IMPLS)
+    x = torch.randn(3, 2, 16, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="capture CUDA graphs: they need a CUDA device"):
+        leaderboard_step("flash_triton_graphed", x)

@@ -37,6 +37,9 @@ SHAPE_IMPLS = (
     "sdpa_flash",
     "sdpa_cudnn",
     "custom_op_floor",
+    "flash_triton_graphed",
+    "sdpa_flash_graphed",
+    "sdpa_cudnn_graphed",
 )
 # (heads, N, d): the 8B leaderboard's attention (32 heads, 32768, d 128) and the 2.7B model's (batch 4 x
 # 32 heads, d 80) at the contexts issue 18 names.

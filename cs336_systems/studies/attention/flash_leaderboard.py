@@ -43,7 +43,7 @@ from cs336_systems.studies.attention.flash_sweep import (
     failure_note,
     measure_config,
 )
-from cs336_systems.studies.attention.impls import attention_fn, impl_options, leaderboard_step
+from cs336_systems.studies.attention.impls import STEP_ONLY, attention_fn, impl_options, leaderboard_step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,7 +179,7 @@ def _leaderboard_split(cfg: LeaderboardConfig, config: dict[str, Any]) -> list[d
     )
     print(f"\nmeasured {cfg.dtype} matmul peak: {peak:.1f} TFLOP/s")
     print(f"{'impl':<16}{'mode':<9}{'median ms':>11}{'TFLOP/s':>9}{'of peak':>9}")
-    for impl in (i for i in cfg.impls if i != "custom_op_floor"):  # the floor is a step, not an attention
+    for impl in (i for i in cfg.impls if i not in STEP_ONLY):  # steps only, not attention callables
         fn = attention_fn(impl, cfg.device)
         with impl_options(impl):
             stats, _, note = measure_config(

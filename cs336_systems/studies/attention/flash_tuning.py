@@ -203,7 +203,7 @@ HOPPER_FWD_CANDIDATES = {
 # The warp-specialised forward: (consumers, block_n, stages, pingpong, consumer_regs).
 HOPPER_WS_FWD_CANDIDATES = {
     64: [(2, 128, 2, True, 240), (2, 128, 2, False, 240), (3, 64, 3, True, 160), (3, 64, 3, False, 160)],
-    128: [(2, 128, 2, True, 240), (2, 128, 2, False, 240), (2, 64, 3, True, 240)],
+    128: [(2, 128, 2, True, 240), (2, 128, 2, False, 240), (2, 128, 3, False, 240), (2, 64, 3, True, 240)],
     80: [(2, 128, 2, False, 240), (2, 64, 3, True, 240)],
 }
 # The warp-specialised dK/dV pass: (block_m, stages, consumer_regs, consumers).

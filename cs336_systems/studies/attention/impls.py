@@ -23,6 +23,8 @@ from cs336_systems.model import get_attention
 # inputs, ours with the PyTorch backward, SDPA's two fastest backends, and `custom_op_floor`: an
 # attention that launches nothing, built like ours (an autograd.Function around two operators,
 # compiled), whose step time is the host floor of that design (outputs uninitialised: time only).
+# "<impl>_graphed": that attention's forward and backward captured in CUDA graphs
+# (`torch.cuda.make_graphed_callables`) and replayed, so no host work per call is left (GPU only).
 LEADERBOARD_IMPLS = (
     "flash_triton",
     "flash_triton_portable",
@@ -31,7 +33,12 @@ LEADERBOARD_IMPLS = (
     "sdpa_flash",
     "sdpa_cudnn",
     "custom_op_floor",
+    "flash_triton_graphed",
+    "sdpa_flash_graphed",
+    "sdpa_cudnn_graphed",
 )
+# Implementations timed only as the protocol's step (no attention callable of their own).
+STEP_ONLY = ("custom_op_floor", "flash_triton_graphed", "sdpa_flash_graphed", "sdpa_cudnn_graphed")
 # Our implementations that pin the kernel choice (tiles.KernelOptions.hopper).
 _PINNED_HOPPER = {"flash_triton_portable": False, "flash_triton_gluon": True}
 
@@ -114,10 +121,34 @@ def attention_fn(impl: str, device: str = "cuda") -> Callable:
     }[impl]
 
 
+class _Causal(torch.nn.Module):
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, q, k, v):
+        return self.fn(q, k, v, True)
+
+
+def _graphed(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable:
+    """fn(q, k, v, True) and its backward captured in CUDA graphs (on copies of q, k, v's shapes);
+    called as flash(q, k, v, True) like the other steps (always causal, as the protocol)."""
+    if q.device.type != "cuda":
+        raise ValueError("the *_graphed implementations capture CUDA graphs: they need a CUDA device")
+    samples = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
+    graphed = torch.cuda.make_graphed_callables(_Causal(fn), samples)
+    return lambda a, b, c, _is_causal: graphed(a, b, c)
+
+
 def leaderboard_step(impl: str, x: torch.Tensor) -> Callable[[], None]:
     """The protocol's timed step for `impl` on x = stacked (q, k, v): o = flash(q, k, v, True); o.sum().backward()."""
     q, k, v = x  # the protocol's unpacking along dim 0: (heads, N, d) views of x
-    if impl == "flash_triton" or impl in _PINNED_HOPPER:
+    if impl.endswith("_graphed"):
+        base = impl.removesuffix("_graphed")
+        if base.startswith("sdpa_"):
+            q, k, v = q[None], k[None], v[None]  # 4-D for SDPA's kernels
+        flash = _graphed(attention_fn(base, x.device.type), q, k, v)
+    elif impl == "flash_triton" or impl in _PINNED_HOPPER:
         flash = torch.compile(FlashAttentionTriton.apply)
     elif impl == "custom_op_floor":
         flash = torch.compile(CustomOpFloor.apply)
