@@ -107,8 +107,9 @@ if len(passes) and len(shapes) and not quick:
             else ""
         )
         + ": its backward runs in one pass with dQ computed by the two consumer warpgroups themselves (a "
-        "third warpgroup does not fit beside two 128-wide dK/dV accumulators), and its forward's grid runs "
-        "a head's query tiles together so that K and V stay in L2 (OPTIMIZATION_LOG.md, Session 12). "
+        "third warpgroup does not fit beside two 128-wide dK/dV accumulators), and its forward keeps three K/V "
+        "tiles in flight and runs a head's query tiles together so that K and V stay in L2 "
+        "(OPTIMIZATION_LOG.md, Session 12). "
         "At d = 80 ours is no slower than SDPA-flash from "
         f"N = {f['d80_no_slower_from']} on ({f['shape_vs_cudnn']['128 x 4096 x 80']:.2f}x cuDNN's time at "
         f"N = 4096); below, our step ({f['d80_short_ms'][0]:.2f}-{f['d80_short_ms'][1]:.2f} ms; "
@@ -119,6 +120,15 @@ if len(passes) and len(shapes) and not quick:
             f"{f['floor_512']['flash_triton']:.2f} ms, SDPA-flash's eager step {f['floor_512']['sdpa_flash']:.2f} ms "
             "(launch plans replay each input signature's launches without checks, kernel choice or Triton's dispatch)"
             if "floor_512" in f
+            else ""
+        )
+        + (
+            ". Captured in CUDA graphs (`torch.cuda.make_graphed_callables`, forward and backward replayed with "
+            f"no host work), our step takes {g['128 x 512 x 80']['flash_triton_graphed']:.3f} ms at N = 512 "
+            f"against {g['128 x 512 x 80']['sdpa_cudnn_graphed']:.3f} for cuDNN's captured the same way, and "
+            f"{g['128 x 1024 x 80']['flash_triton_graphed']:.3f} against "
+            f"{g['128 x 1024 x 80']['sdpa_cudnn_graphed']:.3f} at N = 1024: the gap at short N is the host path"
+            if {"128 x 512 x 80", "128 x 1024 x 80"} <= set(g := f.get("graphed", {}))
             else ""
         )
         + "."

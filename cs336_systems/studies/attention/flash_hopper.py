@@ -271,6 +271,10 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
         out["floor_512"] = {
             c: float(shapes.loc[short, c]) for c in ("custom_op_floor", "flash_triton", "sdpa_flash")
         }
+    graphed = [c for c in shapes.columns if c.endswith("_graphed")]
+    if "flash_triton_graphed" in graphed:  # every step captured in CUDA graphs: no host work per call
+        rows = shapes["flash_triton_graphed"].notna()
+        out["graphed"] = {k: {c: float(shapes.loc[k, c]) for c in graphed} for k in shapes.index[rows]}
     tp = throughput_table(df)
     if len(tp):
         out["throughput"] = tp.set_index("pass").to_dict("index")
