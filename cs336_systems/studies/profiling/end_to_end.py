@@ -41,6 +41,7 @@ from cs336_systems.model import (
     get_config,
     random_batch,
 )
+from cs336_systems.studies.profiling.timing_facts import facts  # noqa: F401 (the study's facts, kept beside its tables)
 
 MODES = ("forward", "forward_backward", "train")
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}

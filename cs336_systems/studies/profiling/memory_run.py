@@ -30,6 +30,7 @@ from cs336_systems.measure.budget import TimeBudget, skipped_row
 from cs336_systems.measure.results import append_rows
 from cs336_systems.studies.profiling import memory as mem
 from cs336_systems.studies.profiling.end_to_end import row_fields
+from cs336_systems.studies.profiling.memory_facts import facts  # noqa: F401 (the study's facts, kept beside its tables)
 
 # Snapshots worth committing (mode, dtype label, context length), in priority order, and their size cap.
 COMMIT_SNAPSHOTS = (("forward", "fp32", 512), ("train", "fp32", 512), ("train", "bf16-autocast", 512))
