@@ -167,7 +167,7 @@ def pass_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _latest_run_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows of each shape's latest run (one `run_leaderboard` call), with a "shape" column."""
+    """The rows of each shape's latest run (one `flash_leaderboard.measure` call), with a "shape" column."""
     if rows.empty:
         return rows
     rows = rows.copy()
@@ -179,7 +179,7 @@ def _latest_run_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Forward + backward at each model shape, from the latest run (one `run_leaderboard` call, one
+    """Forward + backward at each model shape, from the latest run (one `flash_leaderboard.measure` call, one
     process) of that shape: every implementation it timed (median ms) and ours against SDPA's two
     backends. Implementations that run did not time are blank, never filled from another run."""
     sh = _latest_run_per_shape(df[(df.name == "shapes") & (df.metric == "latency")])
