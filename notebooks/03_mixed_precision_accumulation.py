@@ -22,6 +22,7 @@ steps = 1000
 increment = 0.01
 
 # %% tags=["remove-input"]
+import pandas as pd
 import torch
 
 from cs336_systems.report import device_name, nb, show_table
@@ -30,7 +31,7 @@ from cs336_systems.studies.profiling import accumulation
 results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
-df = accumulation.accumulation_experiment(steps=steps, increment=increment)
+df = pd.DataFrame(accumulation.measure(accumulation.AccumulationConfig(steps=steps, increment=increment)))
 headers = {
     "case": "case",
     "result": "result",

@@ -38,7 +38,9 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    memory_run.memory_profiling_study(snapshot_dir, quick=quick, device=device, results_dir=str(results_dir))
+    memory_run.measure(
+        memory_run.MemoryConfig(out=snapshot_dir, quick=quick, device=device), results_dir=str(results_dir)
+    )
 df = load_results("memory_profiling", results_dir)
 snapshots = {
     key: snapshot_dir / f"memory_profiling__{size}_{mode}_{precision}_ctx{ctx}.pickle.gz"

@@ -39,7 +39,7 @@ if nb.should_measure(measure, gpus=1, quick=quick):
     configs = pytorch_attention.attention_grid(
         head_dims, seq_lens, extra_points=[tuple(p) for p in extra_points], reps=reps
     )
-    pytorch_attention.attention_sweep(configs, results_dir=results_dir)
+    pytorch_attention.measure(configs, results_dir=results_dir)
 df = latest_run(load_results("pytorch_attention", results_dir), keys=("name", "impl", "x_value", "metric"))
 df = df[df.impl == "naive"]
 facts = pytorch_attention_facts.facts(df)

@@ -28,7 +28,7 @@ results_dir = nb.setup(quick)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    torch_compile.torch_compile_study(quick=quick, results_dir=str(results_dir))
+    torch_compile.measure(torch_compile.CompileConfig(quick=quick), results_dir=str(results_dir))
 compiled = load_results("torch_compile", results_dir)
 eager_attn = load_results("pytorch_attention", results_dir)
 attn_c = compiled[compiled.x_name == "seq_len"]

@@ -42,7 +42,7 @@ if nb.should_measure(measure, gpus=1, quick=quick):
             seq_lens=tuple(seq_lens), head_dims=tuple(head_dims), dtypes=tuple(dtypes), budget_s=budget_s
         )
     )
-    flash_sweep.run_sweep(cfg, results_dir=results_dir)
+    flash_sweep.measure(cfg, results_dir=results_dir)
 rows = load_results(flash_sweep.PROBLEM, results_dir)
 df = flash_sweep.sweep_frame(rows[rows.metric.isin(["latency", "throughput", "peak_memory"])])
 on_gpu = len(df) and not df.gpu_name.astype(str).str.startswith("cpu").all()

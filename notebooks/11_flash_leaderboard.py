@@ -41,7 +41,7 @@ if nb.should_measure(measure, gpus=1, quick=quick):
         cfg = flash_leaderboard.LeaderboardConfig(
             heads=2, seq_len=64, d=16, rep_ms=20, warmup_ms=5, dtype="float32", matmul_n=256, device="cpu"
         )
-    flash_leaderboard.run_leaderboard(cfg, results_dir=results_dir)
+    flash_leaderboard.measure(cfg, results_dir=results_dir)
     if not quick:
         flash_model.check_equivalence(model_size, [512, 1024], results_dir=results_dir)
         flash_model.training_sweep(model_size, model_contexts, results_dir=results_dir)

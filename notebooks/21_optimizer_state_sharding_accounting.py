@@ -31,7 +31,7 @@ from cs336_systems.studies.distributed import sharding_bench, sharding_facts
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
     config = sharding_bench.BenchConfig(**(sharding_bench.QUICK if quick else {}))
-    sharding_bench.run(config, nproc=2, results_dir=results_dir)
+    sharding_bench.measure(config, nproc=2, results_dir=results_dir)
 df = sharding_facts.latest(load_results(sharding_bench.PROBLEM, results_dir))
 
 

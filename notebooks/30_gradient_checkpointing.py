@@ -41,8 +41,9 @@ cfg = get_config(size, context_length=context_length)
 
 # %% tags=["remove-input"]
 if nb.should_measure(measure, gpus=1, quick=quick):
-    checkpointing.checkpointing_sweep(
-        size=size, batch_size=batch_size, context_length=context_length, results_dir=results_dir
+    checkpointing.measure(
+        checkpointing.CheckpointingConfig(size=size, batch_size=batch_size, context_length=context_length),
+        results_dir=results_dir,
     )
 df = load_results("gradient_checkpointing", results_dir)
 df = df[df.name == size]

@@ -29,7 +29,7 @@ from cs336_systems.studies.distributed import fsdp_bench, fsdp_facts, fsdp_parit
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
     config = fsdp_bench.FsdpBenchConfig(**(fsdp_bench.QUICK if quick else {}))
-    fsdp_bench.run(config, nproc=2, results_dir=results_dir)
+    fsdp_bench.measure(config, nproc=2, results_dir=results_dir)
 df = sharding_facts.latest(load_results(fsdp_bench.PROBLEM, results_dir))
 size = df.name.iloc[0] if len(df) else "xl_2026"
 

@@ -50,9 +50,9 @@ if quick:  # the measuring path on the CPU: the portable kernels under the inter
         heads=2, seq_len=64, d=16, rep_ms=20, warmup_ms=5, dtype="float32", matmul_n=256, device="cpu",
         impls=("flash_triton", "flash_triton_portable"), name="shapes",
     )  # fmt: skip
-    flash_leaderboard.run_leaderboard(cfg, results_dir=results_dir, split=False)
+    flash_leaderboard.measure(cfg, results_dir=results_dir, split=False)
 elif nb.should_measure(measure) and on_hopper:
-    flash_hopper.measure(results_dir=results_dir)
+    flash_hopper.measure(flash_hopper.HopperConfig(), results_dir=results_dir)
 df = load_results(flash_hopper.PROBLEM, results_dir)
 passes, shapes = flash_hopper.pass_table(df), flash_hopper.shapes_table(df)
 

@@ -1,5 +1,6 @@
 """The handout's four accumulation loops and the numbers notebook 03 states about them."""
 
+import pandas as pd
 import pytest
 
 from cs336_systems.studies.profiling import accumulation
@@ -7,7 +8,7 @@ from cs336_systems.studies.profiling import accumulation
 
 @pytest.fixture(scope="module")
 def facts():
-    df = accumulation.accumulation_experiment(steps=1000, increment=0.01)
+    df = pd.DataFrame(accumulation.measure(accumulation.AccumulationConfig(steps=1000, increment=0.01)))
     return accumulation.facts(df, steps=1000, increment=0.01)
 
 
@@ -32,4 +33,4 @@ def test_mixed_cases_carry_only_the_fp16_representation_error(facts):
 
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="steps"):
-        accumulation.accumulation_experiment(steps=0)
+        accumulation.AccumulationConfig(steps=0)

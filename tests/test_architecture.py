@@ -298,3 +298,47 @@ def test_notebooks_import_only_studies_report_and_public_api():
 def test_no_module_is_longer_than_500_lines():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, "\n".join(f"{m}: {n} lines" for m, n in sorted(long.items()))
+
+
+# Studies: each family's __init__.py lists its studies in `STUDIES = (...)`; a study exposes its measuring
+# entry `measure(config, *, results_dir=None, ...) -> rows`, a `main()` CLI and `facts(...) -> dict` (defined
+# there or re-exported from the family helper that holds its tables). A study whose CLI is a family module
+# that imports it (so that its own `main` would be an import cycle) is named in the family's `CLI = {study:
+# module}`, and that module has the `main`. The other modules are helpers.
+def declared(name: str) -> dict[str, tuple[str, ...] | dict[str, str]]:
+    """family package -> the tuple or dict `name` its __init__.py assigns (families without one: absent)."""
+    out = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py" or module.count(".") != 2 or not module.startswith(f"{STUDIES}."):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+                value = ast.literal_eval(node.value)
+                out[module] = value if isinstance(value, dict) else tuple(value)
+    return out
+
+
+def test_every_family_declares_its_studies():
+    families = {
+        m for m, p in MODULES.items() if p.name == "__init__.py" and m.count(".") == 2 and family(m + ".x")
+    }
+    assert families == set(declared("STUDIES")), sorted(families ^ set(declared("STUDIES")))
+
+
+@pytest.mark.parametrize(
+    "module", sorted(f"{fam}.{name}" for fam, names in declared("STUDIES").items() for name in names)
+)
+def test_every_study_has_measure_main_and_facts(module):
+    import importlib
+
+    assert module in MODULES, f"{module}: listed in STUDIES but no such module"
+    mod = importlib.import_module(module)
+    family_package, _, name = module.rpartition(".")
+    cli_module = declared("CLI").get(family_package, {}).get(name)
+    cli = importlib.import_module(f"{family_package}.{cli_module}") if cli_module else mod
+    missing = [part for part in ("measure", "facts") if not callable(getattr(mod, part, None))]
+    missing += [] if callable(getattr(cli, "main", None)) else [f"main (in {cli.__name__})"]
+    assert not missing, f"{module} lacks {missing}"
+    params = list(__import__("inspect").signature(mod.measure).parameters.values())
+    assert params and params[0].name == "config", f"{module}.measure: the first parameter is the config"
+    assert "results_dir" in {p.name for p in params}, f"{module}.measure takes results_dir"

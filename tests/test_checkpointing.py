@@ -3,6 +3,7 @@
 import math
 import re
 
+import pandas as pd
 import pytest
 import torch
 
@@ -155,27 +156,19 @@ def test_cost_table_uses_meta_accounting():
     assert one["peak_activation_GiB"] * 2**30 == pytest.approx(2 * attrs["c"] + attrs["r"])  # debug: 2 layers
 
 
-def test_checkpointing_sweep_runs_and_records_skips(tmp_path):
-    df = study.checkpointing_sweep(
-        [("block", 1), ("recursive", None)],
+def test_checkpointing_measure_runs_and_records_skips(tmp_path):
+    cfg = study.CheckpointingConfig(
+        strategies=(("block", 1), ("recursive", None)),
         size="debug",
         batch_size=2,
         context_length=16,
         device="cpu",
-        results_dir=tmp_path,
-        progress=False,
     )
+    df = pd.DataFrame(study.measure(cfg, results_dir=tmp_path, progress=False))
     steps = df[df.metric == "step_time"]
     assert set(steps.impl) == {"block", "recursive"} and (steps.n == 1).all()
-    skipped = study.checkpointing_sweep(
-        [("block", 2)],
-        size="debug",
-        context_length=16,
-        device="cpu",
-        budget=TimeBudget(0.0),
-        save=False,
-        progress=False,
-    )
+    cfg = study.CheckpointingConfig(strategies=(("block", 2),), size="debug", context_length=16, device="cpu")
+    skipped = pd.DataFrame(study.measure(cfg, budget=TimeBudget(0.0), save=False, progress=False))
     assert skipped.note.str.startswith("skipped").all() and len(skipped) == 2
 
 

@@ -101,7 +101,7 @@ def test_a_failing_config_becomes_rows_and_the_sweep_continues(monkeypatch, tmp_
     configs = E.grid(
         size="debug", context_length=[8, 16, 24], batch_size=1, mode="train", warmup=0, steps=1, device="cpu"
     )
-    df = E.sweep(configs, results_dir=tmp_path, progress=False)
+    df = pd.DataFrame(E.measure(configs, results_dir=tmp_path, progress=False))
     bad = df[df.x_value == 16]
     assert set(bad.note) == {note} and bad["mean"].isna().all()
     assert set(bad.metric) == {"forward_time", "backward_time", "optimizer_time"}

@@ -347,11 +347,11 @@ def test_a_model_shape_run_records_its_forward_and_backward_and_survives_the_flo
     """`flash_bench --leaderboard` at a model shape (CPU, float32, tiny): the forward/backward split
     comes as rows "shapes_split" for the attention implementations (the host floor is a step, not an
     attention, and has none), and the timed rows are stored before the split runs."""
-    from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig, run_leaderboard
+    from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig, measure
 
     cfg = LeaderboardConfig(heads=1, seq_len=16, d=16, rep_ms=1, warmup_ms=1, dtype="float32", device="cpu", matmul_n=64,
                             impls=("flash_triton", "custom_op_floor"), name="shapes")  # fmt: skip
-    rows = run_leaderboard(cfg, results_dir=tmp_path, split=True)
+    rows = measure(cfg, results_dir=tmp_path, split=True)
     stored = pd.read_csv(tmp_path / "flash_leaderboard.csv")
     assert len(stored) == len(rows)
     split = stored[stored.name == "shapes_split"]

@@ -21,7 +21,7 @@ DATA = REPO_ROOT / "figures" / "data"
 
 
 def test_cpu_run_records_eager_rows_and_says_why_there_are_no_graph_rows(tmp_path):
-    rows = fo.run(fo.OverheadConfig(**fo.QUICK), results_dir=tmp_path)
+    rows = fo.measure(fo.OverheadConfig(**fo.QUICK), results_dir=tmp_path)
     df = load_results(fo.PROBLEM, tmp_path)
     assert len(df) == len(rows) == 2 * 2 * 2 * 2  # impls x N x modes x (eager, graph)
     eager = df[df.metric == "eager_latency"]
@@ -114,7 +114,7 @@ def test_graph_replay_removes_the_host_overhead_of_a_short_call(tmp_path):
     cfg = fo.OverheadConfig(
         seq_lens=(128,), head_dims=(64,), impls=("flash_triton", "sdpa_flash"), budget_s=None
     )
-    fo.run(cfg, results_dir=tmp_path)
+    fo.measure(cfg, results_dir=tmp_path)
     df = load_results(fo.PROBLEM, tmp_path)
     assert (df.note == "").all(), df[df.note != ""][["impl", "mode", "metric", "note"]]
     for (impl, mode), g in df.groupby(["impl", "mode"]):

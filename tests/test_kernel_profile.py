@@ -351,9 +351,9 @@ def test_failures_become_rows(monkeypatch, tmp_path):
 
     monkeypatch.setattr(P, "profile_config", oom)
     cfgs = [P.ProfileConfig(size="debug", context_length=c, device="cpu") for c in (16, 32)]
-    df = P.profile_grid(cfgs, results_dir=tmp_path, progress=False)
+    df = pd.DataFrame(P.measure(cfgs, results_dir=tmp_path, progress=False))
     assert list(df.note) == ["OOM", "OOM"] and list(df.x_value) == [16, 32]
-    late = P.profile_grid(cfgs[:1], results_dir=tmp_path, deadline=0.0, progress=False)
+    late = pd.DataFrame(P.measure(cfgs[:1], results_dir=tmp_path, deadline=0.0, progress=False))
     assert late.note.item().startswith("skipped: time budget")
     assert len(load_results("nsys_profile", tmp_path)) == 3
 

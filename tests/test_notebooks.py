@@ -474,12 +474,13 @@ def test_runner_reports_failures_and_timeouts(tmp_path, monkeypatch, capsys):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_accumulation_experiment_matches_ieee_simulation():
+def test_accumulation_measure_matches_ieee_simulation():
     import numpy as np
+    import pandas as pd
 
-    from cs336_systems.studies.profiling.accumulation import accumulation_experiment
+    from cs336_systems.studies.profiling.accumulation import AccumulationConfig, measure
 
-    df = accumulation_experiment().set_index("case")
+    df = pd.DataFrame(measure()).set_index("case")
     # independent reference: numpy scalars, rounding every partial sum to the accumulator's dtype
     ref = {}
     for case, acc, inc in [
@@ -498,4 +499,4 @@ def test_accumulation_experiment_matches_ieee_simulation():
     assert abs(df.loc["fp32 += fp16", "accumulation_error"]) < 1e-5  # the error is representation only
     assert abs(df.loc["fp16 += fp16", "result"] - 10) > 10 * abs(df.loc["fp32 += fp32", "result"] - 10)
     with pytest.raises(ValueError, match="steps"):
-        accumulation_experiment(steps=0)
+        AccumulationConfig(steps=0)

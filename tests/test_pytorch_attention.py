@@ -44,7 +44,7 @@ def test_accounting_saved_part_matches_autograd(b, t, d):
 
 def test_sweep_on_cpu_writes_rows(tmp_path):
     cfgs = pa.attention_grid((8,), (16, 32), extra_points=(), reps=3, warmup=1, device="cpu", batch_size=2)
-    df = pa.attention_sweep(cfgs, results_dir=tmp_path, progress=False)
+    df = pd.DataFrame(pa.measure(cfgs, results_dir=tmp_path, progress=False))
     saved = load_results("pytorch_attention", tmp_path)
     assert len(saved) == len(df) == 2 * 4  # first fwd/bwd + fwd/bwd timings; no memory rows on a CPU
     timed = saved[saved.metric.isin(["forward_time", "backward_time"])]

@@ -3,17 +3,35 @@
 Problems pytorch_attention, torch_compile, flash_benchmarking, flash_leaderboard (notebooks 06, 07,
 10, 11) and the Hopper kernels (42).
 
-* `pytorch_attention` (+ `pytorch_attention_facts`, its tables, figure and facts): naive attention
-  at scale, time and memory, with the memory accounting.
-* `torch_compile`: compiled attention and the compiled whole model (times the model with
+Every study (listed in `STUDIES`) has its config, `measure(config, *, results_dir=None) -> rows`, a
+`main()` CLI and `facts(df) -> dict`; `flash_sweep` and `flash_leaderboard` share one CLI,
+`flash_bench` (`CLI` names it), which imports them (their own `main` would be an import cycle). The
+other modules are the family's helpers.
+
+* `pytorch_attention` (study; + `pytorch_attention_facts`, its accounting, tables, figure and facts,
+  re-exported): naive attention at scale, time and memory, with the memory accounting.
+* `torch_compile` (study): compiled attention and the compiled whole model (times the model with
   `profiling.end_to_end`).
 * `impls`: the attention implementations the FlashAttention benchmarks time, by name.
-* `flash_bench`: the CLI of the FlashAttention benchmarks (sweep, leaderboard, tuning); the studies
-  it runs: `flash_sweep` (flash_benchmarking), `flash_leaderboard` (+ `flash_leaderboard_runs`, the
-  protocol-run history), `flash_tuning` (tile tuning, ncu reports), `flash_backward_tuning` (the
-  one-pass backward), `flash_hopper` (the Gluon kernels' tables and facts).
-* `flash_overhead`: the host overhead of the flash_benchmarking calls (CUDA graph replays).
-* `flash_model`: our kernel inside the model (equivalence and training steps).
+* `flash_bench`: the CLI of the FlashAttention benchmarks (sweep, leaderboard, tuning); what it runs:
+  the studies `flash_sweep` (flash_benchmarking) and `flash_leaderboard` (+ `flash_leaderboard_runs`,
+  the protocol-run history, a helper: merged it would pass 500 lines), and the tuning helpers
+  `flash_tuning` (tile tuning, ncu reports) and `flash_backward_tuning` (the one-pass backward),
+  whose rows `flash_leaderboard` and `flash_hopper` read.
+* `flash_hopper` (study): the Gluon kernels' tuning, protocol and model-shape runs, tables and facts.
+* `flash_overhead` (study): the host overhead of the flash_benchmarking calls (CUDA graph replays).
+* `flash_model` (study): our kernel inside the model (equivalence and training steps).
 * `python -m cs336_systems.studies.attention` (this folder's `__main__`): the naive-attention and
   compile measurements on the host it is on (a time budget only with `--budget-s`).
 """
+
+STUDIES = (
+    "pytorch_attention",
+    "torch_compile",
+    "flash_sweep",
+    "flash_leaderboard",
+    "flash_hopper",
+    "flash_overhead",
+    "flash_model",
+)
+CLI = {"flash_sweep": "flash_bench", "flash_leaderboard": "flash_bench"}

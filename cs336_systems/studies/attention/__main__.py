@@ -28,7 +28,8 @@ import torch
 from cs336_systems.measure import cli, parts
 from cs336_systems.measure.results import REPO_ROOT
 from cs336_systems.model import MODEL_SIZES, SIZES_2025
-from cs336_systems.studies.attention.pytorch_attention import attention_grid, attention_sweep
+from cs336_systems.studies.attention.pytorch_attention import attention_grid
+from cs336_systems.studies.attention.pytorch_attention import measure as attention_measure
 from cs336_systems.studies.attention.torch_compile import attention_compile_sweep, whole_model_compile_sweep
 
 PARTS = ("attention", "attention_compiled", "compile_model")
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(f"device: {dev} | results: {results} | out: {out} | budget: {args.budget_s or 'none'}")
     runners = {
-        "attention": lambda b: attention_sweep(
+        "attention": lambda b: attention_measure(
             attention_grid(**grid_kw, **attn_kw), budget=b, results_dir=results, progress=False
         ),
         "attention_compiled": lambda b: attention_compile_sweep(

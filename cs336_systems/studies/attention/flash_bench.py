@@ -42,8 +42,10 @@ from cs336_systems.attention import FlashAttentionTriton
 from cs336_systems.measure import cli
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.studies.attention.flash_backward_tuning import run_backward_tuning
-from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig, run_leaderboard, run_variants
-from cs336_systems.studies.attention.flash_sweep import IMPLS, SweepConfig, quick_config, run_sweep
+from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig, run_variants
+from cs336_systems.studies.attention.flash_leaderboard import measure as run_leaderboard
+from cs336_systems.studies.attention.flash_sweep import IMPLS, SweepConfig, quick_config
+from cs336_systems.studies.attention.flash_sweep import measure as run_sweep
 from cs336_systems.studies.attention.flash_tuning import run_hopper_tuning, run_tuning
 from cs336_systems.studies.attention.impls import LEADERBOARD_IMPLS
 

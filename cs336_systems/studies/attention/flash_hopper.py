@@ -5,7 +5,9 @@ tiles against every Gluon candidate), `flash_bench --leaderboard` (`"protocol"`:
 `flash_bench --leaderboard --lb-shapes ...` (`"shapes"`: the models' shapes, batch 1 with B*H heads,
 with the host floor `custom_op_floor` beside the kernels) and `flash_bench --tune-bwd` (`"bwd_tuning"`:
 the one-pass backward against the two-pass one, `flash_backward_tuning`).
-`measure(...)` runs all three on an sm_90 GPU; the tables and `facts` read the committed rows.
+`measure(HopperConfig())` runs all three on an sm_90 GPU; the tables and `facts` read the committed rows.
+
+    python -m cs336_systems.studies.attention.flash_hopper --protocol-runs 3
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 
 from cs336_systems.accounting.hardware import peak_flops
+from cs336_systems.measure import cli
 from cs336_systems.measure.results import latest_run
 from cs336_systems.studies.attention import flash_backward_tuning
 from cs336_systems.studies.attention.flash_leaderboard import (
     LeaderboardConfig,
     protocol_runs,
-    run_leaderboard,
     split_table,
+)
+from cs336_systems.studies.attention.flash_leaderboard import (
+    measure as run_leaderboard,  # the leaderboard study's measure
 )
 from cs336_systems.studies.attention.flash_sweep import LEADERBOARD
 from cs336_systems.studies.attention.flash_tuning import run_hopper_tuning
@@ -50,16 +57,25 @@ MODEL_SHAPES = ((32, 32768, 128), (128, 512, 80), (128, 1024, 80), (128, 2048, 8
 FA3_PUBLISHED = {"fwd": (475.0, "causal, d = 64"), "bwd": (550.0, "d = 128")}
 
 
-def measure(*, results_dir=None, protocol_runs_n: int = 3, device: str = "cuda") -> None:
+@dataclass(frozen=True, kw_only=True)
+class HopperConfig:
+    protocol_runs_n: int = 3  # interleaved runs of the 2025 protocol
+    device: str = "cuda"
+
+
+def measure(config: HopperConfig | None = None, *, results_dir=None) -> list[dict[str, Any]]:
     """Tune both kernel families per pass (d = 64, 128, 80), then the protocol (interleaved runs) and
-    the model shapes, all in this process."""
+    the model shapes, all in this process; returns every row."""
     import torch
 
+    cfg_all = config or HopperConfig()
+    device, rows = cfg_all.device, []
     for d in (64, 128, 80):
-        run_hopper_tuning(16, 16384, d, torch.bfloat16, device=device, results_dir=results_dir)
+        rows += run_hopper_tuning(16, 16384, d, torch.bfloat16, device=device, results_dir=results_dir)
     impls = ("flash_triton", "flash_triton_gluon", "sdpa_flash", "sdpa_cudnn")
-    for _ in range(protocol_runs_n):
-        run_leaderboard(LeaderboardConfig(impls=impls, device=device), results_dir=results_dir, split=False)
+    for _ in range(cfg_all.protocol_runs_n):
+        lb = LeaderboardConfig(impls=impls, device=device)
+        rows += run_leaderboard(lb, results_dir=results_dir, split=False)
     for heads, n, d in MODEL_SHAPES:
         cfg = LeaderboardConfig(
             heads=heads,
@@ -71,7 +87,19 @@ def measure(*, results_dir=None, protocol_runs_n: int = 3, device: str = "cuda")
             device=device,
             name="shapes",
         )
-        run_leaderboard(cfg, results_dir=results_dir, split=False)
+        rows += run_leaderboard(cfg, results_dir=results_dir, split=False)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.attention.flash_hopper --protocol-runs 3")
+    p.add_argument("--protocol-runs", type=int, default=HopperConfig().protocol_runs_n)
+    cli.add_results_dir(p)
+    args = p.parse_args(argv)
+    cfg = HopperConfig(protocol_runs_n=args.protocol_runs)
+    print(cfg)
+    rows = measure(cfg, results_dir=cli.results_dir_for(args.results_dir))
+    print(f"{len(rows)} rows written")
 
 
 def _config(row: pd.Series) -> dict[str, Any]:
@@ -142,7 +170,7 @@ def pass_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _latest_run_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows of each shape's latest run (one `run_leaderboard` call), with a "shape" column."""
+    """The rows of each shape's latest run (one `flash_leaderboard.measure` call), with a "shape" column."""
     if rows.empty:
         return rows
     rows = rows.copy()
@@ -154,7 +182,7 @@ def _latest_run_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Forward + backward at each model shape, from the latest run (one `run_leaderboard` call, one
+    """Forward + backward at each model shape, from the latest run (one `flash_leaderboard.measure` call, one
     process) of that shape: every implementation it timed (median ms) and ours against SDPA's two
     backends. Implementations that run did not time are blank, never filled from another run."""
     sh = _latest_run_per_shape(df[(df.name == "shapes") & (df.metric == "latency")])
@@ -319,3 +347,7 @@ def plot_shapes(shapes: pd.DataFrame):
     ax.legend(frameon=False, fontsize=7, ncol=3)
     fig.tight_layout()
     return fig
+
+
+if __name__ == "__main__":
+    main()

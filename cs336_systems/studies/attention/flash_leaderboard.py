@@ -97,8 +97,9 @@ def matmul_peak_tflops(device: str = "cuda", n: int = 8192, dtype: torch.dtype =
     return tflops(2.0 * n**3, ms)
 
 
-def run_leaderboard(cfg: LeaderboardConfig, *, results_dir=None, split: bool = True) -> list[dict[str, Any]]:
+def measure(config: LeaderboardConfig, *, results_dir=None, split: bool = True) -> list[dict[str, Any]]:
     """Time the protocol for every impl, print a side-by-side table, append rows."""
+    cfg = config
     gpu = device_name(cfg.device)
     rows: list[dict[str, Any]] = []
     dt = getattr(torch, cfg.dtype)

@@ -1,4 +1,4 @@
-"""The history of 2025 leaderboard protocol runs (`flash_leaderboard.run_leaderboard`'s rows):
+"""The history of 2025 leaderboard protocol runs (`flash_leaderboard.measure`'s rows):
 one row per run with ours against SDPA's backends of the same process and which backward ours ran.
 Which runs are "final" (today's tl kernels and tiles): `flash_leaderboard.final_runs`.
 """

@@ -10,12 +10,13 @@ Two measurements (issue: use the kernel in the model), rows under problem "flash
   the row's config (`tolerance`, `passed`).
 * `training_sweep`: full training steps (forward, backward, AdamW) of one model size for each
   attention implementation and context length, timed with the handout protocol by
-  `end_to_end.sweep` (OOM and failures become rows; nothing is lost if a later config fails).
+  `end_to_end.measure` (OOM and failures become rows; nothing is lost if a later config fails).
 
     python -m cs336_systems.studies.attention.flash_model --size 2.7B --contexts 512 1024 2048 4096 \
         --check-contexts 512 1024
 
-`--quick` runs the same code on a tiny model on the CPU (Triton interpreter, float32).
+`measure(ModelRunConfig(...))` runs both; `--quick` runs the same code on a tiny model on the CPU
+(Triton interpreter, float32).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import gc
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -174,7 +176,7 @@ def training_sweep(
         steps=steps,
         device=device,
     )
-    return e2e.sweep(configs, problem=PROBLEM, results_dir=results_dir, progress=True)
+    return pd.DataFrame(e2e.measure(configs, problem=PROBLEM, results_dir=results_dir, progress=True))
 
 
 def speedup_table(df: pd.DataFrame, ours: str = "flash_triton") -> pd.DataFrame:
@@ -311,6 +313,43 @@ def facts(df: pd.DataFrame, ours: str = "flash_triton") -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModelRunConfig:
+    size: str = "2.7B"
+    contexts: tuple[int, ...] = (512, 1024, 2048, 4096)  # training-step contexts
+    check_contexts: tuple[int, ...] = (512, 1024)  # equivalence-check contexts
+    impls: tuple[str, ...] = IMPLS
+    batch_size: int = 4
+    warmup: int = 3
+    steps: int = 5
+    device: str = "cuda"
+
+
+def measure(config: ModelRunConfig, *, results_dir=None) -> list[dict[str, Any]]:
+    """The equivalence check (fp32, and bf16 autocast on a GPU), then the training steps; every row."""
+    c = config
+    rows = []
+    if c.check_contexts:
+        dtypes = ("fp32",) if c.device == "cpu" else ("fp32", "bf16-autocast")
+        others = [i for i in c.impls if i != "naive"]
+        rows += check_equivalence(
+            c.size, c.check_contexts, impls=others, dtypes=dtypes, device=c.device, results_dir=results_dir
+        )
+    if c.contexts:
+        rows += training_sweep(
+            c.size,
+            c.contexts,
+            impls=c.impls,
+            batch_size=c.batch_size,
+            warmup=c.warmup,
+            steps=c.steps,
+            autocast="none" if c.device == "cpu" else "bf16",
+            device=c.device,
+            results_dir=results_dir,
+        ).to_dict("records")
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = cli.make_parser(__doc__, "python -m cs336_systems.studies.attention.flash_model --quick")
     cli.add_size(p, "2.7B")
@@ -336,25 +375,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--device cuda: no CUDA device is visible (use --device cpu or --quick)")
     if min([a.batch_size, a.steps, *a.contexts, *a.check_contexts], default=1) < 1 or a.warmup < 0:
         p.error("--batch-size, --steps, --contexts and --check-contexts must be >= 1, --warmup >= 0")
-    a.results_dir = cli.results_dir_for(a.results_dir, quick=a.quick)
-    others = [i for i in a.impls if i != "naive"]
-    if a.check_contexts:
-        dtypes = ("fp32",) if a.device == "cpu" else ("fp32", "bf16-autocast")
-        check_equivalence(
-            a.size, a.check_contexts, impls=others, dtypes=dtypes, device=a.device, results_dir=a.results_dir
-        )
-    if a.contexts:
-        training_sweep(
-            a.size,
-            a.contexts,
-            impls=a.impls,
-            batch_size=a.batch_size,
-            warmup=a.warmup,
-            steps=a.steps,
-            autocast="none" if a.device == "cpu" else "bf16",
-            device=a.device,
-            results_dir=a.results_dir,
-        )
+    cfg = ModelRunConfig(
+        size=a.size,
+        contexts=tuple(a.contexts),
+        check_contexts=tuple(a.check_contexts),
+        impls=tuple(a.impls),
+        batch_size=a.batch_size,
+        warmup=a.warmup,
+        steps=a.steps,
+        device=a.device,
+    )
+    print(cfg)
+    measure(cfg, results_dir=cli.results_dir_for(a.results_dir, quick=a.quick))
 
 
 if __name__ == "__main__":

@@ -185,9 +185,10 @@ def measure_config(cfg: OverheadConfig, impl: str, dtype: str, d: int, n: int) -
     return rows
 
 
-def run(cfg: OverheadConfig, *, results_dir=None) -> list[dict[str, Any]]:
+def measure(config: OverheadConfig, *, results_dir=None) -> list[dict[str, Any]]:
     """The grid, head dims in the given order (the first is complete before the budget can run out),
     shortest N first per (d, impl, dtype); an OOM ends that (d, impl, dtype) at longer N."""
+    cfg = config
     budget = TimeBudget(cfg.budget_s, label="flash_overhead")
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # TF32 for fp32, as in the sweep
@@ -445,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     results_dir = cli.results_dir_for(args.results_dir, quick=args.quick)
     print(cfg, flush=True)
     start = timeit.default_timer()
-    rows = run(cfg, results_dir=results_dir)
+    rows = measure(cfg, results_dir=results_dir)
     done = sum(1 for r in rows if not r["note"])
     print(f"{done} of {len(rows)} rows measured in {timeit.default_timer() - start:.0f} s -> {results_dir}")
 

@@ -223,8 +223,9 @@ def _skip_rows(
     return rows
 
 
-def run_sweep(cfg: SweepConfig, *, results_dir=None, progress: bool = True) -> list[dict[str, Any]]:
+def measure(config: SweepConfig, *, results_dir=None, progress: bool = True) -> list[dict[str, Any]]:
     """Measure the grid; append the rows to flash_benchmarking.csv as each (impl, dtype, d) finishes."""
+    cfg = config
     budget = TimeBudget(cfg.budget_s, label="flash_benchmarking")
     all_rows: list[dict[str, Any]] = []
     plan = [(impl, dt, d) for impl in cfg.impls for dt in cfg.dtypes for d in cfg.head_dims]

@@ -13,7 +13,7 @@ pass, so no accumulation kernel is timed), each synchronised. Peak allocated mem
 and of the backward phase are recorded too. OOM (or any failure) in a phase becomes a failure row;
 the phases after it are recorded as not run.
 
-`attention_memory_accounting` gives the bytes of every component (inputs, output, the tensors
+`attention_memory_accounting` (in `pytorch_attention_facts`, with the study's `facts`) gives the bytes of every component (inputs, output, the tensors
 autograd saves, transient buffers) from the shapes alone; the test suite checks its "saved" part
 against saved-tensor hooks.
 
@@ -33,25 +33,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from cs336_systems.measure import cli
 from cs336_systems.measure.budget import TimeBudget, skipped_row
 from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.model import get_attention
+from cs336_systems.studies.attention.pytorch_attention_facts import (
+    BATCH_SIZE,
+    MIB,
+    attention_memory_accounting,
+    facts,  # noqa: F401 (the study's facts, kept beside its tables)
+)
 
 PROBLEM = "pytorch_attention"
 COMPILE_PROBLEM = "torch_compile"
-BATCH_SIZE = 8
 HEAD_DIMS = (16, 32, 64, 128)
 SEQ_LENS = (256, 1024, 4096, 8192, 16384)
 # Beyond the handout grid: a 141 GB H200 fits the whole grid, so one longer sequence shows the OOM point.
 EXTRA_POINTS = ((16, 32768),)
 IMPLS = ("naive", "naive_compiled")
 COMPILE_ESTIMATE_S = 60.0  # budget needed before the first compiled call (Dynamo + Inductor, fwd and bwd)
-MIB = 2**20
 METRICS = (
     "forward_time",
     "backward_time",
@@ -121,44 +125,6 @@ class AttentionBenchConfig:
             if self.backend == "inductor" or self.impl == "naive"
             else f"{self.impl}[{self.backend}]"
         )
-
-
-def attention_memory_accounting(
-    batch_size: int, seq_len: int, d: int, dtype_bytes: int = 4, *, causal: bool = True
-) -> dict[str, int]:
-    """Bytes of each component of the naive attention of this module (derived from its autograd graph).
-
-    Forward: S = Q K^T / sqrt(d); S' = where(mask, S, -inf); m = rowmax(S'); E = exp(S' - m);
-    l = rowsum(E); P = E / l; O = P V. Autograd saves S' (for amax), E (for exp and the division),
-    P (for P V), the mask, m and l; Q, K, V are saved by reference. `forward_peak_extra` is the
-    largest transient on top of that (S' - m is alive while E and P are computed);
-    `backward_transient_estimate` assumes three T x T gradient buffers alive at once (dP, dE and
-    the amax/where gradient), an estimate to check against the measured backward peak.
-    Keys: the components plus the totals "saved_for_backward", "before_backward", "forward_peak",
-    "backward_peak_estimate".
-    """
-    if min(batch_size, seq_len, d, dtype_bytes) < 1:
-        raise ValueError("batch_size, seq_len, d and dtype_bytes must be positive")
-    b, t, s = batch_size, seq_len, dtype_bytes
-    square = b * t * t * s  # one (batch, T, T) float tensor
-    parts = {
-        "inputs Q, K, V": 3 * b * t * d * s,
-        "output O": b * t * d * s,
-        "grad_output dO": b * t * d * s,
-        "saved: masked scores S'": square,
-        "saved: exp(S' - m)": square,
-        "saved: probabilities P": square,
-        "saved: causal mask (T x T bool)": t * t if causal else 0,
-        "saved: row max m and row sum l": 2 * b * t * s,
-        "forward_peak_extra": square,
-        "backward_transient_estimate": 3 * square,
-    }
-    saved = sum(v for k, v in parts.items() if k.startswith("saved:"))
-    parts["saved_for_backward"] = saved
-    parts["before_backward"] = parts["inputs Q, K, V"] + parts["output O"] + parts["grad_output dO"] + saved
-    parts["forward_peak"] = parts["inputs Q, K, V"] + saved + parts["forward_peak_extra"]
-    parts["backward_peak_estimate"] = parts["before_backward"] + parts["backward_transient_estimate"]
-    return parts
 
 
 def _reset_grads(*ts: torch.Tensor) -> None:
@@ -345,19 +311,44 @@ def attention_grid(
     return [AttentionBenchConfig(d=d, seq_len=t, impl=impl, **kw) for d, t in pts]
 
 
-def attention_sweep(
-    configs: Sequence[AttentionBenchConfig],
+def measure(
+    config: AttentionBenchConfig | Sequence[AttentionBenchConfig],
     *,
+    results_dir: str | None = None,
     budget: TimeBudget | None = None,
     save: bool = True,
-    results_dir: str | None = None,
     progress: bool = True,
-) -> pd.DataFrame:
-    """Run configurations in order, appending each one's rows as soon as it finishes."""
+) -> list[dict[str, Any]]:
+    """Run one configuration or several in order, appending each one's rows as soon as it finishes."""
+    configs = [config] if isinstance(config, AttentionBenchConfig) else list(config)
     all_rows = []
     for cfg in tqdm(configs, desc="attention", disable=not progress):
         rows = run_attention(cfg, budget=budget)
         if save:
             append_rows(cfg.problem, rows, results_dir)
         all_rows.extend(rows)
-    return pd.DataFrame(all_rows)
+    return all_rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = cli.make_parser(
+        __doc__,
+        "python -m cs336_systems.studies.attention.pytorch_attention --head-dims 16 --seq-lens 256 1024",
+    )
+    p.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
+    p.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
+    p.add_argument("--impl", choices=IMPLS, default="naive")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    cli.add_results_dir(p)
+    args = p.parse_args(argv)
+    with cli.usage_errors(p):
+        configs = attention_grid(
+            args.head_dims, args.seq_lens, impl=args.impl, extra_points=(), device=args.device
+        )
+    print(f"{len(configs)} configurations, e.g. {configs[0]}")
+    rows = measure(configs, results_dir=cli.results_dir_for(args.results_dir))
+    print(f"{len(rows)} rows written")
+
+
+if __name__ == "__main__":
+    main()

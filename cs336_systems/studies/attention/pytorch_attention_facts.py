@@ -1,7 +1,8 @@
 """The pytorch_attention rows (measured by `cs336_systems.studies.attention.pytorch_attention`): the results
 table, the scaling figure, the memory accounting of the smallest OOM configuration, and `facts()`.
 
-Reads rows only; the accounting itself (`attention_memory_accounting`) lives with the measurement.
+Reads rows, plus the accounting (`attention_memory_accounting`, from the shapes alone) that the
+measurement records in each row's config; `pytorch_attention` (the study) re-exports both.
 """
 
 from __future__ import annotations
@@ -13,7 +14,46 @@ from typing import Any
 
 import pandas as pd
 
-from cs336_systems.studies.attention.pytorch_attention import BATCH_SIZE, MIB, attention_memory_accounting
+BATCH_SIZE = 8
+MIB = 2**20
+
+
+def attention_memory_accounting(
+    batch_size: int, seq_len: int, d: int, dtype_bytes: int = 4, *, causal: bool = True
+) -> dict[str, int]:
+    """Bytes of each component of the study's naive attention (derived from its autograd graph).
+
+    Forward: S = Q K^T / sqrt(d); S' = where(mask, S, -inf); m = rowmax(S'); E = exp(S' - m);
+    l = rowsum(E); P = E / l; O = P V. Autograd saves S' (for amax), E (for exp and the division),
+    P (for P V), the mask, m and l; Q, K, V are saved by reference. `forward_peak_extra` is the
+    largest transient on top of that (S' - m is alive while E and P are computed);
+    `backward_transient_estimate` assumes three T x T gradient buffers alive at once (dP, dE and
+    the amax/where gradient), an estimate to check against the measured backward peak.
+    Keys: the components plus the totals "saved_for_backward", "before_backward", "forward_peak",
+    "backward_peak_estimate".
+    """
+    if min(batch_size, seq_len, d, dtype_bytes) < 1:
+        raise ValueError("batch_size, seq_len, d and dtype_bytes must be positive")
+    b, t, s = batch_size, seq_len, dtype_bytes
+    square = b * t * t * s  # one (batch, T, T) float tensor
+    parts = {
+        "inputs Q, K, V": 3 * b * t * d * s,
+        "output O": b * t * d * s,
+        "grad_output dO": b * t * d * s,
+        "saved: masked scores S'": square,
+        "saved: exp(S' - m)": square,
+        "saved: probabilities P": square,
+        "saved: causal mask (T x T bool)": t * t if causal else 0,
+        "saved: row max m and row sum l": 2 * b * t * s,
+        "forward_peak_extra": square,
+        "backward_transient_estimate": 3 * square,
+    }
+    saved = sum(v for k, v in parts.items() if k.startswith("saved:"))
+    parts["saved_for_backward"] = saved
+    parts["before_backward"] = parts["inputs Q, K, V"] + parts["output O"] + parts["grad_output dO"] + saved
+    parts["forward_peak"] = parts["inputs Q, K, V"] + saved + parts["forward_peak_extra"]
+    parts["backward_peak_estimate"] = parts["before_backward"] + parts["backward_transient_estimate"]
+    return parts
 
 
 def smallest_oom(df: pd.DataFrame) -> tuple[int, int] | None:

@@ -11,6 +11,10 @@ untimed warm-up, so the timed steps are steady state. The compilation cost is re
 and "compile_time" (s) is Dynamo's own account of the time spent compiling
 (`torch._dynamo.utils.calculate_time_spent()["total_wall_time"]`, forward and backward graphs).
 
+`measure(CompileConfig(...))` runs both (notebook 07):
+
+    python -m cs336_systems.studies.attention.torch_compile --quick
+
 Caveat: compiling a whole 32- or 48-layer model takes minutes; under a time budget the remaining
 configurations are recorded as "skipped:" rows, estimated from the sizes measured before them.
 """
@@ -19,11 +23,13 @@ from __future__ import annotations
 
 import timeit
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 from tqdm.auto import tqdm
 
+from cs336_systems.measure import cli
 from cs336_systems.measure.budget import TimeBudget, skipped_row
 from cs336_systems.measure.results import append_rows, make_row
 from cs336_systems.model import SIZES_2025, get_config
@@ -31,8 +37,8 @@ from cs336_systems.studies.attention.pytorch_attention import (
     HEAD_DIMS,
     SEQ_LENS,
     attention_grid,
-    attention_sweep,
 )
+from cs336_systems.studies.attention.pytorch_attention import measure as measure_attention
 from cs336_systems.studies.profiling.end_to_end import PHASES, EndToEndConfig, row_fields, run_one
 
 PROBLEM = "torch_compile"
@@ -55,7 +61,8 @@ def attention_compile_sweep(
     configs = attention_grid(
         head_dims, seq_lens, impl="naive_compiled", extra_points=extra_points, backend=backend, **kw
     )
-    return attention_sweep(configs, budget=budget, save=save, results_dir=results_dir, progress=progress)
+    rows = measure_attention(configs, budget=budget, save=save, results_dir=results_dir, progress=progress)
+    return pd.DataFrame(rows)
 
 
 def dynamo_compile_seconds() -> float:
@@ -150,38 +157,59 @@ def whole_model_compile_sweep(
     return pd.DataFrame(all_rows)
 
 
-def torch_compile_study(
-    *,
-    quick: bool,
-    device: str | None = None,
-    results_dir: str | None = None,
-    budget: TimeBudget | None = None,
-) -> None:
-    """Notebook entry point for both parts. Quick (CPU): a tiny attention grid, eager and compiled with
-    the aot_eager backend (Dynamo + AOTAutograd without Inductor's minutes of C++ compilation), and
-    the debug model eager with its compiled cells recorded as skipped. Otherwise the full grids."""
-    from cs336_systems.studies.attention.pytorch_attention import attention_grid, attention_sweep
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    quick: bool = False  # CPU-sized grids, the compiled whole model recorded as skipped
+    device: str | None = None
 
-    if quick:
+
+def measure(
+    config: CompileConfig | None = None, *, results_dir: str | None = None, budget: TimeBudget | None = None
+) -> list[dict[str, Any]]:
+    """Both parts; returns every row. Quick (CPU): a tiny attention grid, eager and compiled with the
+    aot_eager backend (Dynamo + AOTAutograd without Inductor's minutes of C++ compilation), and the
+    debug model eager with its compiled cells recorded as skipped. Otherwise the full grids."""
+    cfg = config or CompileConfig()
+    device = cfg.device
+    if cfg.quick:
         kw: dict[str, Any] = dict(reps=3, warmup=1, device=device or "cpu")
         grid: dict[str, Any] = dict(head_dims=(16,), seq_lens=(64, 128), extra_points=())
-        attention_sweep(attention_grid(**grid, **kw), results_dir=results_dir, progress=False)
-        attention_compile_sweep(**grid, backend="aot_eager", results_dir=results_dir, progress=False, **kw)
-        whole_model_compile_sweep(
-            ("debug",),
-            context_length=32,
-            warmup=1,
-            steps=2,
-            device=device or "cpu",
-            include_compiled=False,
-            results_dir=results_dir,
-            progress=False,
-            skip_reason="quick mode on a CPU: Inductor's C++ compile of a whole model takes minutes",
-        )
-        return
+        rows = measure_attention(attention_grid(**grid, **kw), results_dir=results_dir, progress=False)
+        parts = [
+            attention_compile_sweep(
+                **grid, backend="aot_eager", results_dir=results_dir, progress=False, **kw
+            ),
+            whole_model_compile_sweep(
+                ("debug",),
+                context_length=32,
+                warmup=1,
+                steps=2,
+                device=device or "cpu",
+                include_compiled=False,
+                results_dir=results_dir,
+                progress=False,
+                skip_reason="quick mode on a CPU: Inductor's C++ compile of a whole model takes minutes",
+            ),
+        ]
+        return rows + [r for part in parts for r in part.to_dict("records")]
     dev = {"device": device} if device else {}
-    attention_compile_sweep(budget=budget, results_dir=results_dir, **dev)
-    whole_model_compile_sweep(budget=budget, results_dir=results_dir, **dev)
+    parts = [
+        attention_compile_sweep(budget=budget, results_dir=results_dir, **dev),
+        whole_model_compile_sweep(budget=budget, results_dir=results_dir, **dev),
+    ]
+    return [r for part in parts for r in part.to_dict("records")]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.attention.torch_compile --quick")
+    p.add_argument("--quick", action="store_true", help="CPU-sized grids (aot_eager backend)")
+    p.add_argument("--device", default=None, help="default: cuda when visible, else cpu")
+    cli.add_results_dir(p)
+    args = p.parse_args(argv)
+    cfg = CompileConfig(quick=args.quick, device=args.device)
+    print(cfg)
+    rows = measure(cfg, results_dir=str(cli.results_dir_for(args.results_dir, quick=args.quick)))
+    print(f"{PROBLEM}: {len(rows)} rows written")
 
 
 def _fmt(r: pd.Series) -> str:
@@ -349,3 +377,7 @@ def facts(compiled: pd.DataFrame, eager_attention: pd.DataFrame) -> dict[str, An
             "skipped": [f"{r.size} {r.mode}" for r in skipped.itertuples()],
         }
     return out
+
+
+if __name__ == "__main__":
+    main()

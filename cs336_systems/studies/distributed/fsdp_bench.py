@@ -57,7 +57,8 @@ from cs336_systems.studies.distributed.fsdp_facts import (
     PROBLEM,
     VARIANTS,
     expected_state_bytes,
-    expected_working_set_bytes,
+    expected_working_set_bytes,  # the study's facts, beside its tables
+    facts,  # noqa: F401 (the study's facts, kept beside its tables)
 )
 from cs336_systems.studies.distributed.fsdp_trace import allgather_timing, compact_trace
 from cs336_systems.studies.distributed.rank_memory import (
@@ -338,19 +339,23 @@ STUDY = runner.Study(
 )
 
 
-def run(
-    cfg: FsdpBenchConfig,
+def measure(
+    config: FsdpBenchConfig,
     *,
-    nproc: int = 2,
     results_dir: str | os.PathLike | None = None,
+    nproc: int = 2,
     figures_dir: str | os.PathLike | None = None,
     timeout_s: float = 300.0,
-) -> pd.DataFrame:
-    """Launch the workers (relaunching after a crashed variant), then render the figures."""
-    df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
+) -> list[dict[str, Any]]:
+    """Launch the workers (relaunching after a crashed variant), then render the figures; the rows."""
+    df = runner.run_config_study(STUDY, config, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
     if figures_dir is not None:
         fsdp_facts.render_figures(df, results_dir, figures_dir)
-    return df
+    return df.to_dict("records")
+
+
+def _run(cfg: FsdpBenchConfig, **kw: Any) -> pd.DataFrame:
+    return pd.DataFrame(measure(cfg, **kw))
 
 
 QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=2, backend="gloo")
@@ -368,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
         STUDY,
         FsdpBenchConfig,
         lambda: {"trace": tuple(args.trace), **runner.training_fields(args, QUICK)},
-        run,
+        _run,
     )
     if df is None:
         return None

@@ -60,7 +60,12 @@ from cs336_systems.studies.distributed.rank_memory import (
     memory_snapshot,
     release_memory,
 )
-from cs336_systems.studies.distributed.sharding_facts import IMPL, PROBLEM, VARIANTS
+from cs336_systems.studies.distributed.sharding_facts import (
+    IMPL,
+    PROBLEM,
+    VARIANTS,
+    facts,  # noqa: F401 (the study's facts, kept beside its tables)
+)
 
 MODULE = "cs336_systems.studies.distributed.sharding_bench"
 ADAMW_KWARGS = dict(lr=1e-4, weight_decay=0.01)
@@ -198,19 +203,23 @@ def failure_rows(cfg: BenchConfig, variant: str, note: str, world_size: int) -> 
 STUDY = runner.Study(problem=PROBLEM, module=MODULE, measure=run_variant, failure_rows=failure_rows)
 
 
-def run(
-    cfg: BenchConfig,
+def measure(
+    config: BenchConfig,
     *,
-    nproc: int = 2,
     results_dir: str | os.PathLike | None = None,
+    nproc: int = 2,
     figures_dir: str | os.PathLike | None = None,
     timeout_s: float = 240.0,
-) -> pd.DataFrame:
+) -> list[dict[str, Any]]:
     """Launch the workers (relaunching after a crashed variant), then render figures; returns the rows."""
-    df = runner.run_config_study(STUDY, cfg, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
+    df = runner.run_config_study(STUDY, config, nproc=nproc, results_dir=results_dir, timeout_s=timeout_s)
     if figures_dir is not None and not df.empty:
         sharding_facts.render_figures(df, figures_dir)
-    return df
+    return df.to_dict("records")
+
+
+def _run(cfg: BenchConfig, **kw: Any) -> pd.DataFrame:
+    return pd.DataFrame(measure(cfg, **kw))
 
 
 QUICK = dict(size="debug", context_length=64, batch_per_rank=2, warmup=1, steps=2, backend="gloo")
@@ -221,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     defaults = BenchConfig()
     runner.add_training_arguments(p, defaults, VARIANTS, timeout_s=240.0)
     args = p.parse_args(argv)
-    df = runner.config_cli(p, args, STUDY, BenchConfig, lambda: runner.training_fields(args, QUICK), run)
+    df = runner.config_cli(p, args, STUDY, BenchConfig, lambda: runner.training_fields(args, QUICK), _run)
     if df is None:
         return None
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_rows", 200):

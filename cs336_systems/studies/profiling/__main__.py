@@ -33,8 +33,7 @@ import torch
 from cs336_systems.measure import cli, parts
 from cs336_systems.measure.budget import TimeBudget
 from cs336_systems.measure.results import REPO_ROOT
-from cs336_systems.studies.profiling import memory_run, timing_run
-from cs336_systems.studies.profiling.checkpointing import checkpointing_sweep
+from cs336_systems.studies.profiling import checkpointing, memory_run, timing_run
 
 PARTS = ("toy", "bench", "mixed", "ablation", "profile", "memory", "block_saved", "checkpointing")
 
@@ -68,9 +67,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "block_saved": lambda b: memory_run.run_block_saved(
             snapshots, b, quick=q, device=dev, results_dir=results
         ),
-        "checkpointing": lambda b: checkpointing_sweep(
-            **({"size": "debug", "batch_size": 2, "context_length": 64} if q else {}),
-            device=dev,
+        "checkpointing": lambda b: checkpointing.measure(
+            checkpointing.CheckpointingConfig(
+                **({"size": "debug", "batch_size": 2, "context_length": 64} if q else {}), device=dev
+            ),
             budget=b,
             results_dir=results,
             progress=False,

@@ -10,14 +10,21 @@ is rounded to the accumulator's dtype):
 
 The result is deterministic (IEEE round-to-nearest-even on every add), identical on CPU and GPU, and
 costs microseconds, so the notebook computes it live instead of persisting result rows.
+
+    python -m cs336_systems.studies.profiling.accumulation --steps 1000 --increment 0.01
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import torch
+
+from cs336_systems.measure import cli
 
 CASES = [
     # (case, accumulator dtype, increment dtype, explicit cast of the increment to the accumulator dtype)
@@ -49,10 +56,22 @@ def accumulate(
     return float(s.item())
 
 
-def accumulation_experiment(
-    steps: int = 1000, increment: float = 0.01, device: str | torch.device = "cpu"
-) -> pd.DataFrame:
-    """The four handout loops; one row per case.
+@dataclass(frozen=True, kw_only=True)
+class AccumulationConfig:
+    steps: int = 1000
+    increment: float = 0.01
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps must be a positive int, got {self.steps!r}")
+        if not self.increment > 0:
+            raise ValueError(f"increment must be positive, got {self.increment!r}")
+
+
+def measure(config: AccumulationConfig | None = None, *, results_dir=None) -> list[dict[str, Any]]:
+    """The four handout loops; one row per case (`results_dir` is accepted like every study's and
+    unused: nothing is persisted).
 
     Columns: case, accumulator, increment_dtype, result (the sum, as float64), exact (steps *
     increment in float64), increment_stored (the increment after rounding to its dtype),
@@ -60,10 +79,8 @@ def accumulation_experiment(
     stored increment would be off by), accumulation_error (result - steps * increment_stored: the
     error added by rounding the partial sums).
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if not increment > 0:
-        raise ValueError(f"increment must be positive, got {increment!r}")
+    cfg = config or AccumulationConfig()
+    steps, increment, device = cfg.steps, cfg.increment, cfg.device
     exact = steps * increment
     rows = []
     for case, acc, inc, cast in CASES:
@@ -81,11 +98,11 @@ def accumulation_experiment(
                 "accumulation_error": result - steps * stored,
             }
         )
-    return pd.DataFrame(rows)
+    return rows
 
 
 def facts(df: pd.DataFrame, steps: int = 1000, increment: float = 0.01) -> dict[str, float]:
-    """The numbers the answer quotes, from `accumulation_experiment(steps, increment)`'s rows: each case's
+    """The numbers the answer quotes, from `measure`'s rows for (steps, increment): each case's
     result and errors, and the fp16 / fp32 spacing near the end value that explains them."""
     r = df.set_index("case")
     near = steps * increment
@@ -107,3 +124,20 @@ def facts(df: pd.DataFrame, steps: int = 1000, increment: float = 0.01) -> dict[
         # what one fp16 add of the increment adds to that partial sum
         "fp16_step_there": float(below + torch.tensor(increment, dtype=torch.float16)) - float(below),
     }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.profiling.accumulation --steps 1000")
+    d = AccumulationConfig()
+    p.add_argument("--steps", type=int, default=d.steps, help="number of adds")
+    p.add_argument("--increment", type=float, default=d.increment, help="the value added each step")
+    args = p.parse_args(argv)
+    cfg = AccumulationConfig(steps=args.steps, increment=args.increment)
+    print(cfg)
+    df = pd.DataFrame(measure(cfg))
+    print(df.to_string(index=False))
+    print(facts(df, steps=cfg.steps, increment=cfg.increment))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,9 @@ optimizer state exists afterwards), then `steps` timed steps (forward, backward,
 synchronised, as the end-to-end benchmark does) with the peak allocated memory of those steps. No
 checkpointing is expected to OOM; that is recorded as a failure row. Rows go to
 `figures/data/gradient_checkpointing.csv` with impl = strategy and x = blocks per checkpoint
-(0.5 for sub-block regions, 0 for none).
+(0.5 for sub-block regions, 0 for none). `measure(CheckpointingConfig(...))` runs the strategies;
+
+    python -m cs336_systems.studies.profiling.checkpointing --size xl_2026 --context-length 2048
 
 Caveat: the handout's worked example compiles the block and uses 16 heads; this study runs the
 eager model of Table 1 (32 heads), whose naive attention saves more per block (see `cost_table`).
@@ -20,15 +22,18 @@ eager model of Table 1 (32 heads), whose naive attention saves more per block (s
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import timeit
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from cs336_systems.measure import cli
 from cs336_systems.measure.budget import TimeBudget, skipped_row
 from cs336_systems.measure.results import append_rows, capture_failure, failure_row, make_row
 from cs336_systems.measure.timing import PhaseTimer, synchronize
@@ -190,21 +195,35 @@ def run_strategy(strategy: str, group: int | None, cfg: EndToEndConfig) -> list[
     return rows
 
 
-def checkpointing_sweep(
-    strategies: Sequence[tuple[str, int | None]] = STRATEGIES,
+@dataclass(frozen=True, kw_only=True)
+class CheckpointingConfig:
+    """The strategies to run, in order, and the keywords of `study_config` they share."""
+
+    strategies: tuple[tuple[str, int | None], ...] = STRATEGIES
+    size: str = SIZE
+    batch_size: int = BATCH_SIZE
+    context_length: int = CONTEXT_LENGTH
+    warmup: int = 1
+    steps: int = 1
+    device: str | None = None
+
+
+def measure(
+    config: CheckpointingConfig | None = None,
     *,
+    results_dir: str | None = None,
     budget: TimeBudget | None = None,
     step_estimate_s: float = 8.0,
     save: bool = True,
-    results_dir: str | None = None,
     progress: bool = True,
-    **config: Any,
-) -> pd.DataFrame:
+) -> list[dict[str, Any]]:
     """Run the strategies in order under an optional time budget (skipped ones get "skipped:" rows).
 
-    config: the keywords of `study_config` (size, batch_size, context_length, warmup, steps, device).
     step_estimate_s: assumed seconds per training step until the first strategy has been measured.
     """
+    cfg_all = config or CheckpointingConfig()
+    strategies = cfg_all.strategies
+    config = {f.name: getattr(cfg_all, f.name) for f in dataclasses.fields(cfg_all) if f.name != "strategies"}
     all_rows = []
     per_step = step_estimate_s
     for strategy, group in tqdm(strategies, desc=PROBLEM, disable=not progress):
@@ -230,7 +249,7 @@ def checkpointing_sweep(
         if save:
             append_rows(PROBLEM, rows, results_dir)
         all_rows.extend(rows)
-    return pd.DataFrame(all_rows)
+    return all_rows
 
 
 STRATEGY_LABELS = {
@@ -356,3 +375,35 @@ def facts(df: pd.DataFrame, cost: pd.DataFrame) -> dict[str, Any]:
             "step_recursive_ms": steps.get(("recursive", 1.0)),
         }
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    p = cli.make_parser(
+        __doc__, "python -m cs336_systems.studies.profiling.checkpointing --size debug --context-length 32"
+    )
+    d = CheckpointingConfig()
+    cli.add_size(p, d.size)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--context-length", type=int, default=d.context_length)
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed training steps per strategy")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed training steps per strategy")
+    p.add_argument("--device", default=None, help="default: cuda when visible, else cpu")
+    cli.add_results_dir(p)
+    args = p.parse_args(argv)
+    with cli.usage_errors(p):
+        cfg = CheckpointingConfig(
+            size=args.size,
+            batch_size=args.batch_size,
+            context_length=args.context_length,
+            warmup=args.warmup,
+            steps=args.steps,
+            device=args.device,
+        )
+    print(cfg)
+    df = pd.DataFrame(measure(cfg, results_dir=cli.results_dir_for(args.results_dir)))
+    print(measured_table(df).to_string())
+    return df
+
+
+if __name__ == "__main__":
+    main()

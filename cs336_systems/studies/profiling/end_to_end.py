@@ -41,6 +41,7 @@ from cs336_systems.model import (
     get_config,
     random_batch,
 )
+from cs336_systems.studies.profiling.timing_facts import facts  # noqa: F401 (the study's facts, kept beside its tables)
 
 MODES = ("forward", "forward_backward", "train")
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -203,22 +204,24 @@ def run_one(cfg: EndToEndConfig, problem: str = "benchmarking_script") -> list[d
     return rows
 
 
-def sweep(
-    configs: Sequence[EndToEndConfig],
-    problem: str = "benchmarking_script",
+def measure(
+    config: EndToEndConfig | Sequence[EndToEndConfig],
     *,
-    save: bool = True,
     results_dir: str | None = None,
+    problem: str = "benchmarking_script",
+    save: bool = True,
     progress: bool = True,
-) -> pd.DataFrame:
-    """Run configurations in order, appending each one's rows as soon as it finishes (nothing lost)."""
+) -> list[dict[str, Any]]:
+    """Run one configuration or several in order, appending each one's rows as soon as it finishes
+    (nothing lost); returns every row. `run_one` measures one configuration without saving."""
+    configs = [config] if isinstance(config, EndToEndConfig) else list(config)
     all_rows = []
     for cfg in tqdm(configs, desc=problem, disable=not progress):
         rows = run_one(cfg, problem)
         if save:
             append_rows(problem, rows, results_dir)
         all_rows.extend(rows)
-    return pd.DataFrame(all_rows)
+    return all_rows
 
 
 def grid(**axes: Sequence[Any] | Any) -> list[EndToEndConfig]:
@@ -306,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         json.dumps([dataclasses.asdict(c) for c in configs][:3], default=str),
         f"... ({len(configs)} total)" if len(configs) > 3 else "",
     )
-    df = sweep(configs, args.problem, save=not args.no_save, results_dir=results_dir)
+    df = pd.DataFrame(measure(configs, problem=args.problem, save=not args.no_save, results_dir=results_dir))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(summary_table(df).to_string())
     return df

@@ -83,7 +83,7 @@ from cs336_systems.studies.profiling.kernel_tables import (
 
 PROBLEM = "nsys_profile"
 # Re-exported from kernel_tables/kernel_facts (and load_trace from measure.traces): notebook 02 and
-# timing_facts import these names from this module.
+# the study's `facts` is kernel_facts'.
 __all__ = [
     "CLASS_COLORS",
     "KERNEL_CLASSES",
@@ -105,10 +105,10 @@ __all__ = [
     "kernel_table",
     "load_trace",
     "main",
+    "measure",
     "plot_timeline",
     "profile_config",
     "profile_frame",
-    "profile_grid",
     "profile_rows",
     "range_summary",
     "range_table",
@@ -334,23 +334,24 @@ def run_profile(
     return profile_rows(result, problem)
 
 
-def profile_grid(
-    configs: Sequence[ProfileConfig],
-    problem: str = PROBLEM,
+def measure(
+    config: ProfileConfig | Sequence[ProfileConfig],
     *,
     results_dir: str | os.PathLike | None = None,
+    problem: str = PROBLEM,
     save: bool = True,
     deadline: float | None = None,
     trace_for: tuple[str, int] | None = None,
     trace_path: str | os.PathLike | None = None,
     progress: bool = True,
-) -> pd.DataFrame:
-    """Profile configurations in order, appending each one's rows at once.
+) -> list[dict[str, Any]]:
+    """Profile one configuration or several in order, appending each one's rows at once.
 
     deadline: a `time.monotonic()` value; configurations not started by then get a
     'skipped: time budget' row instead of running. trace_for=(size, context_length) names the
     configuration whose slim trace is written to `trace_path`.
     """
+    configs = [config] if isinstance(config, ProfileConfig) else list(config)
     all_rows = []
     for cfg in tqdm(configs, desc=problem, disable=not progress):
         if deadline is not None and time.monotonic() > deadline:
@@ -361,7 +362,7 @@ def profile_grid(
         if save:
             append_rows(problem, rows, results_dir)
         all_rows.extend(rows)
-    return pd.DataFrame(all_rows)
+    return all_rows
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -424,14 +425,15 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         f"... ({len(configs)} total)" if len(configs) > 2 else "",
     )
     first = (configs[0].size, configs[0].context_length)
-    df = profile_grid(
+    rows = measure(
         configs,
-        args.problem,
+        problem=args.problem,
         results_dir=results_dir,
         save=not args.no_save,
         trace_for=first if args.trace else None,
         trace_path=args.trace,
     )
+    df = pd.DataFrame(rows)
     if not df.empty:
         f = profile_frame(df)
         shares = f[(f.metric == "class_share") & f.range.isin(["step", "forward"])]

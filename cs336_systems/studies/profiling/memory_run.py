@@ -5,25 +5,32 @@
                    (compacted, gzip'd under `out`) and preview timelines (`out`/preview)
   run_block_saved  memory_profiling 2026 (f): one xl block, saved-for-backward bytes vs allocator
 
-Notebook 05 calls `memory_profiling_study` (both, unbounded); `python -m cs336_systems.studies.profiling`
+The study of memory_profiling: `measure(MemoryConfig(out=...))` runs both without a time budget and
+returns their rows (notebook 05); `facts` is memory_facts'; `python -m cs336_systems.studies.profiling`
 runs them as its parts memory and block_saved, under its optional budget: a configuration after the
 deadline is recorded as "skipped:" rows (never silently dropped); OOMs are failure rows.
 `quick` runs the same code paths at tiny sizes (CPU works: snapshots come from torch.profiler there).
+
+    python -m cs336_systems.studies.profiling.memory_run --out build/memory_snapshots --quick
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cs336_systems.measure import cli
 from cs336_systems.measure.budget import TimeBudget, skipped_row
 from cs336_systems.measure.results import append_rows
 from cs336_systems.studies.profiling import memory as mem
 from cs336_systems.studies.profiling.end_to_end import row_fields
+from cs336_systems.studies.profiling.memory_facts import facts  # noqa: F401 (the study's facts, kept beside its tables)
 
 # Snapshots worth committing (mode, dtype label, context length), in priority order, and their size cap.
 COMMIT_SNAPSHOTS = (("forward", "fp32", 512), ("train", "fp32", 512), ("train", "bf16-autocast", 512))
@@ -34,8 +41,20 @@ def _log(msg: str) -> None:
     print(f"[memory_profiling] {msg}", flush=True)
 
 
+def _save(rows: list[dict[str, Any]], results_dir: str | None, sink: list | None) -> None:
+    append_rows(mem.PROBLEM, rows, results_dir)
+    if sink is not None:
+        sink.extend(rows)
+
+
 def run_memory(
-    out: Path, budget: TimeBudget, *, quick: bool, device: str, results_dir: str | None
+    out: Path,
+    budget: TimeBudget,
+    *,
+    quick: bool,
+    device: str,
+    results_dir: str | None,
+    sink: list | None = None,
 ) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if quick:
@@ -53,7 +72,7 @@ def run_memory(
                 skipped_row(metric=m, unit="GiB", reason=budget.skip_note(), **common)
                 for m in ("peak_memory", "resident_memory")
             ]
-            append_rows(mem.PROBLEM, rows, results_dir)
+            _save(rows, results_dir, sink)
             continue
         cap = mem.capture_step(cfg, record=key in commit)  # a history only where a snapshot is kept
         name = mem.snapshot_name(cfg)
@@ -72,7 +91,7 @@ def run_memory(
                 snap_file = path.name
                 files.append({"file": path.name, "MiB": round(size / 2**20, 2)})
                 _preview(cap, out / "preview", name)
-        append_rows(mem.PROBLEM, mem.capture_rows(cap, snapshot_file=snap_file), results_dir)
+        _save(mem.capture_rows(cap, snapshot_file=snap_file), results_dir, sink)
         _log(f"memory {name}: peak {cap.peak_bytes and cap.peak_bytes / 2**30:.2f} GiB {cap.note}")
     return {"files": files}
 
@@ -92,7 +111,13 @@ def _preview(cap: mem.MemoryCapture, out: Path, name: str) -> None:
 
 
 def run_block_saved(
-    out: Path, budget: TimeBudget, *, quick: bool, device: str, results_dir: str | None
+    out: Path,
+    budget: TimeBudget,
+    *,
+    quick: bool,
+    device: str,
+    results_dir: str | None,
+    sink: list | None = None,
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     points = [("debug", 2, 64)] if quick else [("xl_2026", 4, 512), ("xl_2026", 4, 2048)]
@@ -101,7 +126,7 @@ def run_block_saved(
         if budget.exhausted():
             break
         res = mem.block_saved_memory(size, batch, ctx, device=device)
-        append_rows(mem.PROBLEM, mem.block_saved_rows(res), results_dir)
+        _save(mem.block_saved_rows(res), results_dir, sink)
         tables[f"{size}_ctx{ctx}"] = mem.by_op_frame(res).to_dict(orient="records")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -109,15 +134,40 @@ def run_block_saved(
     return {"points": list(tables)}
 
 
-def memory_profiling_study(
-    out: str | os.PathLike, *, quick: bool, device: str | None = None, results_dir: str | None = None
-) -> dict[str, Any]:
-    """Notebook entry point: the memory part and the (f) block part, without a time budget."""
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    out = Path(out)
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    out: str | os.PathLike  # snapshots, previews and the block's by-op table go here
+    quick: bool = False
+    device: str | None = None
+
+
+def measure(config: MemoryConfig, *, results_dir: str | None = None) -> list[dict[str, Any]]:
+    """The memory part and the (f) block part, without a time budget; every row they appended."""
+    dev = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     unlimited = TimeBudget(None, label="memory_profiling")
-    return {
-        "memory": run_memory(out, unlimited, quick=quick, device=dev, results_dir=results_dir),
-        "block_saved": run_block_saved(out, unlimited, quick=quick, device=dev, results_dir=results_dir),
-    }
+    rows: list[dict[str, Any]] = []
+    kw = {"quick": config.quick, "device": dev, "results_dir": results_dir, "sink": rows}
+    run_memory(out, unlimited, **kw)
+    run_block_saved(out, unlimited, **kw)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = cli.make_parser(
+        __doc__, "python -m cs336_systems.studies.profiling.memory_run --out build/memory_snapshots --quick"
+    )
+    p.add_argument("--out", required=True, help="folder for snapshots, previews and the by-op table")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (CPU works)")
+    p.add_argument("--device", default=None, help="default: cuda when visible, else cpu")
+    cli.add_results_dir(p)
+    args = p.parse_args(argv)
+    cfg = MemoryConfig(out=args.out, quick=args.quick, device=args.device)
+    print(cfg)
+    rows = measure(cfg, results_dir=str(cli.results_dir_for(args.results_dir, quick=args.quick)))
+    print(f"memory_profiling: {len(rows)} rows written")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,11 @@
 (c) `timing_configs` gives the end_to_end configurations (fp32 vs bf16 autocast, all sizes) whose
     rows go to the problem "benchmarking_mixed_precision".
 
+`measure(configs)` runs (a) and (c) without a time budget (`timing_run.measure_mixed_precision`, which
+notebook 04 calls, runs the same under an optional budget and reuses benchmarking_script's fp32 rows):
+
+    python -m cs336_systems.studies.profiling.mixed_precision --sizes small --context-length 128
+
 Caveat: autocast's op lists differ by device. On CUDA, layer_norm and the loss run in fp32; on CPU
 (where quick runs use bf16 because that is the CPU's low-precision type) layer_norm keeps bf16. The
 table records what the device at hand did, and says which device and dtype that was.
@@ -26,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cs336_systems.measure.results import make_row
+from cs336_systems.measure import cli
+from cs336_systems.measure.results import append_rows, make_row
 from cs336_systems.model import SIZES_2025
-from cs336_systems.studies.profiling import timing_facts
+from cs336_systems.studies.profiling import end_to_end, timing_facts
 from cs336_systems.studies.profiling.end_to_end import EndToEndConfig, grid
 
 PROBLEM = "benchmarking_mixed_precision"
@@ -278,3 +284,42 @@ def facts(df: pd.DataFrame, *, context_length: int) -> dict[str, Any]:
             },
         }
     return out
+
+
+def measure(
+    config: Sequence[EndToEndConfig] | None = None, *, results_dir=None, device: str | None = None
+) -> list[dict[str, Any]]:
+    """(a) the toy model's dtype rows on `device`, then (c) the timing configurations (default: every
+    `timing_configs()`), all appended under this problem; returns every row."""
+    rows = dtype_rows(dtype_table(device))
+    append_rows(PROBLEM, rows, results_dir)
+    configs = timing_configs(device=device) if config is None else config
+    return rows + end_to_end.measure(configs, problem=PROBLEM, results_dir=results_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = cli.make_parser(
+        __doc__,
+        "python -m cs336_systems.studies.profiling.mixed_precision --sizes small --context-length 128",
+    )
+    cli.add_size(p, list(SIZES_2025), nargs="+", flag="--sizes")
+    p.add_argument("--context-length", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--device", default=None, help="default: cuda when visible, else cpu")
+    cli.add_results_dir(p)
+    args = p.parse_args(argv)
+    configs = timing_configs(
+        args.sizes,
+        context_length=args.context_length,
+        warmup=args.warmup,
+        steps=args.steps,
+        device=args.device,
+    )
+    print(f"{len(configs)} timing configurations, e.g. {configs[0]}")
+    rows = measure(configs, results_dir=cli.results_dir_for(args.results_dir), device=args.device)
+    print(f"{PROBLEM}: {len(rows)} rows written")
+
+
+if __name__ == "__main__":
+    main()

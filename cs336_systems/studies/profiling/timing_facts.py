@@ -18,7 +18,8 @@ import pandas as pd
 
 from cs336_systems.measure.results import latest_run
 from cs336_systems.model import MODEL_SIZES
-from cs336_systems.studies.profiling.kernel_profile import CLASS_COLORS, KERNEL_CLASSES, class_shares
+from cs336_systems.studies.profiling.kernel_facts import class_shares
+from cs336_systems.studies.profiling.kernel_tables import CLASS_COLORS, KERNEL_CLASSES
 
 SIZE_ORDER = list(MODEL_SIZES)
 KEYS = ("name", "impl", "mode", "dtype", "x_name", "x_value", "metric")

@@ -1,9 +1,15 @@
 """Training: the 2026 training_step problem and the 8B training leaderboard (notebooks 40, 41).
 
-* `train_step` (+ `train_step_facts`, the waterfall and facts): our fastest step against the stock
-  PyTorch step, in one process.
-* `leaderboard`: the leaderboard's run (ours against stock FSDP2, torchrun ranks through
+Every study (listed in `STUDIES`) has its config, `measure(config, *, results_dir=None) -> rows`, a
+`main()` CLI and `facts(df) -> dict`; the other modules are the family's helpers.
+
+* `train_step` (study; + `train_step_facts`, the waterfall's stages, table and `facts`, re-exported):
+  our fastest step against the stock PyTorch step, in one process.
+* `leaderboard` (study; `facts` re-exported from `leaderboard_facts`): the leaderboard's run (ours against stock FSDP2, torchrun ranks through
   `distributed.runner`), with its parts `leaderboard_bench` (the timed step, checkpoint choice,
   profiled step), `leaderboard_memory` (the memory plan) and `leaderboard_stock` (the stock
-  baseline); `leaderboard_facts`: its tables, timeline and facts.
+  baseline); `leaderboard_facts`: its tables, timeline and facts. Merged, the leaderboard and its
+  parts would pass 500 lines, so they stay its helpers.
 """
+
+STUDIES = ("train_step", "leaderboard")

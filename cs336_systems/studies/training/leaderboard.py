@@ -78,11 +78,14 @@ from cs336_systems.studies.training.leaderboard_bench import (
     plan_checkpointing,
     profile_step,
 )
+from cs336_systems.studies.training.leaderboard_facts import (
+    PROBLEM,
+    facts,  # noqa: F401 (the study's facts, kept beside its tables)
+)
 from cs336_systems.studies.training.leaderboard_stock import StockFsdp2Step
 from cs336_systems.studies.training.train_step import matmul_peak, step_flops
 from cs336_systems.training import LeaderboardConfig, build_leaderboard_step
 
-PROBLEM = "training_leaderboard"
 MODULE = "cs336_systems.studies.training.leaderboard"
 PATHS = ("ours", "stock")
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # never NVLink multicast
@@ -352,17 +355,18 @@ def _wall_s(started: float | None) -> float:
     return _process_age_s() if started is None else time.perf_counter() - started
 
 
-def run(
-    cfg: LeaderboardRunConfig,
+def measure(
+    config: LeaderboardRunConfig,
     *,
-    nproc: int,
     results_dir=None,
+    nproc: int,
     figures_dir=None,
     timeout_s: float = 3600.0,
     started: float | None = None,
 ):
     """Launch the ranks (torchrun), then record the wall time of the whole run (since `started`, a
     `time.perf_counter()` value; None: since this process started); returns this run's rows."""
+    cfg = config
     env = {**GPU_ENV, "PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF}
     if cfg.backend == "gloo":  # gloo ranks compute on the CPU: Triton kernels run in its interpreter
         env["TRITON_INTERPRET"] = "1"
@@ -475,7 +479,7 @@ def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.D
         print(f"[{PROBLEM}] memory plan at {max(cfg.layers)} layers, {args.nproc} rank(s), GiB:", flush=True)
         print({k: round(v / memory.GiB, 2) for k, v in plan.items() if k not in ("params", "world_size")})
     df = runner.config_cli(
-        p, args, STUDY, LeaderboardRunConfig, fields, functools.partial(run, started=started)
+        p, args, STUDY, LeaderboardRunConfig, fields, functools.partial(measure, started=started)
     )
     if df is not None and not df.empty:
         with pd.option_context("display.width", 200, "display.max_columns", 20):

@@ -50,26 +50,18 @@ from cs336_systems.measure.results import (
 from cs336_systems.measure.timing import kernel_time, synchronize
 from cs336_systems.model import MODEL_SIZES, BasicsTransformerLM, ModelConfig
 from cs336_systems.model.loss import random_batch
+from cs336_systems.studies.training.train_step_facts import (
+    PHASES,
+    STAGES,
+    facts,  # noqa: F401 (the study's facts, kept beside its tables)
+)
 from cs336_systems.training import FusedAdamW, TrainStepConfig, build_train_step
 from cs336_systems.training.fused_adamw import mixed_precision_groups
 
 PROBLEM = "training_step"
-PHASES = ("forward", "backward", "optimizer")
 # the command-line options recorded as each context length's run config
 RUN_CONFIG_KEYS = ("size", "batch_size", "rounds", "steps", "warmup", "compile", "attention")
 PARTS = ("bandwidth", "check", "compare", "waterfall")
-
-STAGES: list[tuple[str, dict]] = [
-    ("handout fp32", {}),
-    ("+ bf16 autocast", dict(autocast=True)),
-    ("+ our FlashAttention", dict(attention="flash_triton")),
-    ("+ compile per block", dict(compile=True)),
-    ("+ fused AdamW", dict(optimizer="fused")),
-    ("+ bf16 compute weights", dict(bf16_weights=True)),
-    ("+ fused LM-head loss", dict(fused_loss=True)),
-    ("SDPA instead of our attention", dict(attention="sdpa")),
-    ("+ overlap with backward", dict(overlap=True)),  # = TrainStepConfig.fastest()
-]
 
 
 class StockStep:
@@ -351,7 +343,10 @@ def check(cfg: ModelConfig, args, state: dict, batches, num_steps: int = 20) -> 
     return rows
 
 
-def run(args) -> pd.DataFrame:
+def measure(config: argparse.Namespace, *, results_dir=None) -> list[dict]:
+    """The parts (`config.parts`) at each context length; `config` holds the CLI's fields (`_parser()`),
+    `results_dir` (or `config.results_dir`) receives the rows unless `config.no_save`."""
+    args = config
     rows: list[dict] = []
     device = torch.device(args.device)
     peak = matmul_peak(device)
@@ -379,10 +374,9 @@ def run(args) -> pd.DataFrame:
         if "waterfall" in args.parts:
             rows += waterfall(cfg, args, run_cfg, state, batches)
         print(summary(pd.DataFrame(rows)).to_string(), flush=True)
-    df = pd.DataFrame(rows)
     if not args.no_save:
-        print("rows ->", append_rows(PROBLEM, rows, args.results_dir))
-    return df
+        print("rows ->", append_rows(PROBLEM, rows, results_dir or args.results_dir))
+    return rows
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
@@ -459,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     if not args.no_save:
         args.results_dir = str(cli.results_dir_for(args.results_dir, quick=args.quick))
     args.size_name = args.size
-    return run(args)
+    return pd.DataFrame(measure(args))
 
 
 if __name__ == "__main__":

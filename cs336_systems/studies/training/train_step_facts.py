@@ -1,5 +1,6 @@
 """The training_step rows (measured by `cs336_systems.studies.training.train_step`): the waterfall table and
-figure, and `facts()`, the numbers notebook 40's answer quotes. Reads rows only."""
+figure, and `facts()`, the numbers notebook 40's answer quotes, from rows; and the waterfall's `STAGES`, which
+`train_step` (the study, which re-exports `facts`) runs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,19 @@ import math
 
 import pandas as pd
 
-from cs336_systems.studies.training.train_step import PHASES, STAGES
+PHASES = ("forward", "backward", "optimizer")
+# the waterfall's stages: each adds one change to the step before it
+STAGES: list[tuple[str, dict]] = [
+    ("handout fp32", {}),
+    ("+ bf16 autocast", dict(autocast=True)),
+    ("+ our FlashAttention", dict(attention="flash_triton")),
+    ("+ compile per block", dict(compile=True)),
+    ("+ fused AdamW", dict(optimizer="fused")),
+    ("+ bf16 compute weights", dict(bf16_weights=True)),
+    ("+ fused LM-head loss", dict(fused_loss=True)),
+    ("SDPA instead of our attention", dict(attention="sdpa")),
+    ("+ overlap with backward", dict(overlap=True)),  # = TrainStepConfig.fastest()
+]
 
 # per-path metrics of the comparison that facts() reports
 PATH_METRICS = ("peak_memory_gib", "mfu_datasheet", "mfu_measured_peak", "first_step_s")
