@@ -31,20 +31,17 @@ comm_bytes_per_param = 2.0  # bf16 weights and gradients, the leaderboard's head
 world_sizes = [1, 2, 4, 8, 16, 32, 64]
 
 # %% tags=["remove-input"]
-from cs336_systems.measure.cli import COMMITTED_RESULTS_DIR
-from cs336_systems.report import load_results, nb, save_figure, show_table
+from cs336_systems.report import nb, save_figure, show_table
 from cs336_systems.studies.training import train_run, train_scaling
 
 results_dir = nb.setup(quick)
 if quick:
     train_run.measure_quick(results_dir)
 elif nb.should_measure(measure, gpus=1, quick=quick):
-    from cs336_systems.train import gpu_demo
-
-    gpu_demo.main(["--out", str(results_dir / train_run.RUN_DIR)])
+    train_run.measure(results_dir)
 run = train_run.load_run(results_dir)
 # the reference rows are read, never written: the committed ones in every mode
-step_rows = load_results("training_step", COMMITTED_RESULTS_DIR)
+step_rows = train_run.committed_rows("training_step")
 run_facts = train_run.facts(run, step_rows)
 size = run_facts["throughput_size"]
 
@@ -106,8 +103,8 @@ assume = train_scaling.Assumptions(
     inter_step_latency_s=inter_step_latency_s,
     comm_bytes_per_param=comm_bytes_per_param,
 )
-lb_rows = load_results("training_leaderboard", COMMITTED_RESULTS_DIR)
-comm_rows = load_results("distributed_communication_single_node", COMMITTED_RESULTS_DIR)
+lb_rows = train_run.committed_rows("training_leaderboard")
+comm_rows = train_run.committed_rows("distributed_communication_single_node")
 table, inputs = train_scaling.estimate(lb_rows, comm_rows, assume, tuple(world_sizes))
 checked = train_scaling.check(table, lb_rows)
 scale = train_scaling.facts(table, checked, inputs, assume)

@@ -92,7 +92,7 @@ def final_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 def test_help_shows_choices_and_defaults():
     text = build_parser().format_help()
     for needle in (
-        "{none,ddp,zero2,fsdp}",
+        "{none,ddp,zero2,fsdp,hsdp}",
         "{uint16,uint32}",
         "default: 1.0",
         "--checkpoint-every",

@@ -3,9 +3,9 @@ against the training-step benchmark's step time for the same configuration.
 
 A run folder (`<results>/train_gpu_demo/`, written by `python -m cs336_systems.train.gpu_demo`) holds
 `<size>.jsonl` (one metrics line per step, from `python -m cs336_systems.train --metrics`) and
-`summary.json` (device, torch, per run the medians after the first 10 steps). `measure_quick(dir)`
-writes the same files on a CPU with the debug preset in seconds (the notebook's quick mode), through
-the same `train()` a user runs.
+`summary.json` (device, torch, per run the medians after the first 10 steps). `measure(dir)` runs it
+(a GPU); `measure_quick(dir)` writes the same files on a CPU with the debug preset in seconds (the
+notebook's quick mode), through the same `python -m cs336_systems.train` a user runs.
 
 `facts(run, step_rows)` returns what notebook 43 quotes: per run the first/last loss, median step time,
 tokens/s and MFU as logged (matmul FLOPs of the full T x T attention, `train.loop`), the MFU recomputed
@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
+import torch
 
 from cs336_systems.accounting.hardware import peak_flops
+from cs336_systems.measure.cli import COMMITTED_RESULTS_DIR
+from cs336_systems.measure.results import REPO_ROOT, load_results
 from cs336_systems.model import get_config
 from cs336_systems.studies.training.train_step import step_flops
 
@@ -52,22 +58,41 @@ def load_run(results_dir: str | Path) -> dict:
     return {"summary": summary, "metrics": metrics}
 
 
-def measure_quick(results_dir: str | Path, *, steps: int = 40) -> Path:
-    """The quick-mode run: the debug preset on the CPU through `train()`, written as a run folder."""
-    from cs336_systems.train import parse_args, train, write_tokens
+def _run_module(module: str, *args: str) -> None:
+    """`python -m <module> args` with this checkout first on the path (studies do not import `train`)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(
+            f"python -m {module} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
 
+
+def measure(results_dir: str | Path) -> Path:
+    """The GPU run: `python -m cs336_systems.train.gpu_demo --out <results_dir>/train_gpu_demo`."""
+    folder = Path(results_dir) / RUN_DIR
+    _run_module("cs336_systems.train.gpu_demo", "--out", str(folder))
+    return folder
+
+
+def measure_quick(results_dir: str | Path, *, steps: int = 40) -> Path:
+    """The quick-mode run: the debug preset on the CPU through `python -m cs336_systems.train`."""
     folder = Path(results_dir) / RUN_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    tokens = write_tokens(folder / "tokens.bin", 200_000, get_config("debug").vocab_size)
-    metrics = folder / "debug.jsonl"
+    tokens, metrics = folder / "tokens.bin", folder / "debug.jsonl"
+    vocab = get_config("debug").vocab_size
+    _run_module(
+        "cs336_systems.train.make_tokens", str(tokens), "--num-tokens", "200000", "--vocab-size", str(vocab)
+    )
     argv = ["--size", "debug", "--data", str(tokens), "--steps", str(steps), "--batch-size", "4"]
     argv += ["--context-length", "64", "--lr", "3e-3", "--metrics", str(metrics), "--device", "cpu"]
-    train(parse_args([*argv, "--progress", "off"]))
+    _run_module("cs336_systems.train", *argv, "--progress", "off")
     rows = pd.read_json(metrics, lines=True)
     steady = rows.iloc[SKIP_STEPS:]
     summary = {
         "device": "cpu",
-        "torch": __import__("torch").__version__,
+        "torch": torch.__version__,
         "runs": {
             "debug": {
                 "steps": len(rows),
@@ -83,6 +108,11 @@ def measure_quick(results_dir: str | Path, *, steps: int = 40) -> Path:
     }
     (folder / "summary.json").write_text(json.dumps(summary, indent=1))
     return folder
+
+
+def committed_rows(problem: str) -> pd.DataFrame:
+    """The committed rows of `problem` (figures/data), read in every mode: references, never written."""
+    return load_results(problem, COMMITTED_RESULTS_DIR)
 
 
 def _bench_rows(step_rows: pd.DataFrame, size: str, batch: int, ctx: int) -> pd.DataFrame:
