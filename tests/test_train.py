@@ -92,7 +92,7 @@ def final_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 def test_help_shows_choices_and_defaults():
     text = build_parser().format_help()
     for needle in (
-        "{none,ddp,zero2,fsdp}",
+        "{none,ddp,zero2,fsdp,hsdp}",
         "{uint16,uint32}",
         "default: 1.0",
         "--checkpoint-every",
@@ -213,6 +213,31 @@ def test_sharded_runs_resume_and_match_one_process(tokens, tmp_path, parallel):
     one, two = metrics(tmp_path / "one.jsonl"), metrics(tmp_path / "two.jsonl")
     assert [r["step"] for r in two] == list(range(1, 7))
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.xdist_group("train_torchrun")
+def test_hybrid_two_nodes_resume_and_match_one_process(tokens, tmp_path):
+    """hsdp on two torchrun agents of two ranks each: FSDP within each agent's ranks, replicas across
+    the agents. Rank 0 dies by SIGKILL at step 5; both agents restart, the job resumes from step 3's
+    checkpoint, and the 6 losses and gradient norms equal one process's (rtol 1e-5, clipped at 0.5)."""
+    common = [*TINY, "--data", str(tokens), "--steps", "6", "--lr", "3e-3", "--warmup-steps", "1"]
+    common += ["--grad-clip", "0.5"]
+    main([*common, "--metrics", str(tmp_path / "one.jsonl")])
+    env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", CS336_TRAIN_TEST_KILL_AT_STEP="5")
+    args = [*common, "--parallel", "hsdp", "--checkpoint-dir", "ckpt", "--checkpoint-every", "3"]
+    cmd = torchrun(2, 2, free_port(), [*args, "--metrics", "four.jsonl"])
+    agents = [run(cmd, tmp_path, timeout=200, env=env) for _ in range(2)]
+    results = [finish(a, 200) for a in agents]
+    for code, out in results:
+        assert code == 0, out[-4000:]
+    out = "".join(o for _, o in results)
+    assert "exitcode: -9" in out and "(step 3)" in out
+    one, four = metrics(tmp_path / "one.jsonl"), metrics(tmp_path / "four.jsonl")
+    assert [r["step"] for r in four] == list(range(1, 7))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in four], [r[key] for r in one], rtol=1e-5, err_msg=key)
 
 
 # ---- a save killed half-way --------------------------------------------------------------------

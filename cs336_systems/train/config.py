@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cs336_systems.model import ATTENTION_IMPLS, MODEL_SIZES, ModelConfig, get_config
 
-PARALLEL = ("none", "ddp", "zero2", "fsdp")
+PARALLEL = ("none", "ddp", "zero2", "fsdp", "hsdp")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")  # bf16: autocast over float32 master weights
 OPTIMIZERS = ("auto", "reference", "fused")
@@ -66,7 +66,11 @@ class TrainConfig:
     progress: str = _f("auto", "progress bar on rank 0 (auto: when stderr is a terminal)", choices=TOGGLES)
     # how the step runs
     device: str = _f("auto", "where to train (auto: cuda if present)", choices=DEVICES)
-    parallel: str = _f("none", "data parallelism over the ranks", choices=PARALLEL)
+    parallel: str = _f(
+        "none",
+        "data parallelism over the ranks (hsdp: fsdp within each node, replicas across nodes)",
+        choices=PARALLEL,
+    )
     precision: str = _f("auto", "auto: bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     optimizer: str = _f("auto", "AdamW implementation (auto: fused on GPU)", choices=OPTIMIZERS)
     attention: str = _f("sdpa", "attention implementation", choices=tuple(ATTENTION_IMPLS))

@@ -36,7 +36,7 @@ from cs336_systems.model import BasicsTransformerLM, ModelConfig, get_cosine_lr
 from cs336_systems.train import checkpoint as ckpt
 from cs336_systems.train.config import TrainConfig
 from cs336_systems.train.data import TokenFile, TrainInputError, rank_batch
-from cs336_systems.train.parallel import StepChoices, build_engine
+from cs336_systems.train.parallel import StepChoices, build_engine, local_world_size
 
 # Test hook: the step at whose start rank KILL_RANK_ENV (default 0) SIGKILLs itself, only while
 # TORCHELASTIC_RESTART_COUNT is 0 or unset (so the restarted job runs through).
@@ -66,8 +66,10 @@ def fingerprint(cfg: TrainConfig, model_cfg: ModelConfig, choices: StepChoices, 
         "autocast": choices.autocast,
         "optimizer": choices.optimizer,
     }
-    if cfg.parallel in ("zero2", "fsdp"):  # per-rank shards
+    if cfg.parallel in ("zero2", "fsdp", "hsdp"):  # per-rank shards
         fp["world_size"] = world
+    if cfg.parallel == "hsdp":
+        fp["shard_size"] = local_world_size()
     return fp
 
 
@@ -75,9 +77,11 @@ def check_inputs(cfg: TrainConfig, world: int) -> dict:
     """Every check that needs no process group or model; returns what the run needs from them."""
     model_cfg = cfg.model_config()
     if cfg.parallel == "none" and world > 1:
-        raise TrainInputError(f"{world} ranks with --parallel none: choose ddp, zero2 or fsdp")
+        raise TrainInputError(f"{world} ranks with --parallel none: choose ddp, zero2, fsdp or hsdp")
     if cfg.parallel != "none" and "RANK" not in os.environ:
         raise TrainInputError(f"--parallel {cfg.parallel} needs torchrun (python -m torch.distributed.run)")
+    if cfg.parallel == "hsdp" and world % local_world_size():
+        raise TrainInputError(f"--parallel hsdp: {world} ranks are not whole nodes of {local_world_size()}")
     if cfg.batch_size % world:
         raise TrainInputError(f"--batch-size {cfg.batch_size} does not split evenly over {world} ranks")
     device = resolve_device(cfg)

@@ -8,6 +8,10 @@
 * zero2: `distributed.ZeroAdamW` over the model's units (the leaderboard step): gradients
   reduce-scattered, 1/N of the AdamW state per rank, weights all-gathered after the update.
 * fsdp: `distributed.FSDP`: weights, gradients and AdamW state sharded 1/N per rank.
+* hsdp: hybrid sharding: `distributed.FSDP` over the ranks of each node (torchrun's LOCAL_WORLD_SIZE,
+  sharded 1/L per rank), and the averaged shard gradients all-reduced across the nodes (each rank with
+  the ranks of the same local rank on the other nodes: its replicas). Only 1/L of the gradients crosses
+  nodes, where the bandwidth is lowest (notebook 43's scaling estimate says when that pays).
 
 Every engine exposes `train_step(x, y, lr, clip) -> (local loss, global grad norm or None)`, `eval_loss`,
 and `state()`: the tensors of a checkpoint by key, live tensors that DCP fills in place on load
@@ -18,7 +22,8 @@ rank in their key, so zero2 and fsdp checkpoints resume only on the same number 
 [Note: clipping with sharded gradients]
 The clip scale needs the norm of the whole averaged gradient before any update. ddp has every
 averaged gradient on every rank after `finish_gradient_synchronization()`; fsdp sums the squares of
-its shard gradients over the ranks and adds the replicated ones once; zero2 updates each unit as soon
+its shard gradients over the ranks (hsdp: over the node's ranks, whose shards make one whole gradient)
+and adds the replicated ones once; zero2 updates each unit as soon
 as its gradient is reduce-scattered, so it runs without clipping (`--grad-clip 0`).
 """
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +66,7 @@ class StepChoices:
 
         autocast = cfg.precision == "bf16" or (cfg.precision == "auto" and gpu)
         optimizer = cfg.optimizer if cfg.optimizer != "auto" else ("fused" if gpu else "reference")
-        fsdp = cfg.parallel == "fsdp"
+        fsdp = cfg.parallel in ("fsdp", "hsdp")
         choices = cls(
             autocast=autocast,
             optimizer=optimizer,
@@ -70,7 +76,9 @@ class StepChoices:
             bf16_weights=autocast and optimizer == "fused" and cfg.parallel == "none",
         )
         if fsdp and (choices.compile or choices.fused_loss):
-            raise TrainInputError("--parallel fsdp runs without --compile and --fused-loss (use off/auto)")
+            raise TrainInputError(
+                f"--parallel {cfg.parallel} runs without --compile and --fused-loss (use off/auto)"
+            )
         if cfg.parallel == "zero2" and cfg.grad_clip:
             raise TrainInputError(
                 "--parallel zero2 updates during backward and cannot clip: add --grad-clip 0"
@@ -211,12 +219,20 @@ class Zero2Engine(Engine):
 class FSDPEngine(Engine):
     """`distributed.FSDP` with the reference (CPU) or fused (GPU) AdamW over this rank's shards."""
 
-    def __init__(self, model: BasicsTransformerLM, cfg: TrainConfig, choices: StepChoices):
+    def __init__(
+        self,
+        model: BasicsTransformerLM,
+        cfg: TrainConfig,
+        choices: StepChoices,
+        shard_group: dist.ProcessGroup | None = None,
+    ):
         from cs336_systems.training import FusedAdamW
 
         model.set_attention(choices.attention)
         self.model, self.choices = model, choices
-        self.fsdp = FSDP(model, compute_dtype=torch.bfloat16 if choices.autocast else None)
+        self.shard_group = shard_group  # None: the default group (all ranks)
+        compute_dtype = torch.bfloat16 if choices.autocast else None
+        self.fsdp = FSDP(model, compute_dtype=compute_dtype, process_group=shard_group)
         self.params = list(self.fsdp.parameters())
         opt_cls = FusedAdamW if choices.optimizer == "fused" else AdamW
         self.optimizer = opt_cls(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -228,6 +244,7 @@ class FSDPEngine(Engine):
         loss = cross_entropy(self.fsdp(x), y)
         loss.backward()
         self.fsdp.finish_gradient_synchronization()
+        self._sync_replicas()
         norm = self._clip(clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -240,13 +257,16 @@ class FSDPEngine(Engine):
         sq = torch.zeros(2, dtype=torch.float32, device=grads[0][1].device)
         for sharded, g in grads:
             sq[0 if sharded else 1] += g.float().square().sum()
-        dist.all_reduce(sq[:1])
+        dist.all_reduce(sq[:1], group=self.shard_group)
         norm = (sq[0] + sq[1]).sqrt()
         if clip:
             scale = torch.clamp(clip / (norm + 1e-6), max=1.0)
             for _, g in grads:
                 g.mul_(scale.to(g.dtype))
         return norm
+
+    def _sync_replicas(self) -> None:
+        """fsdp: nothing (every rank is in the shard group)."""
 
     @torch.no_grad()
     def eval_loss(self, x: Tensor, y: Tensor) -> Tensor:
@@ -262,9 +282,53 @@ class FSDPEngine(Engine):
         super().after_load({k.split(".", 1)[1]: v for k, v in state.items()})
 
 
+def hybrid_groups(world: int, local: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(shard group: this node's ranks, replica group: this local rank on every node); collective.
+
+    torchrun numbers ranks node by node (rank = node * local + local_rank), which is checked.
+    """
+    rank = dist.get_rank()
+    if rank % local != int(os.environ.get("LOCAL_RANK", rank % local)):
+        raise RuntimeError(f"rank {rank} is not node * {local} + LOCAL_RANK: cannot form node groups")
+    nodes = world // local
+    shard = replica = None
+    for node in range(nodes):  # every rank creates every group, in the same order
+        g = dist.new_group(list(range(node * local, (node + 1) * local)))
+        shard = g if rank // local == node else shard
+    for j in range(local):
+        g = dist.new_group(list(range(j, world, local)))
+        replica = g if rank % local == j else replica
+    return shard, replica
+
+
+class HSDPEngine(FSDPEngine):
+    """FSDP within each node, its averaged shard (and replicated) gradients all-reduced across nodes."""
+
+    def __init__(self, model: BasicsTransformerLM, cfg: TrainConfig, choices: StepChoices):
+        world, local = dist.get_world_size(), local_world_size()
+        shard, self.replica_group = hybrid_groups(world, local)
+        self.num_replicas = world // local
+        super().__init__(model, cfg, choices, shard_group=shard)
+
+    @torch.no_grad()
+    def _sync_replicas(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        works = [dist.all_reduce(g, group=self.replica_group, async_op=True) for g in grads]
+        for work, g in zip(works, grads, strict=True):
+            work.wait()
+            g.div_(self.num_replicas)
+
+
+def local_world_size() -> int:
+    """Ranks per node (torchrun's LOCAL_WORLD_SIZE; the whole job when unset)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+
+
 def build_engine(model: BasicsTransformerLM, cfg: TrainConfig, choices: StepChoices) -> Engine:
     if cfg.parallel in ("none", "ddp"):
         return Engine(model, cfg, choices, ddp=cfg.parallel == "ddp")
     if cfg.parallel == "zero2":
         return Zero2Engine(model, cfg, choices)
+    if cfg.parallel == "hsdp":
+        return HSDPEngine(model, cfg, choices)
     return FSDPEngine(model, cfg, choices)

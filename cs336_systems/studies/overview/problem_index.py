@@ -3,7 +3,8 @@
 `PROBLEMS` is the index, in the order of the writeup: the 2025 handout's problems in its order, then the
 2026 additions. Each entry names the notebook that answers it (None for the code-only problems, whose
 deliverable is a tested class), the package modules that implement or measure it, the test files
-that cover it, and where its rows are (a CSV in figures/data, or none for the written problems).
+that cover it, and where its rows are (a CSV in figures/data, a run folder with a summary.json, or none
+for the written problems).
 
 `overview(results_dir)` turns the index into the overview table. Nothing in it is typed in by hand
 except the index itself: the number of tests is counted in the test files, whether a notebook or a
@@ -137,6 +138,10 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(problem="flash_hopper", handout="2026 (beyond the handouts)", part="2026", kind="measured",
             notebook="42_flash_hopper", modules=("attention.flash_triton", "studies.attention.flash_hopper"),
             tests=("test_attention_hopper", "test_flash_bench"), results="flash_leaderboard"),
+    Problem(problem="training_run (train entry point)", handout="2026 (beyond the handouts)", part="2026",
+            kind="measured", notebook="43_training_run",
+            modules=("train", "studies.training.train_run", "studies.training.train_scaling"),
+            tests=("test_train", "test_train_run"), results="train_gpu_demo"),
 )
 # fmt: on
 
@@ -185,6 +190,10 @@ def status(p: Problem, results_dir: Path, notebooks_dir: Path = NOTEBOOKS) -> st
         return "derived; numbers computed"
     if p.kind == "computed":
         return "computed live on CPU"
+    run_summary = Path(results_dir) / str(p.results) / "summary.json"
+    if run_summary.exists():  # a run folder (`train.gpu_demo`), not a CSV of rows
+        device = json.loads(run_summary.read_text()).get("device", "?")
+        return f"measured ({_devices(pd.DataFrame({'gpu_name': [device]}))})"
     rows = load_results(p.results, results_dir) if p.results else pd.DataFrame()
     if rows.empty:
         return "not measured yet"
