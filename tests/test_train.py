@@ -198,9 +198,10 @@ def test_sigkill_of_a_rank_restarts_and_resumes_exactly(tokens, tmp_path):
 def test_sharded_runs_resume_and_match_one_process(tokens, tmp_path, parallel):
     """Two ranks with sharded optimizer state; rank 0 dies by SIGKILL at step 5, the restarted job resumes
     from step 3's sharded checkpoint; the 6 losses equal one process's (rtol 1e-5; a lr of 3e-3 makes a
-    lost AdamW state visible). zero2 runs the fused AdamW kernel under the Triton interpreter, unclipped."""
+    lost AdamW state visible), and so do the gradient norms, clipped at 0.5 (zero2: the fused AdamW kernel
+    under the Triton interpreter, updated after the global norm of the reduce-scattered shards)."""
     common = [*TINY, "--data", str(tokens), "--steps", "6", "--lr", "3e-3", "--warmup-steps", "1"]
-    common += ["--grad-clip", "0"] if parallel == "zero2" else ["--grad-clip", "0.5"]
+    common += ["--grad-clip", "0.5"]
     main([*common, "--metrics", str(tmp_path / "one.jsonl")])
     env = child_env(
         TRITON_INTERPRET="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", CS336_TRAIN_TEST_KILL_AT_STEP="5"
@@ -213,6 +214,8 @@ def test_sharded_runs_resume_and_match_one_process(tokens, tmp_path, parallel):
     one, two = metrics(tmp_path / "one.jsonl"), metrics(tmp_path / "two.jsonl")
     assert [r["step"] for r in two] == list(range(1, 7))
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in two], [r["grad_norm"] for r in one], rtol=1e-5)
+    assert max(r["grad_norm"] for r in one) > 0.5  # the clip was active
 
 
 @pytest.mark.distributed

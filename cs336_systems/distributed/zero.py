@@ -91,6 +91,7 @@ class _Unit:
     arrived: int = 0  # gradients accumulated in this backward
     done: bool = False  # updated (and its all-gather issued) in this step
     gather: PendingGather | None = None
+    shard_grad: Tensor | None = None  # with clipping: the averaged shard gradient awaiting the norm
     table_cache: dict = field(default_factory=dict)
 
 
@@ -102,6 +103,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         `cs336_systems.model.AdamW`. overlap: update each unit from inside backward.
     process_group: the group to shard over (None: the default group, or one rank without any).
     sync_module_states: broadcast every unit from rank 0 first, so the ranks start identical.
+    max_grad_norm: > 0 clips the averaged gradient to this global norm (as `model.clip_gradient`)
+        before any update. The norm needs every unit's gradient, so backward then only
+        reduce-scatters (overlapped as before) and `step()` updates and gathers every unit after it;
+        the norm of the last step is `last_grad_norm`. Settable between steps.
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         overlap: bool = True,
         process_group: dist.ProcessGroup | None = None,
         sync_module_states: bool = True,
+        max_grad_norm: float = 0.0,
     ):
         if param_mode not in PARAM_MODES:
             raise ValueError(f"param_mode must be one of {tuple(PARAM_MODES)}, got {param_mode!r}")
@@ -137,6 +143,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.decay_before_update = decay_before_update
         self.overlap = overlap
         self.num_steps = 0  # completed steps; the kernel counts from 1
+        if max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0, got {max_grad_norm}")
+        self.max_grad_norm = float(max_grad_norm)
+        self.last_grad_norm: Tensor | None = None
         device = params[0].device
         self._side_stream = torch.cuda.Stream(device=device) if overlap and device.type == "cuda" else None
         self._units = [self._build_unit(name, list(ps), sync_module_states) for name, ps in units]
@@ -223,7 +233,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         return grad
 
     def _update(self, unit: _Unit) -> None:
-        """Reduce-scatter, update and all-gather one unit ([Note: one step of a unit])."""
+        """Reduce-scatter, update and all-gather one unit ([Note: one step of a unit]); with clipping
+        only the reduce-scatter (`_apply` runs once the norm is known)."""
         with torch.profiler.record_function(f"zero::pack::{unit.name}"):
             grad = self._flat_grad(unit)
         side = self._side_stream
@@ -234,30 +245,53 @@ class ZeroAdamW(torch.optim.Optimizer):
             if self.world_size > 1:
                 shard_grad = reduce_scatter_grad(grad, name=unit.name, group=self.group).wait()
                 shard_grad.div_(self.world_size)
-            with torch.profiler.record_function(f"zero::adamw::{unit.name}"):
-                group = self.param_groups[0]
-                adamw_step_(
-                    unit.plan,
-                    [shard_grad],
-                    unit.master,
-                    unit.exp_avg,
-                    unit.exp_avg_sq,
-                    step=self.num_steps + 1,
-                    lr=group["lr"],
-                    betas=group["betas"],
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    decay_before_update=self.decay_before_update,
-                    copies=unit.copies,
-                    copy_dtype=self.compute_dtype if unit.copies is not None else None,
-                    table_cache=unit.table_cache,
-                )
-            if self.world_size > 1:
-                unit.gather = all_gather_in_place(unit.flat, name=unit.name, group=self.group)
+            if self.max_grad_norm:
+                unit.shard_grad = shard_grad
+            else:
+                self._apply(unit, shard_grad)
         if side is not None:  # freed here, still read by the side stream
             grad.record_stream(side)
             shard_grad.record_stream(side)
         unit.done = True
+
+    def _apply(self, unit: _Unit, shard_grad: Tensor) -> None:
+        """AdamW on this rank's shard of one unit, then the all-gather of the unit (issued)."""
+        with torch.profiler.record_function(f"zero::adamw::{unit.name}"):
+            group = self.param_groups[0]
+            adamw_step_(
+                unit.plan,
+                [shard_grad],
+                unit.master,
+                unit.exp_avg,
+                unit.exp_avg_sq,
+                step=self.num_steps + 1,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                decay_before_update=self.decay_before_update,
+                copies=unit.copies,
+                copy_dtype=self.compute_dtype if unit.copies is not None else None,
+                table_cache=unit.table_cache,
+            )
+        if self.world_size > 1:
+            unit.gather = all_gather_in_place(unit.flat, name=unit.name, group=self.group)
+
+    def _clip_and_apply(self) -> None:
+        """The global norm of the averaged gradient (the shards' squares summed over the ranks), the
+        clip scale of `model.clip_gradient`, then every unit's update and gather."""
+        side = self._side_stream
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            squares = torch.stack([u.shard_grad.float().pow(2).sum() for u in self._units]).sum()
+            if self.world_size > 1:
+                dist.all_reduce(squares, group=self.group)
+            norm = squares.sqrt()
+            scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            for unit in self._units:
+                unit.shard_grad.mul_(scale.to(unit.shard_grad.dtype))
+                self._apply(unit, unit.shard_grad)
+                unit.shard_grad = None
+        self.last_grad_norm = norm
 
     def abandon_step(self) -> None:
         """Forget a step that failed half-way (e.g. out of memory): wait for what was issued, drop the
@@ -265,7 +299,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         for unit in self._units:
             if unit.gather is not None:
                 unit.gather.wait()
-            unit.gather, unit.arrived, unit.done = None, 0, False
+            unit.gather, unit.arrived, unit.done, unit.shard_grad = None, 0, False, None
             for p in unit.params:
                 p.grad = None
         if self._side_stream is not None:
@@ -286,6 +320,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                     f"{unit.name}: {unit.arrived} of {len(unit.params)} parameters got a gradient; "
                     "ZeroAdamW needs all of a unit's gradients"
                 )
+        if self.max_grad_norm:
+            self._clip_and_apply()
         for unit in self._units:
             if unit.gather is not None:
                 unit.gather.wait()  # NCCL: the caller's stream waits; gloo: the host waits

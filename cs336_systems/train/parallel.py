@@ -23,8 +23,9 @@ rank in their key, so zero2 and fsdp checkpoints resume only on the same number 
 The clip scale needs the norm of the whole averaged gradient before any update. ddp has every
 averaged gradient on every rank after `finish_gradient_synchronization()`; fsdp sums the squares of
 its shard gradients over the ranks (hsdp: over the node's ranks, whose shards make one whole gradient)
-and adds the replicated ones once; zero2 updates each unit as soon
-as its gradient is reduce-scattered, so it runs without clipping (`--grad-clip 0`).
+and adds the replicated ones once; zero2 (`ZeroAdamW(max_grad_norm=...)`) reduce-scatters during
+backward as usual but updates every unit after the norm of its shards (unclipped, each unit is updated
+as soon as its gradient is reduce-scattered, and no norm is formed: the metrics log null).
 """
 
 from __future__ import annotations
@@ -78,10 +79,6 @@ class StepChoices:
         if fsdp and (choices.compile or choices.fused_loss):
             raise TrainInputError(
                 f"--parallel {cfg.parallel} runs without --compile and --fused-loss (use off/auto)"
-            )
-        if cfg.parallel == "zero2" and cfg.grad_clip:
-            raise TrainInputError(
-                "--parallel zero2 updates during backward and cannot clip: add --grad-clip 0"
             )
         return choices
 
@@ -178,7 +175,7 @@ class Engine:
 
 
 class Zero2Engine(Engine):
-    """ZeRO-2 through the leaderboard step (`training.build_leaderboard_step`), without clipping."""
+    """ZeRO-2 through the leaderboard step (`training.build_leaderboard_step`); clipped by `ZeroAdamW`."""
 
     def __init__(self, model: BasicsTransformerLM, cfg: TrainConfig, choices: StepChoices):
         from cs336_systems.training import LeaderboardConfig, build_leaderboard_step
@@ -199,12 +196,13 @@ class Zero2Engine(Engine):
 
     def train_step(self, x: Tensor, y: Tensor, lr: float, clip: float) -> tuple[Tensor, Tensor | None]:
         self.set_lr(lr)
+        self.optimizer.max_grad_norm = float(clip or 0.0)  # before backward: it decides the hooks' work
         with self.step.on_stream():
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.step.loss(x, y)
             loss.backward()
             self.optimizer.step()
-        return loss.detach(), None  # the norm is never formed
+        return loss.detach(), (self.optimizer.last_grad_norm if clip else None)  # unclipped: never formed
 
     def state(self) -> dict[str, Tensor]:
         out = {f"model.{n}": p.detach() for n, p in self.model.named_parameters()}
