@@ -85,6 +85,18 @@ an MFU of {r["mfu_logged"]:.1%} as logged (full T x T attention counted), {r["mf
 attention halved (the convention of the benchmark rows).{bench}{resume_text}"""
     )
 
+# %% tags=["remove-input"]
+two = train_run.two_gpu_table()
+if nb.have_results(two, "the two-GPU runs"):
+    show_table(
+        two,
+        caption="The entry point on two GPUs (torchrun, NCCL; global batch 8, context 512): medians after "
+        f"{train_run.SKIP_STEPS} steps",
+        formats={"step ms": "{:.0f}", "tokens/s": "{:,.0f}", "MFU (logged)": "{:.1%}", "last loss": "{:.3f}"},
+        provenance_from="; ".join(two.attrs["provenance"][2:]),
+        note=two.attrs["provenance"][0],
+    )
+
 # %% [markdown]
 # ## Scaling the 8B step
 # Weak scaling: every GPU trains one 32768-token sequence of the 8B leaderboard model, so N GPUs take

@@ -188,3 +188,33 @@ def plot_run(run: dict, size: str, device: str):
         ax_mfu.set_ylim(0, max(0.6, float(steady.mfu.max()) * 1.1))
     fig.tight_layout()
     return fig
+
+
+TWO_GPU_DIR = "train_two_gpu"  # torchrun runs of the entry point on two GPUs (`provenance.txt` says which)
+
+
+def two_gpu_table(results_dir: str | Path = COMMITTED_RESULTS_DIR) -> pd.DataFrame:
+    """Per `--parallel` mode of the committed two-GPU runs (`2gpu_<size>_<mode>.jsonl`): steps, median
+    step time, tokens/s and logged MFU after the first `SKIP_STEPS` steps, and the last loss; the
+    provenance file's lines in attrs["provenance"]. Empty when the folder is absent."""
+    folder = Path(results_dir) / TWO_GPU_DIR
+    rows = []
+    for path in sorted(folder.glob("2gpu_*.jsonl")):
+        _, size, mode = path.stem.split("_", 2)
+        m = pd.read_json(path, lines=True)
+        steady = m.iloc[SKIP_STEPS:] if len(m) > SKIP_STEPS else m
+        rows.append(
+            {
+                "size": size,
+                "parallel": mode,
+                "steps": len(m),
+                "step ms": 1e3 * steady.step_time_s.median(),
+                "tokens/s": steady.tokens_per_s.median(),
+                "MFU (logged)": steady.mfu.median(),
+                "last loss": float(m.loss.iloc[-1]),
+            }
+        )
+    out = pd.DataFrame(rows)
+    prov = folder / "provenance.txt"
+    out.attrs["provenance"] = prov.read_text().strip().splitlines() if prov.exists() else []
+    return out
