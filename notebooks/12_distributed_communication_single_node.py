@@ -32,18 +32,18 @@ from cs336_systems.studies.distributed.plots import plot_all_reduce
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=2, quick=quick):
     if quick:
-        comm_bench.run_grid(
-            gloo_procs=[2],
-            nccl_procs=[],
-            sizes_mb=[0.01, 0.1],
-            warmup=1,
-            max_iters=3,
-            budget_s=0.2,
+        comm_bench.measure(
+            comm_bench.GridConfig(
+                gloo_procs=(2,), nccl_procs=(), sizes_mb=(0.01, 0.1), warmup=1, max_iters=3, budget_s=0.2
+            ),
             results_dir=results_dir,
         )
     else:
-        comm_bench.run_grid(
-            gloo_procs=gloo_procs, sizes_mb=sizes_mb, gloo_max_mb=gloo_max_mb, results_dir=results_dir
+        comm_bench.measure(
+            comm_bench.GridConfig(
+                gloo_procs=tuple(gloo_procs), sizes_mb=tuple(sizes_mb), gloo_max_mb=gloo_max_mb
+            ),
+            results_dir=results_dir,
         )
 df = load_results(comm_bench.PROBLEM, results_dir)
 facts = comm_bench.facts(df)

@@ -26,7 +26,7 @@ from cs336_systems.report import nb
 from cs336_systems.studies.distributed import ddp_facts, train_bench
 from cs336_systems.studies.distributed.plots import plot_step_breakdown
 
-results_dir, df = ddp_facts.measure_or_load(measure, variants, quick=quick, only_missing=only_missing)
+results_dir, df = train_bench.measure_or_load(measure, variants, quick=quick, only_missing=only_missing)
 facts = ddp_facts.facts(df)
 
 # %% tags=["remove-input"]

@@ -29,7 +29,7 @@ from cs336_systems.studies.distributed import ddp_facts, train_bench
 from cs336_systems.studies.distributed.plots import plot_ddp_timelines, plot_step_breakdown
 
 problem = "ddp_overlap_individual_parameters_benchmarking"
-results_dir, df = ddp_facts.measure_or_load(
+results_dir, df = train_bench.measure_or_load(
     measure, variants, quick=quick, only_missing=only_missing, trace=traces
 )
 facts = ddp_facts.facts(df)

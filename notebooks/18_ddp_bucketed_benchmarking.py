@@ -38,23 +38,28 @@ unbucketed = ["single", "overlap"] if quick else ["single", "naive", "flat", "ov
 variants = [*unbucketed, *(f"bucketed:{b:g}" for b in sizes), *(f"torch:{b:g}" for b in sizes)]
 if nb.should_measure(measure, gpus=2, quick=quick):
     train_bench.measure(
-        variants, quick=quick, results_dir=results_dir, trace=trace_labels, only_missing=only_missing
+        train_bench.notebook_config(quick, trace_labels),
+        results_dir=results_dir,
+        variants=variants,
+        only_missing=only_missing,
     )
     comm_rows = comm_bench.tidy(load_results(comm_bench.PROBLEM, results_dir))
     impl = "gloo/cpu" if quick else "nccl/cuda"
     if comm_rows[(comm_rows.impl == impl) & (comm_rows.note == "")].empty:  # o and w for (b)
         if quick:
-            comm_bench.run_grid(
-                gloo_procs=[2],
-                nccl_procs=[],
-                sizes_mb=[0.01, 0.1, 1],
-                warmup=1,
-                max_iters=3,
-                budget_s=0.2,
+            comm_bench.measure(
+                comm_bench.GridConfig(
+                    gloo_procs=(2,),
+                    nccl_procs=(),
+                    sizes_mb=(0.01, 0.1, 1),
+                    warmup=1,
+                    max_iters=3,
+                    budget_s=0.2,
+                ),
                 results_dir=results_dir,
             )
         else:
-            comm_bench.run_grid(gloo_procs=[], results_dir=results_dir)
+            comm_bench.measure(comm_bench.GridConfig(gloo_procs=()), results_dir=results_dir)
 df = load_results(train_bench.PROBLEM, results_dir)
 comm = load_results(comm_bench.PROBLEM, results_dir)
 summ = ddp_facts.summary(df)

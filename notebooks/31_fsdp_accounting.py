@@ -107,9 +107,9 @@ _ = fsdp_facts.render_figures(df, results_dir, show=("__timeline_fsdp",))
 
 # %% tags=["remove-input"]
 if quick:
-    fsdp_parity.run("cpu", results_dir)
+    fsdp_parity.measure(fsdp_parity.ParityConfig(device="cpu"), results_dir=results_dir)
 elif nb.should_measure(measure, gpus=1):
-    fsdp_parity.run("cuda", results_dir)
+    fsdp_parity.measure(fsdp_parity.ParityConfig(device="cuda"), results_dir=results_dir)
 parity = load_results(fsdp_parity.PROBLEM, results_dir)
 if nb.have_results(parity, "the fp32 parity runs"):
     nb.md(fsdp_parity.answer(parity))

@@ -46,17 +46,12 @@ def test_config_validation():
 @pytest.mark.timeout(240)
 def test_gloo_grid_through_torchrun(tmp_path):
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    comm_bench.run_grid(
-        gloo_procs=[2],
-        nccl_procs=[n_gpus + 1],
-        sizes_mb=[0.01, 0.1],
-        warmup=1,
-        max_iters=4,
-        budget_s=0.2,
-        results_dir=str(tmp_path),
-        timeout_s=120,
+    config = comm_bench.GridConfig(
+        gloo_procs=(2,), nccl_procs=(n_gpus + 1,), sizes_mb=(0.01, 0.1), warmup=1, max_iters=4, budget_s=0.2
     )
+    rows = comm_bench.measure(config, results_dir=str(tmp_path), timeout_s=120)
     df = comm_bench.tidy(load_results(comm_bench.PROBLEM, tmp_path))
+    assert len(rows) == len(df) and [r["metric"] for r in rows] == list(df.metric)
     gloo = df[df.backend == "gloo"]
     assert set(gloo.metric) == {"all_reduce_time", "algbw", "busbw"}
     assert (gloo.note == "").all() and (gloo.world_size == 2).all()
@@ -77,16 +72,10 @@ def test_gloo_grid_through_torchrun(tmp_path):
 @pytest.mark.timeout(120)
 def test_timed_out_job_leaves_no_workers(tmp_path):
     """A job over its time limit becomes failure rows and its ranks are killed, not orphaned."""
-    comm_bench.run_grid(
-        gloo_procs=[2],
-        nccl_procs=[],
-        sizes_mb=[200],
-        warmup=1,
-        max_iters=500,
-        budget_s=123.25,
-        results_dir=str(tmp_path),
-        timeout_s=8,
+    config = comm_bench.GridConfig(
+        gloo_procs=(2,), nccl_procs=(), sizes_mb=(200,), warmup=1, max_iters=500, budget_s=123.25
     )
+    comm_bench.measure(config, results_dir=str(tmp_path), timeout_s=8)
     df = load_results(comm_bench.PROBLEM, tmp_path)
     assert len(df) == 3 and df.note.str.contains("timed out").all()
     time.sleep(0.5)

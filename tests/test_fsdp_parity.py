@@ -33,18 +33,19 @@ def _check(facts):
 
 
 def test_fsdp_fp32_is_bitwise_torch_fsdp2_and_ddp_and_close_to_one_process(tmp_path):
-    P.run("cpu", tmp_path, start_method="forkserver")
+    rows = P.measure(P.ParityConfig(device="cpu", start_method="forkserver"), results_dir=tmp_path)
     df = load_results(P.PROBLEM, tmp_path)
     (facts,) = P.facts(df)
     _check(facts)
     assert facts["equal"]["torch_fsdp2"] is True  # FSDP2 runs with gloo on CPU
     # Every comparison, every step, every parameter has its rows.
     assert len(df) == len(P.COMPARISONS) * P.STEPS * 6 * len(P.METRICS)
+    assert len(rows) == len(df)  # measure returns the rows it appended
 
 
 @pytest.mark.gpu
 def test_fsdp_fp32_parity_on_a_gpu(tmp_path):
-    P.run("cuda", tmp_path, start_method="forkserver")
+    P.measure(P.ParityConfig(device="cuda", start_method="forkserver"), results_dir=tmp_path)
     (facts,) = P.facts(load_results(P.PROBLEM, tmp_path))
     _check(facts)
 

@@ -8,13 +8,19 @@ the labels and wrappers, `ddp_facts` the tables, bucket model and facts), `shard
 (all-reduce), `ddp_check` (DDP against one process), figures in `plots` and `trace_plot`.
 
 Studies in the common shape (listed in `STUDIES`: config, `measure(config, *, results_dir=None) ->
-rows`, `main()`, `facts(df)`): `sharding_bench` and `fsdp_bench` (`facts` re-exported from their
-`*_facts`). Not yet in it: `comm_bench` (`run_grid`), `train_bench` (`measure(variants, ...)`, facts in
-`ddp_facts`, which imports it), `ddp_check` and `fsdp_parity` (`check_against_single_process`, `run`).
+rows`, `main()`, `facts(df)`): `comm_bench` (`GridConfig`; the rows the grid appended), `train_bench`
+(`TrainBenchConfig`, `notebook_config` for the notebooks' setting; `facts` re-exported from
+`ddp_facts`, which holds `PROBLEM` and `trace_path` through `ddp_variants` so that it does not import
+`train_bench`), `sharding_bench` and `fsdp_bench` (`facts` re-exported from their `*_facts`) and
+`fsdp_parity` (`ParityConfig`; its comparison rows; `facts(df)` gives one dict per recorded run).
+Not in it: `ddp_check`, a correctness check rather than a measurement: it writes no rows (the
+comparison comes back from its torchrun workers as one JSON file per launch, read into
+{variant: (per-step frame, metadata)}), so it has no results to take a `results_dir` or a
+`facts(df)` over; its `facts(checks)` reads those frames.
 
 Shared helpers (other families may import them): `runner`, which also launches the training
 leaderboard's ranks, and `trace_plot`, the ranks' Chrome-trace timelines.
 """
 
 SHARED = ("runner", "trace_plot")
-STUDIES = ("sharding_bench", "fsdp_bench")
+STUDIES = ("comm_bench", "train_bench", "sharding_bench", "fsdp_bench", "fsdp_parity")

@@ -194,27 +194,42 @@ def run_worker(cfg: CommBenchConfig, results_dir: str | None = None) -> list[dic
 # ------------------------------------------------------------------------------------------------------
 
 
-def run_grid(
-    *,
-    gloo_procs: Sequence[int] = (2, 4, 6),
-    nccl_procs: Sequence[int] | None = None,
-    sizes_mb: Sequence[float] = DEFAULT_SIZES_MB,
-    gloo_max_mb: float = 1024,
-    warmup: int = 5,
-    max_iters: int = 20,
-    budget_s: float = 10.0,
-    results_dir: str | None = None,
-    timeout_s: float = 300.0,
-) -> None:
+@dataclass(frozen=True, kw_only=True)
+class GridConfig:
+    """The driver's grid: one torchrun job per (backend, world size).
+
+    nccl_procs=None means "as many processes as visible GPUs" (none without a GPU); gloo sizes above
+    gloo_max_mb are skipped (CPU RAM and time).
+    """
+
+    gloo_procs: tuple[int, ...] = (2, 4, 6)
+    nccl_procs: tuple[int, ...] | None = None
+    sizes_mb: tuple[float, ...] = DEFAULT_SIZES_MB
+    gloo_max_mb: float = 1024
+    warmup: int = 5
+    max_iters: int = 20
+    budget_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if any(n < 1 for n in self.gloo_procs) or any(n < 1 for n in self.nccl_procs or ()):
+            raise ValueError("world sizes must be >= 1")
+
+
+def measure(
+    config: GridConfig, *, results_dir: str | os.PathLike | None = None, timeout_s: float = 300.0
+) -> list[dict[str, Any]]:
     """Launch one torchrun job per (backend, world size); failures become rows, the grid goes on.
 
-    nccl_procs=None means "as many processes as visible GPUs" (none without a GPU).
+    Returns the rows the grid appended (measurements and failure rows, in file order).
     """
+    results_dir = None if results_dir is None else str(results_dir)
+    rows_at_start = len(load_results(PROBLEM, results_dir))
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl_procs = config.nccl_procs
     if nccl_procs is None:
-        nccl_procs = [n_gpus] if n_gpus >= 1 else []
-    jobs = [("gloo", n, [s for s in sizes_mb if s <= gloo_max_mb]) for n in gloo_procs]
-    jobs += [("nccl", n, list(sizes_mb)) for n in nccl_procs]
+        nccl_procs = (n_gpus,) if n_gpus >= 1 else ()
+    jobs = [("gloo", n, [s for s in config.sizes_mb if s <= config.gloo_max_mb]) for n in config.gloo_procs]
+    jobs += [("nccl", n, list(config.sizes_mb)) for n in nccl_procs]
     for backend, nproc, sizes in tqdm(jobs, desc="all-reduce grid", unit="job"):
         if not sizes:
             continue
@@ -232,11 +247,11 @@ def run_grid(
             "--sizes-mb",
             *map(str, sizes),
             "--warmup",
-            str(warmup),
+            str(config.warmup),
             "--max-iters",
-            str(max_iters),
+            str(config.max_iters),
             "--budget-s",
-            str(budget_s),
+            str(config.budget_s),
         ]
         rows_before = len(load_results(PROBLEM, results_dir))
         try:
@@ -251,6 +266,7 @@ def run_grid(
             left = [s for s in sizes if float(s) not in done]
             append_rows(PROBLEM, failure_rows(backend, nproc, left, note), results_dir)
             print(f"[comm_bench] {backend} x{nproc} failed after {len(sizes) - len(left)} sizes:\n{exc}")
+    return load_results(PROBLEM, results_dir).iloc[rows_at_start:].to_dict("records")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -426,14 +442,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.results_dir = str(cli.results_dir_for(args.results_dir))
         nccl = None if args.nccl_procs == ["auto"] else [int(n) for n in args.nccl_procs]
         print("resolved grid:", json.dumps({k: v for k, v in vars(args).items() if k != "backend"}))
-        run_grid(
-            gloo_procs=args.gloo_procs,
-            nccl_procs=nccl,
-            sizes_mb=args.sizes_mb,
-            gloo_max_mb=args.gloo_max_mb,
-            warmup=args.warmup,
-            max_iters=args.max_iters,
-            budget_s=args.budget_s,
+        measure(
+            GridConfig(
+                gloo_procs=tuple(args.gloo_procs),
+                nccl_procs=None if nccl is None else tuple(nccl),
+                sizes_mb=tuple(args.sizes_mb),
+                gloo_max_mb=args.gloo_max_mb,
+                warmup=args.warmup,
+                max_iters=args.max_iters,
+                budget_s=args.budget_s,
+            ),
             results_dir=args.results_dir,
             timeout_s=args.timeout_s,
         )

@@ -18,7 +18,13 @@ import pandas as pd
 
 from cs336_systems.distributed.ddp import plan_buckets
 from cs336_systems.model import BasicsTransformerLM, get_config
-from cs336_systems.studies.distributed.ddp_variants import KIND_IMPL, TORCH_DEFAULT_BUCKET_MB, Variant
+from cs336_systems.studies.distributed.ddp_variants import (  # noqa: F401 (PROBLEM: train_bench re-exports it)
+    KIND_IMPL,
+    PROBLEM,
+    TORCH_DEFAULT_BUCKET_MB,
+    Variant,
+    trace_path,
+)
 
 
 def variant_label(row: pd.Series) -> str:
@@ -260,30 +266,6 @@ VARIANT_COLUMNS = (
 )
 
 
-def measure_or_load(
-    measure: bool | str,
-    variants: Sequence[str],
-    *,
-    quick: bool = False,
-    only_missing: bool = True,
-    trace: Sequence[str] = (),
-) -> tuple[Any, pd.DataFrame]:
-    """Notebook block of the DDP benchmarks: set up the results directory, measure `variants` when
-    `measure` asks for it and 2 GPUs are present (or in quick mode), then load the ddp_training rows.
-
-    Returns (results directory, rows).
-    """
-    from cs336_systems.report import load_results, nb
-    from cs336_systems.studies.distributed import train_bench
-
-    results_dir = nb.setup(quick)
-    if nb.should_measure(measure, gpus=2, quick=quick):
-        train_bench.measure(
-            variants, quick=quick, results_dir=results_dir, trace=trace, only_missing=only_missing
-        )
-    return results_dir, load_results(train_bench.PROBLEM, results_dir)
-
-
 def show_measurements(
     df: pd.DataFrame,
     variants: Sequence[str],
@@ -416,7 +398,6 @@ def model_facts(model: dict[str, Any], sim_tol_ms: float = 0.5) -> dict[str, Any
 def trace_facts(results_dir: Any, labels: Sequence[str]) -> dict[str, dict[str, float]]:
     """{label: overlap statistics} of the recorded profiler traces among `labels` (missing ones left out)."""
     from cs336_systems.studies.distributed.trace_plot import load_trace, overlap_stats, trace_frame
-    from cs336_systems.studies.distributed.train_bench import trace_path
 
     paths = {t: trace_path(results_dir, t) for t in labels}
     return {t: overlap_stats(trace_frame(load_trace(p))) for t, p in paths.items() if p.exists()}

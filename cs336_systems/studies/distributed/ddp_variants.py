@@ -8,13 +8,18 @@ model; `StepClock` times the phases of one step from marks on the compute stream
 from __future__ import annotations
 
 import math
+import os
 import timeit
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from cs336_systems.distributed.ddp import DDP_VARIANTS, DDPBucketed
+from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.measure.timing import synchronize
+
+PROBLEM = "ddp_training"  # train_bench's rows (ddp_training.csv) and profiler traces
 
 KIND_IMPL = {
     "single": "single_gpu",
@@ -130,3 +135,9 @@ def wrap(variant: Variant, model: torch.nn.Module, device: torch.device):
     else:
         ddp = DDP_VARIANTS[variant.kind](model)
     return ddp, ddp.finish_gradient_synchronization, ddp
+
+
+def trace_path(results_dir: str | os.PathLike | None, label: str) -> Path:
+    """Where train_bench writes the profiler trace of variant `label`."""
+    safe = label.replace(":", "_").replace(".", "p")
+    return default_results_dir(results_dir) / f"{PROBLEM}__trace_{safe}.json.gz"

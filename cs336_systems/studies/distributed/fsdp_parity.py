@@ -38,8 +38,10 @@ import datetime
 import functools
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -51,7 +53,7 @@ from torch import Tensor, nn
 from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.process_group import spawn
 from cs336_systems.measure import cli
-from cs336_systems.measure.results import append_rows, check_writable, failure_row, make_row
+from cs336_systems.measure.results import append_rows, check_writable, failure_row, load_results, make_row
 from cs336_systems.model import Embedding, Linear, RMSNorm
 
 PROBLEM = "fsdp_parity"
@@ -384,16 +386,31 @@ def answer(df: pd.DataFrame) -> str:
     )
 
 
-def run(device: str = "cpu", results_dir: str | None = None, *, start_method: str = "spawn") -> None:
-    """Train every implementation in 2 processes and append the comparison rows."""
+@dataclass(frozen=True, kw_only=True)
+class ParityConfig:
+    """One parity run: where the ranks compute (the scenario itself is fixed, see the module docstring)."""
+
+    device: str = "cpu"
+    start_method: str = "spawn"  # how the 2 ranks are started (tests use forkserver)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+
+def measure(config: ParityConfig, *, results_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """Train every implementation in 2 processes and append the comparison rows; returns those rows."""
     check_writable(results_dir)
+    results = None if results_dir is None else str(results_dir)
+    rows_before = len(load_results(PROBLEM, results))
+    device = config.device
     backend, gloo_on_cuda = "gloo", False
     if device == "cuda":
         if torch.cuda.device_count() >= WORLD_SIZE:
             backend = "nccl"
         else:
             gloo_on_cuda = True
-    config = {
+    record = {
         "device": device,
         "backend": backend,
         "world_size": WORLD_SIZE,
@@ -404,17 +421,17 @@ def run(device: str = "cpu", results_dir: str | None = None, *, start_method: st
         "model": [VOCAB, D_MODEL, D_FF],
         "run_id": datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%f"),
     }
-    results = None if results_dir is None else str(results_dir)
     spawn(
         parity_worker,
         WORLD_SIZE,
         results,
-        config,
+        record,
         backend=backend,
         gloo_on_cuda=gloo_on_cuda,
         timeout_s=120,
-        start_method=start_method,
+        start_method=config.start_method,
     )
+    return load_results(PROBLEM, results).iloc[rows_before:].to_dict("records")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -427,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")
-    run(args.device, cli.results_dir_for(args.results_dir))
+    measure(ParityConfig(device=args.device), results_dir=cli.results_dir_for(args.results_dir))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ ones; `plots` renders the figures afterwards:
 Profiler traces (one extra, untimed step after the timed ones) of the variants in `--trace` (default
 naive, overlap, bucketed:100) are compacted and saved by rank 0 as
 `<results_dir>/ddp_training__trace_<variant>.json.gz` (trace_plot.py draws them).
+
+`measure(config, results_dir=..., variants=...)` returns the rows it appended; `facts` and `PROBLEM`
+come from `ddp_facts` (which must not import this module), `trace_path` from `ddp_variants`.
 """
 
 from __future__ import annotations
@@ -71,9 +74,12 @@ from cs336_systems.distributed.ddp import DDPBucketed
 from cs336_systems.measure import cli
 from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import env_metadata, failure_row, make_row
-from cs336_systems.measure.results import results_dir as default_results_dir
 from cs336_systems.model import AdamW, cross_entropy, get_config
 from cs336_systems.studies.distributed import runner
+from cs336_systems.studies.distributed.ddp_facts import (  # noqa: F401 (the study's facts, kept beside its tables)
+    PROBLEM,
+    facts,
+)
 from cs336_systems.studies.distributed.ddp_variants import (  # noqa: F401 (KIND_IMPL, TORCH_...: the labels' API)
     COMM_MEANING,
     DEFAULT_VARIANTS,
@@ -81,10 +87,10 @@ from cs336_systems.studies.distributed.ddp_variants import (  # noqa: F401 (KIND
     TORCH_DEFAULT_BUCKET_MB,
     StepClock,
     Variant,
+    trace_path,
     wrap,
 )
 
-PROBLEM = "ddp_training"
 MODULE = "cs336_systems.studies.distributed.train_bench"
 DEFAULT_TRACES = ("naive", "overlap", "bucketed:100")
 PHASES = ("forward", "backward", "comm", "optimizer")
@@ -135,11 +141,6 @@ class TrainBenchConfig:
             "--pg-timeout-s",
             str(self.pg_timeout_s),
         ]
-
-
-def trace_path(results_dir: str | os.PathLike | None, label: str) -> Path:
-    safe = label.replace(":", "_").replace(".", "p")
-    return default_results_dir(results_dir) / f"{PROBLEM}__trace_{safe}.json.gz"
 
 
 def run_variant(
@@ -366,32 +367,61 @@ def measured_variants(df: pd.DataFrame, cfg: TrainBenchConfig, world_size: int) 
     return done
 
 
-def measure(
-    variants: Sequence[str],
-    *,
-    quick: bool = False,
-    results_dir: str | os.PathLike | None = None,
-    trace: Sequence[str] = (),
-    only_missing: bool = True,
-) -> list[str]:
-    """What the DDP notebooks call: run the variants not yet measured (all of them if not only_missing).
+def notebook_config(quick: bool = False, trace: Sequence[str] = ()) -> TrainBenchConfig:
+    """The DDP notebooks' config: the default (XL, ctx 512, global batch 8, NCCL), or QUICK (debug, gloo)."""
+    return TrainBenchConfig(**(QUICK if quick else {}), trace=tuple(Variant.parse(t).label for t in trace))
 
-    Real runs: the default config (XL, ctx 512, global batch 8, NCCL) on every visible GPU; quick runs:
-    the debug model with gloo on 2 CPU processes. Returns the labels that were run.
+
+def measure(
+    config: TrainBenchConfig,
+    *,
+    results_dir: str | os.PathLike | None = None,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
+    only_missing: bool = True,
+    nproc: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run the variants not yet measured (all of them if not only_missing); returns the rows appended.
+
+    nproc defaults to every visible GPU for NCCL and 2 processes for gloo. With only_missing, a variant
+    is skipped when it has a successful step_time row for this model/context/batch/world size and,
+    if it is to be traced, its trace exists.
     """
     from cs336_systems.measure.results import load_results
 
     labels = [Variant.parse(v).label for v in variants]
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    cfg = TrainBenchConfig(**(QUICK if quick else {}), trace=tuple(Variant.parse(t).label for t in trace))
-    nproc = 2 if cfg.backend == "gloo" else max(n_gpus, 1)
+    nproc = nproc or (2 if config.backend == "gloo" else max(n_gpus, 1))
+    rows_before = load_results(PROBLEM, results_dir)
     if only_missing:
-        done = measured_variants(load_results(PROBLEM, results_dir), cfg, nproc)
-        missing_traces = [t for t in cfg.trace if not trace_path(results_dir, t).exists()]
+        done = measured_variants(rows_before, config, nproc)
+        missing_traces = [t for t in config.trace if not trace_path(results_dir, t).exists()]
         labels = [v for v in labels if v not in done or v in missing_traces]
-    if labels:
-        run_sweep(cfg, labels, nproc=nproc, results_dir=None if results_dir is None else str(results_dir))
-    return labels
+    if not labels:
+        return []
+    run_sweep(config, labels, nproc=nproc, results_dir=None if results_dir is None else str(results_dir))
+    return load_results(PROBLEM, results_dir).iloc[len(rows_before) :].to_dict("records")
+
+
+def measure_or_load(
+    measure_flag: bool | str,
+    variants: Sequence[str],
+    *,
+    quick: bool = False,
+    only_missing: bool = True,
+    trace: Sequence[str] = (),
+) -> tuple[Any, pd.DataFrame]:
+    """Notebook block of the DDP benchmarks: set up the results directory, measure `variants` when
+    `measure_flag` asks for it and 2 GPUs are present (or in quick mode), then load the ddp_training rows.
+
+    Returns (results directory, rows).
+    """
+    from cs336_systems.report import load_results, nb
+
+    results_dir = nb.setup(quick)
+    if nb.should_measure(measure_flag, gpus=2, quick=quick):
+        cfg = notebook_config(quick, trace)
+        measure(cfg, results_dir=results_dir, variants=variants, only_missing=only_missing)
+    return results_dir, load_results(PROBLEM, results_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
