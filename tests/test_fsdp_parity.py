@@ -35,7 +35,7 @@ def _check(facts):
 def test_fsdp_fp32_is_bitwise_torch_fsdp2_and_ddp_and_close_to_one_process(tmp_path):
     rows = P.measure(P.ParityConfig(device="cpu", start_method="forkserver"), results_dir=tmp_path)
     df = load_results(P.PROBLEM, tmp_path)
-    (facts,) = P.facts(df)
+    (facts,) = P.facts(df)["runs"]
     _check(facts)
     assert facts["equal"]["torch_fsdp2"] is True  # FSDP2 runs with gloo on CPU
     # Every comparison, every step, every parameter has its rows.

@@ -12,7 +12,7 @@ rows`, `main()`, `facts(df)`): `comm_bench` (`GridConfig`; the rows the grid app
 (`TrainBenchConfig`, `notebook_config` for the notebooks' setting; `facts` re-exported from
 `ddp_facts`, which holds `PROBLEM` and `trace_path` through `ddp_variants` so that it does not import
 `train_bench`), `sharding_bench` and `fsdp_bench` (`facts` re-exported from their `*_facts`) and
-`fsdp_parity` (`ParityConfig`; its comparison rows; `facts(df)` gives one dict per recorded run).
+`fsdp_parity` (`ParityConfig`; its comparison rows; `facts(df)["runs"]`: one dict per recorded run).
 Not in it: `ddp_check`, a correctness check rather than a measurement: it writes no rows (the
 comparison comes back from its torchrun workers as one JSON file per launch, read into
 {variant: (per-step frame, metadata)}), so it has no results to take a `results_dir` or a

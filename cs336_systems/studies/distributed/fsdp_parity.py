@@ -279,8 +279,9 @@ def _select(df: pd.DataFrame, impl: str, mode: str, metric: str) -> pd.DataFrame
     return df[(df.impl == impl) & (df["mode"] == mode) & (df.metric == metric)]
 
 
-def facts(df: pd.DataFrame) -> list[dict[str, Any]]:
-    """The numbers the writeup quotes, one dict per recorded run (latest run per device and backend).
+def facts(df: pd.DataFrame) -> dict[str, Any]:
+    """The numbers the writeup quotes: {"runs": one dict per recorded run (latest run per device and
+    backend)}, each with
 
     device, backend; `equal`: per baseline (microbatch, torch_ddp, torch_fsdp2), True when ours is
     bitwise equal to it after every step (None: not run there); `vs_single`: per parameter, ours
@@ -288,7 +289,7 @@ def facts(df: pd.DataFrame) -> list[dict[str, Any]]:
     `torch_same`: True when DDP and FSDP2 differ from single-process training exactly as ours does.
     """
     if df.empty:
-        return []
+        return {"runs": []}
     df = df.assign(
         run_id=df["config_json"].map(lambda c: json.loads(c).get("run_id", "")),
         backend=df["config_json"].map(lambda c: json.loads(c).get("backend", "")),
@@ -330,7 +331,7 @@ def facts(df: pd.DataFrame) -> list[dict[str, Any]]:
                 "notes": sorted(set(run_rows.loc[run_rows.note != "", "note"])),
             }
         )
-    return out
+    return {"runs": out}
 
 
 LABELS = {
@@ -343,7 +344,7 @@ LABELS = {
 def tables(df: pd.DataFrame) -> list[tuple[pd.DataFrame, str, pd.DataFrame]]:
     """Per recorded run: (ours against one process per parameter, caption, the rows behind it)."""
     out = []
-    for run in facts(df):
+    for run in facts(df)["runs"]:
         t = run["vs_single"].astype({"elements_differing": int, "max_ulp": int}).reset_index()
         t = t.rename(columns={"name": "parameter", "max_abs_diff": "max |difference|"})
         caption = (
@@ -356,7 +357,7 @@ def tables(df: pd.DataFrame) -> list[tuple[pd.DataFrame, str, pd.DataFrame]]:
 def answer(df: pd.DataFrame) -> str:
     """The writeup's paragraph: what was measured on each device, and why data parallelism differs."""
     said = []
-    for run in facts(df):
+    for run in facts(df)["runs"]:
         differ = run["vs_single"][run["vs_single"]["max_ulp"] > 0]
         same = [LABELS[k] for k, ok in run["equal"].items() if ok]
         missing = [LABELS[k] for k, ok in run["equal"].items() if ok is None]
