@@ -20,6 +20,7 @@ from cs336_systems.model.checkpointing import (
     activation_peak_model,
     checkpoint_keeping_attention,
     checkpoint_sub_blocks,
+    is_kept_attention,
     make_block_runner,
     optimal_group_size,
     run_blocks,
@@ -199,13 +200,13 @@ class _CountKeptOps(torch.utils._python_dispatch.TorchDispatchMode):
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in KEPT_ATTENTION_OPS
+        self.calls += is_kept_attention(func)
         return func(*args, **(kwargs or {}))
 
 
-def _block_and_input():
+def _block_and_input(attention: str = "sdpa"):
     torch.manual_seed(0)
-    block = BasicsTransformerLM.from_config(CFG, attention_impl="sdpa").layers[0]
+    block = BasicsTransformerLM.from_config(CFG, attention_impl=attention).layers[0]
     x = torch.randn(2, CFG.context_length, CFG.d_model, requires_grad=True)
     return block, x
 
@@ -214,12 +215,14 @@ def _grads(block, y, x):
     return torch.autograd.grad(y.sum(), [x, *block.parameters()])
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
 @pytest.mark.parametrize("keep", [True, False])
-def test_keeping_the_attention_skips_only_its_recompute(keep):
-    """Exact gradients either way; backward reruns the attention forward only under a plain checkpoint."""
+def test_keeping_the_attention_skips_only_its_recompute(keep, attention):
+    """Exact gradients either way; backward reruns the attention forward only under a plain checkpoint
+    (SDPA's aten operator, or our FlashAttention's forward operator inside its autograd.Function)."""
     from torch.utils.checkpoint import checkpoint
 
-    block, x = _block_and_input()
+    block, x = _block_and_input(attention)
     expected = _grads(block, block(x), x)
     y = checkpoint_keeping_attention(block.forward, x) if keep else checkpoint(block, x, use_reentrant=False)
     counter = _CountKeptOps()
@@ -229,7 +232,8 @@ def test_keeping_the_attention_skips_only_its_recompute(keep):
     assert counter.calls == (0 if keep else 1)
 
 
-def test_keeping_the_attention_holds_under_compile():
+@pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
+def test_keeping_the_attention_holds_under_compile(attention):
     """Compiled with the checkpoint inside (as the leaderboard step does), the partitioner keeps the
     attention's outputs: its backward graph has no attention forward, and the gradients match eager."""
     from torch._dynamo.backends.common import aot_autograd
@@ -244,7 +248,7 @@ def test_keeping_the_attention_holds_under_compile():
     backend = aot_autograd(
         fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition
     )
-    block, x = _block_and_input()
+    block, x = _block_and_input(attention)
     expected = _grads(block, block(x), x)
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: checkpoint_keeping_attention(block.forward, t), backend=backend)
@@ -252,13 +256,15 @@ def test_keeping_the_attention_holds_under_compile():
     torch._dynamo.reset()
     assert len(graphs) == 2
     forward_graph, backward_graph = graphs
-    kept = {str(op) for op in KEPT_ATTENTION_OPS}  # "aten.<name>.default"
+    kept = {str(op) for op in KEPT_ATTENTION_OPS} | {"cs336.flash_attn_fwd.default"}  # "<ns>.<name>.default"
 
     def ops(graph: str) -> list[str]:
-        return re.findall(r"torch\.ops\.(aten\.\w+\.\w+)", graph)
+        return re.findall(r"torch\.ops\.((?:aten|cs336)\.\w+\.\w+)", graph)
 
     assert sum(op in kept for op in ops(forward_graph)) == 1
     assert sum(op in kept for op in ops(backward_graph)) == 0
-    assert any(op.removesuffix(".default") + "_backward.default" in ops(backward_graph) for op in kept)
+    backward_ops = {op.removesuffix(".default") + "_backward.default" for op in kept}
+    backward_ops.add("cs336.flash_attn_bwd.default")
+    assert any(op in backward_ops for op in ops(backward_graph))
     for a, b in zip(grads, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -246,7 +246,7 @@ def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
     df = leaderboard.main(["--quick", "--results-dir", str(tmp_path)])
     step = df[df.metric == "step_ms"]
     assert sorted(zip(step.impl, step.dtype)) == sorted(
-        (p, m) for p in ("ours", "stock") for m in ("bf16", "fp32_master")
+        (p, m) for p in ("ours", "stock", "stock_tuned") for m in ("bf16", "fp32_master")
     )
     assert (step["mean"] > 0).all() and (step.note == "").all()
     for metric in (
@@ -258,7 +258,9 @@ def test_quick_run_measures_every_variant_on_two_gloo_ranks(tmp_path):
         "checkpoint_blocks",
     ):
         assert metric in set(df.metric), metric
-    assert len(list(tmp_path.glob("training_leaderboard__trace_ours-*_ws2.json.gz"))) == 2
+    assert len(list(tmp_path.glob("training_leaderboard__trace_*-*_ws2.json.gz"))) == 6  # every variant
+    tuned = df[(df.impl == "stock_tuned") & (df.metric == "blocks_selective")]
+    assert (tuned["mean"] == 2).all() and len(tuned) == 2  # a CPU plan: every block selective
     backend = df[(df.name == "sdpa_backend") & (df.metric == "backend")].note
     assert len(backend) == 1 and backend.iloc[0] in torch.nn.attention.SDPBackend.__members__
     facts = leaderboard_facts.facts(df)

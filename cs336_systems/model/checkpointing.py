@@ -106,8 +106,11 @@ def checkpoint_sub_blocks(blocks: Sequence[nn.Module], x: Tensor) -> Tensor:
 # for 0.25 GiB kept per block. Under torch.compile the checkpoint must sit inside the compiled
 # function (compile the function that calls `checkpoint_keeping_attention`): the partitioner then
 # honours the policy; a checkpoint around an already compiled module recomputes its whole graph.
-# Attention that is not one of these aten ops (our Triton FlashAttention, an autograd.Function) is
-# recomputed like everything else.
+# Our Triton FlashAttention is an autograd.Function whose forward launch is the operator
+# `cs336::flash_attn_fwd` (attention/flash_triton/function.py): the policy keeps its outputs (o and the
+# log-sum-exp) by name, so the recompute re-runs the Function's Python but not its kernel. Attention
+# that is neither (e.g. "naive", "flash_pytorch") is recomputed like everything else.
+KEPT_OP_NAMES = frozenset({"cs336::flash_attn_fwd"})
 KEPT_ATTENTION_OPS = tuple(
     op
     for name in (
@@ -120,8 +123,13 @@ KEPT_ATTENTION_OPS = tuple(
 )
 
 
+def is_kept_attention(op) -> bool:
+    """Is `op` an attention core whose outputs a keeping-the-attention checkpoint saves?"""
+    return op in KEPT_ATTENTION_OPS or (isinstance(op, torch._ops.OpOverload) and op.name() in KEPT_OP_NAMES)
+
+
 def _keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in KEPT_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if is_kept_attention(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def keep_attention_context():

@@ -1,6 +1,16 @@
 """The timed part of the training leaderboard (training_leaderboard.py): the protocol's step with its
 phases marked, the "auto" choice of checkpointed blocks, do_bench with OOM retries, one profiled step.
 
+[Note: the recompute estimate]
+Recomputation runs inside backward, fused into its kernels, so it is estimated from backward times
+of the same run: ours' plan steps with every block recomputed (backward B_all) and the timed steps
+with k blocks recomputed (B_k): each recomputed block costs (B_all - B_k) / (L - k), so recompute =
+k (B_all - B_k) / (L - k). stock_tuned's plan steps differ only in block 0's policy ("full",
+"selective", "none"): a policy's per-block cost is its step's backward minus the "none" step's, and
+recompute sums it over the blocks. The stock step recomputes every block in full: L times the
+"full" per-block cost of stock_tuned from the same run (the same compiled, FSDP-sharded block under
+the same checkpoint), when that ran. One step per estimate: expect a few ms of noise per block.
+
 [Note: choosing the checkpointed blocks]
 Only as many blocks are recomputed as memory needs. One step with every block checkpointed is run
 (it also compiles), then a second one whose allocator peak P is read; the last block's forward on a
@@ -95,7 +105,28 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, f
     k = torch.tensor([layers - unchecked], device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(k, op=dist.ReduceOp.MAX)
-    return {"checkpoint_blocks": int(k), "peak_all_checkpointed": peak, "block_saved": saved}
+    backward_all = protocol.phase_ms(1)["backward"][0]  # every block recomputed
+    return {
+        "checkpoint_blocks": int(k),
+        "peak_all_checkpointed": peak,
+        "block_saved": saved,
+        "backward_all_checkpointed_ms": backward_all,
+    }
+
+
+def recompute_ms(path: str, plan: dict, backward_ms: float, layers: int) -> float:
+    """The estimated time backward spends recomputing forward work ([Note: the recompute estimate]);
+    NaN where the run gives no estimate."""
+    if path == "ours" and "backward_all_checkpointed_ms" in plan:
+        k = plan["checkpoint_blocks"]
+        if k == layers:
+            return math.nan
+        per_block = (plan["backward_all_checkpointed_ms"] - backward_ms) / (layers - k)
+        return k * per_block
+    if "recompute_block_ms" in plan:  # stock_tuned's plan
+        per_block = plan["recompute_block_ms"]
+        return sum(per_block.get(p, 0.0) for p in plan["policies"])
+    return math.nan
 
 
 def _kept_bytes(fn, x, device) -> int:

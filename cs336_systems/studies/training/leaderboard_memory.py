@@ -82,6 +82,7 @@ def memory_plan(cfg: ModelConfig, *, batch: int, world_size: int, loss_chunk: in
 
 def predicted_min_bytes(plan: dict[str, float], cfg: ModelConfig, *, path: str, mode: str) -> float:
     """A lower bound of the peak of (path, mode) on one rank (module docstring)."""
+    path = "stock" if path.startswith("stock") else path  # both stock steps keep FSDP2's state
     total = (
         plan[f"state_{path}_{mode}"] + plan["block_inputs"] + plan["block_saved"] + plan["loss_chunk_logits"]
     )
@@ -96,6 +97,7 @@ def skip_note(
 ) -> str | None:
     """Why (path, mode) cannot fit a device of `capacity` bytes, or None when it may."""
     need = predicted_min_bytes(plan, cfg, path=path, mode=mode)
+    path = "stock" if path.startswith("stock") else path
     if need <= capacity:
         return None
     return (

@@ -1,6 +1,7 @@
-"""The stock PyTorch baseline of the training leaderboard: what a PyTorch user builds from the library.
+"""The stock PyTorch baselines of the training leaderboard: what a PyTorch user builds from the library.
 
-`StockFsdp2Step(model, param_mode=..., mesh=...)`, as the issue's reference describes it:
+`StockFsdp2Step(model, param_mode=..., mesh=...)` ("stock"), the first attempt, kept unchanged so that
+results stay comparable across commits:
 * FSDP2 (`torch.distributed.fsdp.fully_shard`) on every transformer block and on the root;
 * every block recomputed in backward (`torch.utils.checkpoint`, non-reentrant) and compiled on its own
   (`torch.compile` of the checkpointed block, then `fully_shard`, the order torchtitan uses);
@@ -15,6 +16,26 @@ Precision, in the same mode as ours (`PARAM_MODES` of cs336_systems.distributed.
   "fp32_master": float32 parameters (and AdamW state), `MixedPrecisionPolicy(param_dtype=bf16,
                  reduce_dtype=float32)` and bf16 autocast over forward and loss;
   "fp32":        everything float32.
+
+`StockTunedStep` ("stock_tuned") is the recipe a skilled PyTorch user runs (torchtitan's choices):
+* FSDP2 per block and on the root, blocks resharded after forward except the last (its backward comes
+  first, so gathering it again would only wait);
+* per block one of three activation-checkpointing policies ([Note: the tuned stock recompute plan]):
+  "full" (the whole block recomputed), "selective" (torch's selective checkpointing,
+  `create_selective_checkpoint_contexts`: the attention's outputs and every second matmul's output
+  saved, everything else recomputed) or "none"; as few blocks recomputed, and as cheaply, as memory
+  allows, planned from measured peaks;
+* every block compiled with its checkpoint inside the compiled graph (so the partitioner honours the
+  selective policy); SDPA with the backend PyTorch picks (cuDNN at the 8B shape on Hopper, recorded
+  as a row); torch's fused AdamW; the chunked LM head + loss of the stock step.
+
+[Note: the tuned stock recompute plan]
+One step with every block "full" gives the peak P; one with block 0 "selective" and one with block 0
+"none" give a_s and a_n, the bytes those policies keep beyond "full" (peaks minus P, the largest over
+the ranks). With R = device memory - margin - P: if every block fits "selective" (L a_s <= R), the
+last floor((R - L a_s) / (a_n - a_s)) blocks run "none" and the others "selective"; otherwise the
+first L - floor(R / a_s) blocks run "full" and the rest "selective". Selective first: per byte kept
+it removes the most recompute (the matmuls), "none" then removes the cheap elementwise rest.
 """
 
 from __future__ import annotations
@@ -24,7 +45,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from cs336_systems.model import BasicsTransformerLM
 
@@ -88,11 +109,10 @@ class StockFsdp2Step:
             if self.autocast
             else MixedPrecisionPolicy()
         )
+        layers = len(model.layers)
         for i, block in enumerate(model.layers):
-            wrapped: nn.Module = CheckpointedBlock(block)
-            if compile:
-                wrapped = torch.compile(wrapped)
-            fully_shard(wrapped, mesh=mesh, mp_policy=policy)
+            wrapped = self._wrap_block(block, compile)
+            fully_shard(wrapped, mesh=mesh, mp_policy=policy, reshard_after_forward=self._reshard(i, layers))
             model.layers[i] = wrapped
         self.model = model
         self.module = ChunkedLossModel(model, loss_chunk)
@@ -101,6 +121,15 @@ class StockFsdp2Step:
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(), lr=lr, weight_decay=weight_decay, fused=fused
         )
+
+    def _wrap_block(self, block: nn.Module, compile: bool) -> nn.Module:
+        """The checkpointed (and compiled) module that replaces `block` and is sharded on its own."""
+        wrapped: nn.Module = CheckpointedBlock(block)
+        return torch.compile(wrapped) if compile else wrapped
+
+    def _reshard(self, index: int, layers: int) -> bool:
+        """Does block `index` free its gathered parameters after forward (FSDP2's default: yes)."""
+        return True
 
     def on_stream(self):
         return contextlib.nullcontext()
@@ -117,3 +146,135 @@ class StockFsdp2Step:
                 v.to_local() if hasattr(v, "to_local") else v for v in st.values() if isinstance(v, Tensor)
             ]
         return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The tuned stock step
+# --------------------------------------------------------------------------------------------------
+
+POLICIES = ("full", "selective", "none")
+SAVED_ATTENTION = tuple(
+    op
+    for name in (
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
+)
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
+
+
+def selective_context():
+    """`context_fn` of torchtitan's operator-level selective checkpointing: the attention's outputs and
+    every second matmul's output saved (the first, third, ... in each pass), everything else recomputed."""
+    seen = {False: 0, True: 0}  # matmuls met in the forward pass and in the recompute
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in SAVED_ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if op in MATMULS:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+class PolicyBlock(nn.Module):
+    """A block run under one of `POLICIES` (`policy`, changed between steps; compiled, it keeps one
+    graph per policy)."""
+
+    def __init__(self, block: nn.Module, policy: str = "full"):
+        super().__init__()
+        self.block, self.policy = block, policy
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.policy == "none":
+            return self.block(x)
+        if self.policy == "selective":
+            return checkpoint(self.block, x, use_reentrant=False, context_fn=selective_context)
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def recompute_plan(layers: int, room: float, kept_selective: float, kept_none: float) -> list[str]:
+    """Per block its policy ([Note: the tuned stock recompute plan]); `room` = R, bytes."""
+    if kept_selective <= 0 or kept_none <= kept_selective:
+        raise ValueError(f"need 0 < selective bytes < none bytes, got {kept_selective}, {kept_none}")
+    if room >= layers * kept_selective:
+        unchecked = min(layers, int((room - layers * kept_selective) // (kept_none - kept_selective)))
+        return ["selective"] * (layers - unchecked) + ["none"] * unchecked
+    selective = max(0, int(room // kept_selective))
+    return ["full"] * (layers - selective) + ["selective"] * selective
+
+
+class StockTunedStep(StockFsdp2Step):
+    """The tuned stock step (module docstring): `policies` per block, `set_policies`, `plan(...)`."""
+
+    def __init__(self, model: BasicsTransformerLM, **kwargs):
+        self.blocks: list[PolicyBlock] = []
+        super().__init__(model, **kwargs)
+
+    def _wrap_block(self, block: nn.Module, compile: bool) -> nn.Module:
+        wrapped = PolicyBlock(block)
+        self.blocks.append(wrapped)
+        return torch.compile(wrapped) if compile else wrapped  # the checkpoint inside the compiled graph
+
+    def _reshard(self, index: int, layers: int) -> bool:
+        return index < layers - 1  # the last block's backward comes first
+
+    @property
+    def policies(self) -> list[str]:
+        return [b.policy for b in self.blocks]
+
+    def set_policies(self, policies: list[str]) -> None:
+        if len(policies) != len(self.blocks) or set(policies) - set(POLICIES):
+            raise ValueError(f"need one of {POLICIES} per block ({len(self.blocks)}), got {policies}")
+        for block, policy in zip(self.blocks, policies, strict=True):
+            block.policy = policy
+
+    def plan(self, protocol, device: torch.device, margin_gib: float) -> dict:
+        """Measure P, a_s and a_n with `protocol()` (one protocol step whose phases it records, a
+        `leaderboard_bench.ProtocolStep`) and set the plan; on a CPU every block runs "selective".
+        Returns the plan's numbers for the rows, with the backward time (ms) of each measured step:
+        `recompute_ms` ([Note: the recompute estimate] in leaderboard_bench) uses them."""
+        import torch.distributed as dist
+
+        layers = len(self.blocks)
+        if device.type != "cuda":
+            self.set_policies(["selective"] * layers)
+            protocol()
+            return {"policies": self.policies}
+        backward: dict[str, float] = {}
+
+        def peak(policies: list[str]) -> float:
+            self.set_policies(policies)
+            protocol()  # compiles a new policy's graph
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            protocol()
+            torch.cuda.synchronize(device)
+            backward[policies[0]] = protocol.phase_ms(1)["backward"][0]
+            value = torch.tensor([float(torch.cuda.max_memory_allocated(device))], device=device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            return float(value)
+
+        full = peak(["full"] * layers)
+        kept_selective = max(peak(["selective"] + ["full"] * (layers - 1)) - full, 1.0)
+        kept_none = max(peak(["none"] + ["full"] * (layers - 1)) - full, kept_selective + 1.0)
+        room = torch.cuda.mem_get_info(device)[1] - margin_gib * 2**30 - full
+        self.set_policies(recompute_plan(layers, room, kept_selective, kept_none))
+        return {
+            "policies": self.policies,
+            "peak_all_full": full,
+            "kept_selective": kept_selective,
+            "kept_none": kept_none,
+            # per block, what its policy adds to backward (ms): the steps differ in block 0 only
+            "recompute_block_ms": {
+                "full": backward["full"] - backward["none"],
+                "selective": backward["selective"] - backward["none"],
+            },
+        }
