@@ -48,6 +48,7 @@ show_table(
     caption="Every handout problem: where it is answered, the tests that cover it, its status",
     provenance_from="the index in cs336_systems/studies/overview/problem_index.py; counts and status read from tests/ "
     "and figures/data/ when this document was built",
-    wrap={"problem": 0.19, "handout": 0.09, "answered in": 0.24, "tests (count)": 0.19, "status": 0.16},
+    wrap={"problem": 0.2, "handout": 0.09, "answered in": 0.24, "tests (count)": 0.19, "status": 0.15},
     breakable=True,
+    font="footnotesize",
 )
