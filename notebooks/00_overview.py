@@ -33,7 +33,8 @@ nb.md(
     f"{facts['problems_2026']} additions of the 2026 handout. Of these, {facts['code_only']} are code only: their "
     "deliverable is a class that the official tests exercise (`tests/adapters.py` maps every official "
     "adapter name of both years onto the package), so they are answered by the tests named, not by a section. "
-    "The test counts are the `test_*` functions in each file; the status is read from the committed rows"
+    "A section has the name of its notebook (`notebooks/NN_<name>.py`, where the study modules it calls are "
+    "named). The test counts are the `test_*` functions in each file; the status is read from the committed rows"
     + (
         " (what the handout asks for that no row covers is named: " + ", ".join(facts["not_run"]) + ")."
         if facts["not_run"]
@@ -43,12 +44,11 @@ nb.md(
 
 # %% tags=["remove-input"]
 show_table(
-    table.drop(columns=["part"]).assign(
-        **{"tests (count)": table["tests (count)"].str.replace("test_", "", regex=False)}
-    ),
+    problem_index.printed(table),
     caption="Every handout problem: where it is answered, the tests that cover it, its status",
     provenance_from="the index in cs336_systems/studies/overview/problem_index.py; counts and status read from tests/ "
     "and figures/data/ when this document was built",
-    wrap={"problem": 0.19, "handout": 0.09, "answered in": 0.23, "tests (count)": 0.16, "status": 0.14},
+    wrap={"problem": 0.2, "handout": 0.09, "answered in": 0.24, "tests (count)": 0.19, "status": 0.15},
     breakable=True,
+    font="footnotesize",
 )

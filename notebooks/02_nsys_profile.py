@@ -105,7 +105,7 @@ if measured:
     )
     save_figure(timing_facts.plot_class_shares(frame, ctx), "nsys_profile__class_shares")
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "appendix"]
 failed = frame[frame.note != ""].drop_duplicates(["size", "context_length"])
 nb.md(
     "**Method.** Nsight Systems is not installed on the GPU hosts, so the numbers come from `torch.profiler` "
@@ -121,6 +121,8 @@ nb.md(
         if len(failed)
         else f"Every size ran at every context ({', '.join(map(str, sorted(set(frame.context_length))))})."
     )
+    + " The forward at every size and context (profiler span, kernel time, host time, Python timer, benchmark): "
+    "the table at the end of this notebook, from `figures/data/nsys_profile.csv`."
 )
 
 # %% tags=["remove-input", "remove-cell"]
@@ -131,7 +133,7 @@ if trace_path.exists():
     )
     save_figure(fig, "nsys_profile__timeline")
 
-# %% tags=["remove-input", "appendix"]
+# %% tags=["remove-input", "remove-cell"]
 if measured:
     show_table(
         kernel_profile.forward_table(frame, bench).reset_index(),

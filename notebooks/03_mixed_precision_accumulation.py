@@ -45,13 +45,6 @@ formats = {
     "representation error": "{:+.2e}",
     "accumulation error": "{:+.2e}",
 }
-show_table(
-    df[list(headers)].rename(columns=headers),
-    caption=f"Sum of {steps} additions of {increment} (exact: {steps * increment:g})",
-    formats=formats,
-    provenance_from=f"computed live on {device_name('cpu')} with torch {torch.__version__}",
-    note="Representation error: steps x (stored - exact increment). Accumulation error: result - steps x stored increment",
-)
 
 # %% tags=["remove-input"]
 facts = accumulation.facts(df, steps=steps, increment=increment)
@@ -67,4 +60,13 @@ the fp32 accumulation adds no visible error ({facts["mixed_accumulation_error"]:
 {facts["mixed_representation_error"]:+.6f} offset is {steps} times the error of storing {increment:g} in
 fp16 (as {facts["fp16_increment_stored"]:.8f}). Low-precision inputs are therefore harmless when the
 sums they feed (reductions, gradient and weight accumulators) are kept in fp32."""
+)
+
+# %% tags=["remove-input"]
+show_table(
+    df[list(headers)].rename(columns=headers),
+    caption=f"Sum of {steps} additions of {increment} (exact: {steps * increment:g})",
+    formats=formats,
+    provenance_from=f"computed live on {device_name('cpu')} with torch {torch.__version__}",
+    note="Representation error: steps x (stored - exact increment). Accumulation error: result - steps x stored increment",
 )

@@ -166,13 +166,13 @@ for mode, tl in timelines.items():
         tl,
         title=f"(a) {size}, context {ctx}, fp32: {what}",
         above_kept=mode == "forward",
-        figsize=(7.0, 2.4) if mode == "forward" else (7.0, 3.2),
+        figsize=(7.0, 1.9) if mode == "forward" else (7.0, 2.6),
     )
     save_figure(fig, f"memory_profiling__timeline_{mode}")
 if not timelines:
     nb.have_results(pd.DataFrame(), "the memory snapshots")
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **Method.** `python -m cs336_systems.studies.profiling --parts memory block_saved` runs
 # the benchmarking script's workload (batch 4, random tokens, naive attention), one untimed warm-up
 # step (so AdamW's state exists), then records one step with

@@ -101,7 +101,7 @@ if nb.have_results(tab, "pytorch_attention"):
     )
     save_figure(pytorch_attention_facts.plot_scaling(df), "pytorch_attention__scaling")
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **Method.** `cs336_systems.studies.attention.pytorch_attention` times the model's own naive causal attention
 # (softmax(Q K^T / sqrt(d)) V with the T x T scores materialised and a `torch.where` mask) on random
 # Q, K, V of shape (8, T, d): 3 warm-up forward+backward passes, then 100 forward passes

@@ -66,6 +66,7 @@ if "model" in facts:
     whole = facts["model"]
     answer.append(
         ("**(b)** " if answer else "**Answer.** **(b)** ")
+        + "(per size and mode: the appendix table) "
         + " ".join(
             f"{'Forward only' if m == 'forward' else 'A training step'}: {lo:.2f}x to {hi:.2f}x as fast as eager."
             for m, lo, hi in whole["speedup_by_mode"]
@@ -99,19 +100,19 @@ if nb.have_results(grid, "compiled attention (and its eager baseline)"):
         note="eager times: the pytorch_attention table; T = 32768: eager ran out of memory, so no speedup",
     )
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "appendix"]
 wm = facts["model_table"]
 if nb.have_results(wm, "the whole-model compile study"):
     show_table(
         wm,
-        caption="(b) Whole model, eager vs torch.compile: ms per step (mean of the timed steps), batch 4, fp32, "
+        caption="torch_compile (b): whole model, eager vs torch.compile: ms per step (mean of the timed steps), batch 4, fp32, "
         "context 512",
         provenance_from=model,
         note=f"{facts['protocol']}; compile (s): Dynamo's own account of the compile time of the forward and "
         "backward graphs",
     )
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **Method.** (a) The pytorch_attention protocol on `torch.compile(naive_attention, dynamic=True)`: one
 # compilation with symbolic shapes serves the whole grid. (b) `end_to_end.run_one(compile=True)` wraps the
 # whole model in `torch.compile` (Inductor); compilation happens in the untimed warm-up, so the timed

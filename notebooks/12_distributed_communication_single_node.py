@@ -112,7 +112,7 @@ if nb.have_results(df, comm_bench.PROBLEM):
     )
     save_figure(plot_all_reduce(df), f"{comm_bench.PROBLEM}__all_reduce")
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **Setup.** `python -m cs336_systems.studies.distributed.comm_bench --grid`: one `torchrun` job per backend
 # and process count; 5 warm-up all-reduces, then per call a barrier, `torch.cuda.synchronize()`, the timed
 # SUM all-reduce and another synchronize (3 to 20 calls within 10 s per size); a call's time is the slowest

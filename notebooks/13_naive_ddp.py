@@ -65,7 +65,7 @@ show_table(
 )
 
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **Check.** `cs336_systems.studies.distributed.ddp_check` runs under `torchrun` with Gloo on CPU: each rank
 # seeds its toy model (10 -> 10 -> 50 -> 10 -> 50 -> 5 with ReLUs, a tied weight, a frozen bias and a fixed
 # parameter) differently, wraps it and trains with SGD (lr 0.1, MSE) on its shard of 16 random examples; one

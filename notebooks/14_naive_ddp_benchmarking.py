@@ -61,7 +61,7 @@ if nb.have_results(df, train_bench.PROBLEM) and facts["naive_measured"]:
         show_figure=False,
     )
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **Setup** (every DDP benchmark; `python -m cs336_systems.studies.distributed.train_bench`): the 2025 XL
 # model in fp32 with the project's AdamW, random tokens, context 512 and **4 sequences per GPU** (the
 # handout fixes neither: the largest power-of-two batch whose weights, gradients, AdamW state and naive-
@@ -69,5 +69,5 @@ if nb.have_results(df, train_bench.PROBLEM) and facts["naive_measured"]:
 # 3 warm-up and 5 timed steps. The step time is the wall time of a step, synchronised at both ends; CUDA
 # events on the compute stream split it into forward, backward, gradient synchronisation
 # (`finish_gradient_synchronization()`) and optimizer step; a step counts at its slowest rank. "1 GPU, no
-# comm" trains the same 4 sequences per GPU without communication. The table above holds every variant
-# without buckets; the next two sections quote it.
+# comm" trains the same 4 sequences per GPU without communication. The table of naive_ddp_benchmarking
+# holds every variant without buckets; the next two sections quote it.

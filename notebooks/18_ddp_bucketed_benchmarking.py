@@ -199,7 +199,7 @@ if model is not None:
         provenance_from=df,
     )
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **Setup** as in naive_ddp_benchmarking. Buckets hold at most `bucket_size_mb` MB (2^20 bytes, like
 # PyTorch DDP's `bucket_cap_mb`; a larger tensor gets its own bucket); the "grad sync" time is the exposed
 # communication after backward. PyTorch's `DistributedDataParallel` with the same `bucket_cap_mb` (and its

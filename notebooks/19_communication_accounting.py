@@ -25,7 +25,8 @@
 # the model become compute-bound, and what is the global batch? (d) Which tricks lower that batch?
 #
 # Every number is computed by `cs336_systems.accounting` (tested in `tests/test_accounting.py`); nothing
-# is measured. Memory is in decimal GB ($10^9$ B), as the handout's device sizes are; a token is one row of
+# is measured. The derivations behind the answers are in the notebook (`notebooks/19_communication_accounting.py`),
+# not printed here. Memory is in decimal GB ($10^9$ B), as the handout's device sizes are; a token is one row of
 # the activations (the handout's "batch" $B$ counts tokens).
 
 # %% tags=["parameters"]
@@ -44,7 +45,7 @@ results_dir = nb.setup(quick)
 SOURCE = communication_accounting.provenance()
 facts = communication_accounting.facts(token_counts)
 
-# %% [markdown]
+# %% [markdown] tags=["remove-cell"]
 # ## (a) Memory on one device
 
 # %% tags=["remove-input"]
@@ -61,8 +62,8 @@ $T = {facts["example_tokens"]}$ tokens). **The state alone fills the memory of {
 any activation or the BF16 working copy of the weights is counted."""
 )
 
-# %% [markdown]
-# Each block holds $W_\text{in} \in \mathbb{R}^{d_\text{model} \times d_\text{ff}}$ and
+# %% [markdown] tags=["remove-cell"]
+# **(a)** Each block holds $W_\text{in} \in \mathbb{R}^{d_\text{model} \times d_\text{ff}}$ and
 # $W_\text{out} \in \mathbb{R}^{d_\text{ff} \times d_\text{model}}$, so
 # $$P = L \cdot 2\, d_\text{model}\, d_\text{ff}.$$
 # FP32 master weights, FP32 accumulated gradients and AdamW's two FP32 moments $m, v$ cost
@@ -82,7 +83,7 @@ show_table(
     provenance_from=SOURCE,
 )
 
-# %% [markdown]
+# %% [markdown] tags=["remove-cell"]
 # ## (b) Sharding over $N_\text{FSDP}$ devices
 
 # %% tags=["remove-input"]
@@ -96,8 +97,8 @@ requirement to {facts["min_fsdp_example_tokens"]:.0f} devices at $T = {facts["ex
 once $A/2 \\ge 95$ GB, i.e. for batches beyond about {facts["max_tokens_any_fsdp"]:,.0f} tokens."""
 )
 
-# %% [markdown]
-# Sharding the master weights, gradients and optimizer state, and half of the activations (every other
+# %% [markdown] tags=["remove-cell"]
+# **(b)** Sharding the master weights, gradients and optimizer state, and half of the activations (every other
 # layer's), over $N = N_\text{FSDP}$ devices while the other half stays whole on every device gives
 # $$M_\text{device}(N) = \frac{16P + A/2}{N} + \frac{A}{2}.$$
 # Fitting a TPU v5p needs $M_\text{device}(N) \le 95\,\text{GB}$, i.e.
@@ -116,7 +117,7 @@ save_figure(
 )
 plt.show()
 
-# %% [markdown]
+# %% [markdown] tags=["remove-cell"]
 # ## (c) When is the TPU v5p forward compute-bound?
 
 # %% tags=["remove-input"]
@@ -136,8 +137,8 @@ tpu = communication_accounting.tpu_setting()
 save_figure(communication_accounting.plot_tpu_times(tpu), "communication_accounting__tpu_times_vs_batch")
 plt.show()
 
-# %% [markdown]
-# The Scaling Book (Austin et al. 2025, Part 5, "Mixed FSDP and Tensor Parallelism") shards a block as
+# %% [markdown] tags=["remove-cell"]
+# **(c)** The Scaling Book (Austin et al. 2025, Part 5, "Mixed FSDP and Tensor Parallelism") shards a block as
 # $\text{In}[B_X, D_Y] \cdot_D W_\text{in}[D_X, F_Y] \cdot_F W_\text{out}[F_Y, D_X] \to \text{Out}[B_X, D_Y]$
 # on an $X \times Y$ mesh, $N = XY$: the FSDP axis $X$ all-gathers the weights, the TP axis $Y$ all-gathers
 # the input and reduce-scatters the output. Per block and forward pass, with $D = d_\text{model}$,
@@ -165,7 +166,7 @@ show_table(
     provenance_from=SOURCE,
 )
 
-# %% [markdown]
+# %% [markdown] tags=["remove-cell"]
 # ## (d) Shrinking the batch while staying compute-bound
 
 # %% tags=["remove-input"]
@@ -196,7 +197,7 @@ show_table(
     provenance_from=SOURCE,
 )
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **References.** J. Austin et al., *How to Scale Your Model* (the TPU Scaling Book), Part 5 "How to Parallelize
 # a Transformer for Training", 2025, https://jax-ml.github.io/scaling-book/training/ ;
 # N. Tazi et al., *The Ultra-Scale Playbook: Training LLMs on GPU Clusters*, Hugging Face, 2025 ;

@@ -120,7 +120,7 @@ if nb.have_results(df, sharding_bench.PROBLEM):
         f"{sharding_bench.PROBLEM}__memory",
     )
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **(c), the volumes.** Per device for fp32 parameters and gradients and AdamW ($\Psi$ parameters, $N$
 # devices, ring collectives): plain data parallelism all-reduces the gradients ($2\frac{N-1}{N}\Psi$ elements
 # sent per device); ZeRO-1 reduce-scatters them and all-gathers the updated parameters, together the volume of

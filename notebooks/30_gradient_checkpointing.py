@@ -146,7 +146,7 @@ if nb.have_results(meas, "gradient_checkpointing"):
         "gradient_checkpointing__peak_vs_group",
     )
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **Cost model.** c is one block input (a checkpoint), r what one block saves for backward, counted
 # with saved-tensor hooks on the meta device for our eager block (naive attention, 32 heads; the
 # handout's compiled 16-head block saves 3651 MiB). With k blocks per checkpoint the peak activation

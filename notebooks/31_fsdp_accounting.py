@@ -86,7 +86,7 @@ if nb.have_results(parts, fsdp_bench.PROBLEM):
     )
 _ = fsdp_facts.render_figures(df, results_dir, show=("__timeline_fsdp",))
 
-# %% [markdown]
+# %% [markdown] tags=["appendix"]
 # **Setup.** `python -m cs336_systems.studies.distributed.fsdp_bench`: the 2026 xl model (the 2025 2.7B
 # shape) on 2 GPUs, 2 sequences of 512 tokens per GPU, naive attention, the project's AdamW. Variants:
 # `replicated` (whole model, gradients and AdamW state on every rank; gradients averaged by a bucketed
@@ -97,15 +97,17 @@ _ = fsdp_facts.render_figures(df, results_dir, show=("__timeline_fsdp",))
 # frees it after use, gathers it again for backward and reduce-scatters its gradient. For (b), every wait on
 # an all-gather in one profiled step (torch.profiler CUPTI trace on rank 0, drawn above; Nsight Systems is
 # not installed) is compared with the moment the compute stream could have used the weight: *slack* =
-# (compute stream free) - (all-gather done); negative slack is time the compute stream waited.
+# (compute stream free) - (all-gather done); negative slack is time the compute stream waited. Whether our
+# FSDP is bit-exact in fp32 (against torch's FSDP2, DDP and one process): the end of this notebook, from
+# `figures/data/fsdp_parity.csv`.
 
-# %% [markdown]
+# %% [markdown] tags=["remove-cell"]
 # **Is FSDP bit-exact in fp32?** `python -m cs336_systems.studies.distributed.fsdp_parity` trains the official
 # toy model with SGD for 3 steps on 20 sequences split 10/10 over 2 ranks, with our FSDP, torch's FSDP2 and
 # `DistributedDataParallel`, and compares every parameter with one process training on the whole batch, in
 # fp32 ulps.
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "remove-cell"]
 if quick:
     fsdp_parity.measure(fsdp_parity.ParityConfig(device="cpu"), results_dir=results_dir)
 elif nb.should_measure(measure, gpus=1):

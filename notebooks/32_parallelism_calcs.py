@@ -17,22 +17,20 @@
 # (FSDP), tensor parallelism (TP) and a 2D FSDP $\times$ TP grid, the FLOPs and communication time of the
 # forward and backward passes and the largest device count before communication dominates.
 #
-# **Setting (handout).** $N$ fully connected devices, each with egress bandwidth $W$ bytes/s. A ring
-# all-gather or reduce-scatter of a tensor of $S$ bytes takes $\frac{N-1}{N}\frac{S}{W}$ and a ring
-# all-reduce (reduce-scatter then all-gather) $2\frac{N-1}{N}\frac{S}{W}$. The layer is
-# $$x_1 = x W_1,\quad x_2 = x W_2,\quad z = f(x_1) * x_2,\quad y = z W_3,$$
-# with $x \in \mathbb{R}^{B \times D}$, $W_1, W_2 \in \mathbb{R}^{D \times D_{FF}}$,
-# $W_3 \in \mathbb{R}^{D_{FF} \times D}$ ($B$ counts tokens). Its backward is
+# **Setting (handout).** $N$ fully connected devices, each with egress bandwidth $W$ bytes/s and $C$ FLOP/s; a
+# ring all-gather or reduce-scatter of $S$ bytes takes $\frac{N-1}{N}\frac{S}{W}$, a ring all-reduce twice that.
+# The layer is $x_1 = x W_1$, $x_2 = x W_2$, $z = f(x_1) * x_2$, $y = z W_3$ with $x \in \mathbb{R}^{B \times D}$
+# ($B$ tokens), $W_1, W_2 \in \mathbb{R}^{D \times D_{FF}}$, $W_3 \in \mathbb{R}^{D_{FF} \times D}$; everything is
+# FP16 (2 bytes), only matmuls cost FLOPs ($2abc$), and a pass is communication-bound when its communication
+# (which may overlap compute) takes longer than its compute. The derivations are in the notebook
+# (`notebooks/32_parallelism_calcs.py`, not printed here); every formula is implemented and tested in `cs336_systems.accounting` (`tests/test_accounting.py` checks each
+# bound at its threshold and one device past it, and simulates both ring algorithms step by step).
+
+# %% [markdown] tags=["remove-cell"]
+# **Setting: the backward pass.**
 # $$dz = dy\, W_3^\top,\quad dx_2 = dz * f(x_1),\quad dx_1 = dz * f'(x_1) * x_2,\quad
 #   dx = dx_1 W_1^\top + dx_2 W_2^\top,$$
 # $$dW_3 = z^\top dy,\quad dW_2 = x^\top dx_2,\quad dW_1 = x^\top dx_1 .$$
-# Everything is FP16 (2 bytes); only matmuls cost FLOPs, $2abc$ for $(a,b)\times(b,c)$; $C$ is the
-# device's FLOP/s. Communication may overlap compute, so a pass is communication-bound when its
-# communication time exceeds its compute time.
-#
-# All formulas are implemented and tested in `cs336_systems.accounting`
-# (`tests/test_accounting.py` checks every bound at its threshold and one device past it, and simulates
-# both ring algorithms step by step). Nothing is measured here.
 
 # %% tags=["parameters"]
 measure = "auto"  # unused: this problem is pure computation (kept for a uniform notebook interface)
@@ -53,15 +51,68 @@ results_dir = nb.setup(quick)
 SOURCE = parallelism_calcs.provenance()
 setting = parallelism_calcs.Setting(model_size=model_size, batch_tokens=batch_tokens, device=device)
 facts = parallelism_calcs.facts(setting, allreduce_bytes=allreduce_bytes)
+
+# %% [markdown]
+# **Answers.**
+#
+# * **alternate_ring_all_reduce:** $T_\text{alt} = (N-1)\,S/W$: each of the $N-1$ steps ships a whole $S$-byte
+#   tensor over every link at once, $N/2$ times the $2\frac{N-1}{N}\frac{S}{W}$ of the reduce-scatter + all-gather ring.
+# * **data_parallel_calcs:** (a) $F_\text{bwd} = 12BDD_{FF}/N_{DP}$ FLOPs per device; (b) the all-reduce of the
+#   $6DD_{FF}$ bytes of weight gradients takes $T_\text{comm,bwd} = 12(N_{DP}-1)DD_{FF}/(N_{DP}W)$; (c) compute-bound
+#   iff $N_{DP} \le 1 + BW/C$ ($D$ and $D_{FF}$ cancel: only the tokens per step decide).
+# * **fsdp_calcs:** (a) $F_\text{fwd} = 6BDD_{FF}/N_{FSDP}$, $F_\text{bwd} = 12BDD_{FF}/N_{FSDP}$; (b) with $N = N_{FSDP}$,
+#   $T_\text{comm,fwd} = \frac{N-1}{N}\frac{6DD_{FF}}{W}$ (all-gather) and $T_\text{comm,bwd} = \frac{12(N-1)DD_{FF}}{NW}$
+#   (all-gather + reduce-scatter); (c) $N_{FSDP} \le 1 + BW/C$ in both passes, the DP bound.
+# * **tp_calcs:** (a) every device has the full $dy$ after the forward all-reduce, so
+#   $dz^{(i)} = dy\,W_3^{(i)\top}$, $dW_3^{(i)} = z^{(i)\top} dy$, $dx_2^{(i)} = dz^{(i)} * f(x_1^{(i)})$,
+#   $dx_1^{(i)} = dz^{(i)} * f'(x_1^{(i)}) * x_2^{(i)}$, $dW_1^{(i)} = x^\top dx_1^{(i)}$, $dW_2^{(i)} = x^\top dx_2^{(i)}$
+#   (all local) and $dx = \text{AllReduce}_i\big(dx_1^{(i)} W_1^{(i)\top} + dx_2^{(i)} W_2^{(i)\top}\big)$; (b)
+#   $F_\text{fwd} = 6BDD_{FF}/N_{TP}$, $F_\text{bwd} = 12BDD_{FF}/N_{TP}$; (c) one all-reduce of $2BD$ bytes per pass,
+#   $T_\text{comm,fwd} = T_\text{comm,bwd} = 4(N_{TP}-1)BD/(N_{TP}W)$; (d) $N_{TP} \le 1 + \frac{3}{2}D_{FF}W/C$ (the
+#   forward binds; backward $1 + 3D_{FF}W/C$).
+# * **fsdp_tp_calcs** ($N = N_{TP}N_{FSDP}$, $\frac{N-1}{N} \approx 1$): (a) $F_\text{fwd} = 6BDD_{FF}/N$; (b)
+#   $T_\text{comm,fwd} = \max\big(\frac{6DD_{FF}}{N_{TP}W}, \frac{4BD}{N_{FSDP}W}\big)$ with overlapping axes; (c)
+#   $N_{FSDP} \le BW/C$ and $N_{TP} \le \frac{3}{2}D_{FF}W/C$, so $N \le \frac{3}{2}BD_{FF}W^2/C^2$; (d) without overlap
+#   the sum must fit, and AM-GM gives $N \le \frac{3}{8}BD_{FF}W^2/C^2$ at $N_{FSDP} = \frac{BW}{2C}$,
+#   $N_{TP} = \frac{3}{4}\frac{D_{FF}W}{C}$, a quarter of the overlapped maximum.
+
+# %% tags=["remove-input"]
+nb.md(
+    rf"""**Numerically.** All-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_number(facts["bandwidth_GBps"])}$ GB/s takes
+{facts["alternate_8_ms"]:.1f} ms instead of {facts["ring_8_ms"]:.2f} ms.
+For 8.2-8.5, with the {setting.accelerator.name} constants of the table below, $C/W = {latex_number(facts["flops_per_byte"], ",.1f")}$ FLOP per
+byte, so a device must do about {facts["flops_per_byte"]:,.0f} FLOPs for every byte it sends. For the {model_size} FFN layer and
+$B = {latex_number(batch_tokens)}$ tokens: DP and FSDP stay compute-bound up to $N \le 1 + BW/C = {facts["dp_max_devices"]:.2f}$ devices, so one 8-GPU node
+is just enough, and 16 devices with the same $W$ would need $B \ge (16 - 1) \cdot C/W \approx {latex_number(facts["min_batch_16_devices"])}$ tokens
+(more across nodes, where the per-GPU network bandwidth is well below NVLink's).
+TP is independent of the batch: $N_{{TP}} \le 1 + \tfrac{{3}}{{2}} D_{{FF}} W/C = {facts["tp_max_devices_forward"]:.2f}$ for the forward and
+${facts["tp_max_devices_backward"]:.2f}$ for the backward. The 2D grid multiplies the two limits: with overlapping axes
+$N_{{FSDP}} \le {facts["overlapped_max_fsdp"]:.2f}$ and $N_{{TP}} \le {facts["overlapped_max_tp"]:.2f}$, i.e. $N \le {facts["overlapped_max_devices"]:.0f}$ devices; without overlap the
+AM-GM optimum $N_{{FSDP}} = {facts["serialized_fsdp"]:.2f}$, $N_{{TP}} = {facts["serialized_tp"]:.2f}$ allows only $N \le {facts["serialized_max_devices"]:.0f}$. On a {facts["other_name"]}
+($C/W = {latex_number(facts["other_flops_per_byte"], ",.0f")}$) the same bounds are
+{facts["other_dp_max_devices"]:.2f} (DP), {facts["other_tp_max_devices_forward"]:.2f} (TP forward) and
+{facts["other_overlapped_max_devices"]:.0f} (2D, overlapped): faster
+compute without proportionally faster links makes every scheme communication-bound sooner. These use datasheet
+link rates; a measured all-reduce bandwidth (problem distributed_communication_single_node) is lower and would
+tighten every bound in proportion."""
+)
+
+# %% tags=["remove-input"]
 show_table(
     parallelism_calcs.constants_table(setting),
     caption="Constants of the numeric illustrations",
     provenance_from=f"{setting.accelerator.source}; {SOURCE}",
 )
 
-# %% [markdown]
-# ## alternate_ring_all_reduce
-# *Device $i$ starts with $y = x^{(i)}$; for $t = 1, \dots, N-1$ it sends $x^{((i-t+1) \bmod N)}$ to device
+# %% tags=["remove-input", "remove-cell"]
+save_figure(
+    parallelism_calcs.plot_all_reduce_times(setting, allreduce_bytes, n_max),
+    "alternate_ring_all_reduce__time_vs_n",
+)
+plt.show()
+
+# %% [markdown] tags=["remove-cell"]
+# **alternate_ring_all_reduce.** *Device $i$ starts with $y = x^{(i)}$; for $t = 1, \dots, N-1$ it sends $x^{((i-t+1) \bmod N)}$ to device
 # $i+1$, receives $x^{((i-t) \bmod N)}$ from device $i-1$ and adds it to $y$. How long does this take?*
 #
 # At every step each device forwards one **whole** input tensor ($S$ bytes) to its neighbour. All $N$
@@ -79,24 +130,8 @@ show_table(
     provenance_from=SOURCE,
 )
 
-# %% tags=["remove-input"]
-save_figure(
-    parallelism_calcs.plot_all_reduce_times(setting, allreduce_bytes, n_max),
-    "alternate_ring_all_reduce__time_vs_n",
-)
-plt.show()
-
-# %% tags=["remove-input"]
-nb.md(
-    rf"""**Answer.** $T_\text{{alt}} = (N-1)\,S/W$: each of the $N-1$ steps ships a full $S$-byte tensor over every
-link at once, which is $N/2$ times the $2\frac{{N-1}}{{N}}\frac{{S}}{{W}}$ of the reduce-scatter + all-gather ring. For
-example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_number(facts["bandwidth_GBps"])}$ GB/s takes
-{facts["alternate_8_ms"]:.1f} ms instead of {facts["ring_8_ms"]:.2f} ms."""
-)
-
-# %% [markdown]
-# ## data_parallel_calcs
-# Each of the $N_{DP}$ devices holds all weights and a batch shard $x^{(i)} \in \mathbb{R}^{(B/N_{DP}) \times D}$;
+# %% [markdown] tags=["remove-cell"]
+# **data_parallel_calcs.** Each of the $N_{DP}$ devices holds all weights and a batch shard $x^{(i)} \in \mathbb{R}^{(B/N_{DP}) \times D}$;
 # the forward needs no communication and the weight gradients are all-reduced in the backward.
 #
 # **(a) Backward FLOPs per device.** Each of the three forward matmuls has two backward matmuls of the same
@@ -113,9 +148,8 @@ example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_nu
 # tokens per step decide. Adding devices does not reduce the bytes each device sends, but divides its
 # compute.
 
-# %% [markdown]
-# ## fsdp_calcs
-# Each device holds $1/N_{FSDP}$ of every weight ($D D_{FF} / N_{FSDP}$ values) and a batch shard. The forward
+# %% [markdown] tags=["remove-cell"]
+# **fsdp_calcs.** Each device holds $1/N_{FSDP}$ of every weight ($D D_{FF} / N_{FSDP}$ values) and a batch shard. The forward
 # all-gathers $W_1, W_2, W_3$; the backward all-gathers them again and reduce-scatters their gradients.
 #
 # **(a) FLOPs per device.** The matmuls are those of DP, on $B/N_{FSDP}$ rows:
@@ -131,9 +165,8 @@ example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_nu
 # the DP bound: FSDP moves the same bytes per FLOP as DP (an all-reduce is a reduce-scatter plus an
 # all-gather) and saves memory in exchange for the forward's extra all-gather, which its extra compute covers.
 
-# %% [markdown]
-# ## tp_calcs
-# $W_1, W_2$ are split by columns and $W_3$ by rows: device $i$ holds
+# %% [markdown] tags=["remove-cell"]
+# **tp_calcs.** $W_1, W_2$ are split by columns and $W_3$ by rows: device $i$ holds
 # $W_1^{(i)}, W_2^{(i)} \in \mathbb{R}^{D \times D_{FF}/N_{TP}}$ and $W_3^{(i)} \in \mathbb{R}^{D_{FF}/N_{TP} \times D}$,
 # sees the whole batch $x \in \mathbb{R}^{B \times D}$, and computes
 # $x_1^{(i)} = x W_1^{(i)}$, $x_2^{(i)} = x W_2^{(i)}$, $z^{(i)} = f(x_1^{(i)}) * x_2^{(i)}$,
@@ -162,9 +195,8 @@ example, all-reducing {facts["allreduce_GB"]:g} GB over 8 GPUs at $W = {latex_nu
 # \qquad \text{backward: } N_{TP} \le 1 + 3\,\frac{D_{FF}\,W}{C}.$$
 # The forward binds first (the same traffic as the backward for half the FLOPs).
 
-# %% [markdown]
-# ## fsdp_tp_calcs
-# On an $N_{TP} \times N_{FSDP}$ grid, device $(i, j)$ holds $W_1^{(i,j)}, W_2^{(i,j)} \in \mathbb{R}^{D/N_{FSDP} \times D_{FF}/N_{TP}}$,
+# %% [markdown] tags=["remove-cell"]
+# **fsdp_tp_calcs.** On an $N_{TP} \times N_{FSDP}$ grid, device $(i, j)$ holds $W_1^{(i,j)}, W_2^{(i,j)} \in \mathbb{R}^{D/N_{FSDP} \times D_{FF}/N_{TP}}$,
 # $W_3^{(i,j)} \in \mathbb{R}^{D_{FF}/N_{TP} \times D/N_{FSDP}}$ and $x^{(j)} \in \mathbb{R}^{B/N_{FSDP} \times D}$. The forward
 # all-gathers every weight over the FSDP axis into $W^{(i)}$, computes $x^{(j)} W_1^{(i)}$, $x^{(j)} W_2^{(i)}$,
 # $z = f(x_1) * x_2$, $y^{(i,j)} = z W_3^{(i)}$, and all-reduces $y^{(i,j)}$ over the TP axis into $y^{(j)}$.
@@ -203,22 +235,3 @@ show_table(
 )
 save_figure(parallelism_calcs.plot_bounds(setting, n_max), "parallelism_calcs__bounds")
 plt.show()
-
-# %% tags=["remove-input"]
-nb.md(
-    rf"""**Answers (8.2-8.5, numerically).** With the {setting.accelerator.name} constants above, $C/W = {latex_number(facts["flops_per_byte"], ",.1f")}$ FLOP per
-byte, so a device must do about {facts["flops_per_byte"]:,.0f} FLOPs for every byte it sends. For the {model_size} FFN layer and
-$B = {latex_number(batch_tokens)}$ tokens: DP and FSDP stay compute-bound up to $N \le 1 + BW/C = {facts["dp_max_devices"]:.2f}$ devices, so one 8-GPU node
-is just enough, and 16 devices with the same $W$ would need $B \ge (16 - 1) \cdot C/W \approx {latex_number(facts["min_batch_16_devices"])}$ tokens
-(more across nodes, where the per-GPU network bandwidth is well below NVLink's).
-TP is independent of the batch: $N_{{TP}} \le 1 + \tfrac{{3}}{{2}} D_{{FF}} W/C = {facts["tp_max_devices_forward"]:.2f}$ for the forward and
-${facts["tp_max_devices_backward"]:.2f}$ for the backward. The 2D grid multiplies the two limits: with overlapping axes
-$N_{{FSDP}} \le {facts["overlapped_max_fsdp"]:.2f}$ and $N_{{TP}} \le {facts["overlapped_max_tp"]:.2f}$, i.e. $N \le {facts["overlapped_max_devices"]:.0f}$ devices; without overlap the
-AM-GM optimum $N_{{FSDP}} = {facts["serialized_fsdp"]:.2f}$, $N_{{TP}} = {facts["serialized_tp"]:.2f}$ allows only $N \le {facts["serialized_max_devices"]:.0f}$. On a {facts["other_name"]}
-($C/W = {latex_number(facts["other_flops_per_byte"], ",.0f")}$) the same bounds are
-{facts["other_dp_max_devices"]:.2f} (DP), {facts["other_tp_max_devices_forward"]:.2f} (TP forward) and
-{facts["other_overlapped_max_devices"]:.0f} (2D, overlapped): faster
-compute without proportionally faster links makes every scheme communication-bound sooner. These use datasheet
-link rates; a measured all-reduce bandwidth (problem distributed_communication_single_node) is lower and would
-tighten every bound in proportion."""
-)

@@ -294,6 +294,17 @@ def test_table_never_overflows():
     assert "(continued)" in tl.latex
 
 
+def test_table_font_size():
+    df = pd.DataFrame({"step": range(3), "ms": [0.1] * 3})
+    assert "\\centering\\small" in table(df).latex  # the default
+    assert "\\centering\\footnotesize" in table(df, font="footnotesize").latex
+    long = table(df, font="footnotesize", breakable=True).latex
+    assert long.startswith("{\\footnotesize\n\\begin{longtable}")
+    _assert_balanced_latex(long)
+    with pytest.raises(ValueError, match="font"):
+        table(df, font="tiny")
+
+
 def test_number_formatting():
     f = tables_mod.format_number
     assert f(0.5, 3) == "0.500" and f(12.345, 3) == "12.3" and f(1234.6) == "1235"

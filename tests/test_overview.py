@@ -63,3 +63,14 @@ def test_missing_world_sizes_and_pending_notebooks(tmp_path: Path):
     assert pi.status(p, tmp_path, notebooks_dir=tmp_path) == "not written yet"
     (tmp_path / "99_x.py").write_text("")
     assert pi.status(p, tmp_path, notebooks_dir=tmp_path) == "not measured yet"
+
+
+def test_the_printed_overview_keeps_every_problem_where_it_is_answered_tests_and_status():
+    table = pi.overview()
+    shown = pi.printed(table)
+    assert list(shown.columns) == ["problem", "handout", "answered in", "tests (count)", "status"]
+    assert list(shown.problem) == [p.problem for p in pi.PROBLEMS]
+    for p, where in zip(pi.PROBLEMS, shown["answered in"], strict=True):
+        assert where == (p.notebook or "code: " + ", ".join(p.modules))
+    assert not shown["tests (count)"].str.contains("test_").any()
+    assert (shown.status == table.status).all()

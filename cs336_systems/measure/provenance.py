@@ -4,18 +4,38 @@
 ends in -dirty (the code had uncommitted changes when the rows were measured, so the sha does not pin
 it) is marked with a dagger and explained in the same line. `dirty_rows()` lists every such committed
 row, per file, sha and device, for the writeup's overview.
+
+`code_commit(paths)` is the commit a table computed live (not measured) names: see [Note: the commit of
+a computed table]. `dirty_provenance(text)` finds the shas marked -dirty in rendered text; the writeup's
+assembly refuses to typeset any (`report.assemble`), so no page of writeup.pdf names a dirty tree.
+
+[Note: the commit of a computed table]
+A table computed when the notebook runs (the analytic accounting of communication_accounting and
+parallelism_calcs) used to name HEAD's sha as the process saw it, and `make pdf` runs from a working
+tree that is dirty by construction (the writeup and notebooks being edited), so the PDF said
+`<sha>-dirty`, which pins nothing. What the numbers depend on is the code that computes them, so the
+table names the last commit that changed that code (`git log -1 -- <paths>`): checking it out gives
+exactly the code that produced the table, and the name stays the same while unrelated files change.
+When those paths themselves have uncommitted changes there is no commit to name: the sha keeps its
+-dirty suffix, and the assembly refuses it, so the code is committed before the writeup is built.
+Without git (a copy of the tree on a GPU host) the launcher's CS336_GIT_SHA or "unknown" is named.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+from collections.abc import Sequence
 
 import pandas as pd
 
-from cs336_systems.measure.results import DIRTY_SUFFIX, results_dir
+from cs336_systems.measure.results import DIRTY_SUFFIX, REPO_ROOT, results_dir
 
 DIRTY_MARK = "\u2020"  # the dagger that marks a -dirty sha in a provenance line
 _DIRTY_COLUMNS = ("git_sha", "gpu_name")
+# a commit named with the -dirty suffix, in any rendered text (a provenance line, a sentence, a caption)
+_DIRTY_SHA = re.compile(r"\b[0-9a-f]{7,40}" + re.escape(DIRTY_SUFFIX) + r"\b")
 
 
 def is_dirty_sha(sha: object) -> bool:
@@ -70,3 +90,34 @@ def dirty_rows(results_dir_: str | os.PathLike | None = None) -> pd.DataFrame:
         for (sha, gpu), g in bad.groupby(["git_sha", "gpu_name"]):
             rows.append({"file": path.name, "git_sha": sha, "device": gpu, "rows": len(g)})
     return pd.DataFrame(rows, columns=["file", "git_sha", "device", "rows"])
+
+
+def code_commit(paths: Sequence[str | os.PathLike], *, repo: str | os.PathLike = REPO_ROOT) -> str:
+    """The short sha of the last commit that changed `paths` (the code behind a computed table).
+
+    paths: files or folders, absolute or relative to `repo`. Returns `<sha>` when none of them has
+    uncommitted changes, `<sha>-dirty` when one has (no commit pins that code), and CS336_GIT_SHA or
+    "unknown" where git or the history is missing. See [Note: the commit of a computed table].
+    """
+    if not paths:
+        raise ValueError("code_commit needs at least one path")
+    rel = [os.path.relpath(p, repo) if os.path.isabs(p) else os.fspath(p) for p in paths]
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=repo, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        sha = git("log", "-1", "--format=%h", "--abbrev=10", "--", *rel)
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", *rel)
+    except (OSError, subprocess.SubprocessError):
+        sha, changed = "", ""
+    if not sha:
+        return os.environ.get("CS336_GIT_SHA", "unknown")
+    return sha + (DIRTY_SUFFIX if changed else "")
+
+
+def dirty_provenance(text: str) -> list[str]:
+    """The commits named with a -dirty suffix in `text` (empty when it names none)."""
+    return _DIRTY_SHA.findall(str(text))

@@ -24,6 +24,9 @@ Clean-up of the merged notebook:
   notebook test gate (tests/test_notebooks.py) is where unexpected stderr fails, not the PDF;
 * an executed notebook that contains an error output is refused (a failed notebook must not be
   typeset silently), unless `--allow-errors`;
+* so is any text that names a commit with the -dirty suffix (a provenance line of rows measured from
+  uncommitted code, or of a table computed from it): every commit the PDF names must pin its code
+  (`measure.provenance`, [Note: the commit of a computed table]); `--allow-dirty` builds a draft anyway;
 * papermill/execution metadata is removed and every cell gets a fresh unique id (nbformat >= 4.5).
 
 Typesetting: nbconvert's PDF exporter (xelatex) with latex/writeup.tex.j2 (DejaVu fonts, table of
@@ -47,6 +50,7 @@ from pathlib import Path
 
 import nbformat
 
+from cs336_systems.measure.provenance import dirty_provenance
 from cs336_systems.measure.results import REPO_ROOT
 
 TEMPLATE = Path(__file__).resolve().parent / "latex" / "writeup.tex.j2"
@@ -141,6 +145,35 @@ def _errors(nb: nbformat.NotebookNode) -> list[str]:
     return msgs
 
 
+_TEXT_MIMES = ("text/markdown", "text/latex", "text/plain", "text/html")
+
+
+def rendered_text(cell: nbformat.NotebookNode) -> str:
+    """Everything of a cell that can reach the PDF: markdown source, streams and text outputs."""
+    if cell.cell_type != "code":
+        return str(cell.get("source", ""))
+    parts = []
+    for o in cell.get("outputs", []):
+        if o.get("output_type") == "stream":
+            parts.append(str(o.get("text", "")))
+        for mime in _TEXT_MIMES:
+            value = o.get("data", {}).get(mime)
+            if value:
+                parts.append(value if isinstance(value, str) else "".join(value))
+    return "\n".join(parts)
+
+
+def dirty_commits(nb: nbformat.NotebookNode) -> dict[str, str]:
+    """The commits with a -dirty suffix that the cells of `nb` name, each with the text just before its
+    first mention (to find it), in order of appearance."""
+    found: dict[str, str] = {}
+    for cell in nb.cells:
+        text = rendered_text(cell)
+        for sha in dirty_provenance(text):
+            found.setdefault(sha, " ".join(text.split(sha)[0].split())[-70:])
+    return found
+
+
 def notebook_title(nb: nbformat.NotebookNode) -> str:
     """The text of a notebook's first markdown heading (its section title)."""
     for cell in nb.cells:
@@ -156,9 +189,14 @@ def merge(
     writeup: Path | None = None,
     *,
     allow_errors: bool = False,
+    allow_dirty: bool = False,
     title: str | None = None,
 ) -> nbformat.NotebookNode:
-    """One notebook: writeup.md's markdown (split at markers) interleaved with the cleaned notebooks."""
+    """One notebook: writeup.md's markdown (split at markers) interleaved with the cleaned notebooks.
+
+    Raises AssembleError for a notebook with an error output (unless `allow_errors`) and when any text
+    of the result names a commit with the -dirty suffix (unless `allow_dirty`).
+    """
     notebooks = sorted((Path(p) for p in notebooks), key=lambda p: p.name)
     meta: dict = {}
     body = ""
@@ -236,6 +274,13 @@ def merge(
         }
     )
     nbformat.validate(merged)
+    dirty = {} if allow_dirty else dirty_commits(merged)
+    if dirty:
+        raise AssembleError(
+            "the writeup would name commits of a dirty tree, which pin no code: "
+            + "; ".join(f"{sha} (after '...{before}')" for sha, before in dirty.items())
+            + ". Commit the code, then re-run the notebook (re-measure such rows) before building."
+        )
     return merged
 
 
@@ -320,12 +365,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pdf", type=Path, default=REPO_ROOT / "writeup.pdf")
     ap.add_argument("--no-pdf", action="store_true", help="only write the merged notebook")
     ap.add_argument("--allow-errors", action="store_true", help="typeset notebooks that contain errors")
+    ap.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="a draft: typeset even where a provenance names a commit of a dirty tree (make pdf never does)",
+    )
     args = ap.parse_args(argv)
 
     try:
         notebooks = executed_notebooks(args.executed, args.sources)
         merged = merge(
-            notebooks, args.writeup if args.writeup.exists() else None, allow_errors=args.allow_errors
+            notebooks,
+            args.writeup if args.writeup.exists() else None,
+            allow_errors=args.allow_errors,
+            allow_dirty=args.allow_dirty,
         )
         args.notebook.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(merged, args.notebook)

@@ -31,6 +31,7 @@ from cs336_systems.measure.provenance import provenance
 
 LONG_TABLE_ROWS = 40  # more rows: a longtable that breaks across pages
 MAX_LINE_CHARS = 118  # estimated characters per line of a \small table at the text width
+FONT_SIZES = ("small", "footnotesize")  # a table's type size; footnotesize fits about 1/8 more per line
 MAX_DIRECT_ROWS = 60  # a DataFrame displayed directly shows at most this many rows in the PDF
 PROVENANCE_COLUMNS = (
     "gpu_name",
@@ -167,11 +168,16 @@ def _footer_latex(footer: str) -> str:
 
 
 def _short_table(
-    cells: pd.DataFrame, spec: str, caption: str | None, numbered: bool, footer: str | None = None
+    cells: pd.DataFrame,
+    spec: str,
+    caption: str | None,
+    numbered: bool,
+    footer: str | None = None,
+    font: str = "small",
 ) -> str:
     """A non-floating ([H]) table scaled down to the text width if needed; never splits from its
     caption or its footer."""
-    lines = [r"\begin{table}[H]", r"\centering\small"]
+    lines = [r"\begin{table}[H]", "\\centering\\" + font]
     if caption:
         lines.append((r"\caption{" if numbered else r"\caption*{") + latex_escape(caption) + "}")
     lines += [r"\begin{adjustbox}{max width=\linewidth}", r"\begin{tabular}{" + spec + "}", r"\toprule"]
@@ -184,12 +190,17 @@ def _short_table(
 
 
 def _long_table(
-    cells: pd.DataFrame, spec: str, caption: str | None, numbered: bool, footer: str | None = None
+    cells: pd.DataFrame,
+    spec: str,
+    caption: str | None,
+    numbered: bool,
+    footer: str | None = None,
+    font: str = "small",
 ) -> str:
     """A longtable: breaks across pages with the header repeated (its width is kept in bounds by
     `_column_blocks`, since a longtable cannot be scaled)."""
     ncol = len(cells.columns)
-    lines = [r"{\small", r"\begin{longtable}{" + spec + "}"]
+    lines = ["{\\" + font, r"\begin{longtable}{" + spec + "}"]
     if caption:
         lines.append((r"\caption{" if numbered else r"\caption*{") + latex_escape(caption) + r"}\\")
     lines += [r"\toprule", _header(list(cells.columns)), r"\midrule", r"\endfirsthead"]
@@ -214,6 +225,7 @@ def _latex(
     footer: str | None,
     wrap: Mapping[str, float] | None = None,
     breakable: bool | None = None,
+    font: str = "small",
 ) -> str:
     is_numeric = dict(zip(cells.columns, numeric, strict=True))
     blocks = _column_blocks(cells, numeric, wrap)
@@ -224,7 +236,9 @@ def _latex(
         long = len(cells) > LONG_TABLE_ROWS if breakable is None else breakable
         render = _long_table if long else _short_table
         last = i == len(blocks) - 1
-        parts.append(render(cells[cols], spec, cap, numbered=i == 0, footer=footer if last else None))
+        parts.append(
+            render(cells[cols], spec, cap, numbered=i == 0, footer=footer if last else None, font=font)
+        )
     body = "\n".join(parts)
     return body
 
@@ -283,12 +297,15 @@ def table(
     note: str | None = None,
     wrap: Mapping[str, float] | None = None,
     breakable: bool | None = None,
+    font: str = "small",
 ) -> Table:
     """Build (not display) the table; see `show_table`."""
     if not isinstance(df, pd.DataFrame):
         raise ValueError(f"table needs a pandas DataFrame, got {type(df).__name__}")
     if not isinstance(digits, int) or digits < 1:
         raise ValueError(f"digits must be a positive int, got {digits!r}")
+    if font not in FONT_SIZES:
+        raise ValueError(f"font must be one of {FONT_SIZES}, got {font!r}")
     flat = _flatten(df)
     for what, named in (("formats", formats), ("wrap", wrap)):
         unknown = set(named or ()) - set(flat.columns)
@@ -297,7 +314,7 @@ def table(
     cells, numeric = _format_cells(flat, digits, formats)
     footer = _footer(df, provenance_from, note)
     plain = flat.to_string(index=False) + (f"\n{footer}" if footer else "")
-    latex = _latex(cells, numeric, caption, footer, wrap, breakable)
+    latex = _latex(cells, numeric, caption, footer, wrap, breakable, font)
     return Table(_markdown(cells, numeric, caption, footer), latex, plain)
 
 
@@ -311,6 +328,7 @@ def show_table(
     note: str | None = None,
     wrap: Mapping[str, float] | None = None,
     breakable: bool | None = None,
+    font: str = "small",
 ) -> None:
     """Display `df` as a table with an optional caption and a provenance footer.
 
@@ -321,7 +339,8 @@ def show_table(
     (e.g. the timing protocol); `wrap`: {column: share of the line width} for text columns whose
     cells wrap in the PDF instead of widening the table (so it is not split into column blocks);
     `breakable`: True forces a table that may break across pages (a longtable), False one that may not
-    (None: by the number of rows, `LONG_TABLE_ROWS`).
+    (None: by the number of rows, `LONG_TABLE_ROWS`); `font`: the type size in the PDF, "small" or
+    "footnotesize" (a long table that should take fewer pages).
     """
     t = table(
         df,
@@ -332,6 +351,7 @@ def show_table(
         note=note,
         wrap=wrap,
         breakable=breakable,
+        font=font,
     )
     try:
         from IPython import get_ipython

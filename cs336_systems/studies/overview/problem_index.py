@@ -230,6 +230,20 @@ def overview(results_dir: str | Path | None = None, notebooks_dir: Path = NOTEBO
     return pd.DataFrame(rows)
 
 
+def printed(table: pd.DataFrame) -> pd.DataFrame:
+    """The overview as the writeup prints it: the notebook that answers a problem (its section has the
+    same name), or "code:" and the modules of a code-only problem; test files without their `test_`."""
+    where = table["answered in"].where(
+        table["answered in"].str.startswith("code: "), table["answered in"].str.split(";").str[0]
+    )
+    return table.drop(columns=["part"]).assign(
+        **{
+            "answered in": where,
+            "tests (count)": table["tests (count)"].str.replace("test_", "", regex=False),
+        }
+    )
+
+
 def facts(table: pd.DataFrame) -> dict[str, object]:
     """Counts the overview's text quotes: problems per part, code-only problems, tests named."""
     return {

@@ -16,16 +16,19 @@ import numpy as np
 import pandas as pd
 
 from cs336_systems import accounting
-from cs336_systems.measure.results import env_metadata
+from cs336_systems.measure.provenance import code_commit
 
 XXL, TPU, H100 = accounting.XXL, accounting.TPU_V5P, accounting.H100_SXM
 TOKEN_COUNTS = (1024, 2048, 4096, 8192)  # example batches (tokens) for the activation terms
 MESH_X = (64, 32, 16, 8, 4, 2)  # FSDP degrees of the 64-chip layouts of (d)
 PIPELINE_STAGES = 4
+CODE = (accounting.__path__[0], __file__)  # the code behind every number here: the closed forms, this module
 
 
 def provenance() -> str:
-    return f"computed analytically by cs336_systems.accounting at git {env_metadata()['git_sha']}"
+    """The footer of this study's tables: computed (not measured), and the last commit of the code that
+    computes them (measure.provenance, [Note: the commit of a computed table])."""
+    return f"computed analytically by cs336_systems.accounting at git {code_commit(CODE)}"
 
 
 def tpu_setting(**overrides: Any) -> accounting.MixedFsdpTpSetting:

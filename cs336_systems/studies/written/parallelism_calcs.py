@@ -16,11 +16,14 @@ import pandas as pd
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from cs336_systems import accounting
-from cs336_systems.measure.results import env_metadata
+from cs336_systems.measure.provenance import code_commit
+from cs336_systems.model import config as model_config
 from cs336_systems.model import get_config
 
 SIMULATED_ELEMENTS = 840  # divisible by 2..8, so every ring chunk is whole
 EXAMPLE_DEVICES = 8  # N of the summary table (one node)
+# the code behind every number here: the closed forms, this module, the model shapes (D, D_FF)
+CODE = (accounting.__path__[0], __file__, model_config.__file__)
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,9 @@ class Setting:
 
 
 def provenance() -> str:
-    return f"computed analytically by cs336_systems.accounting at git {env_metadata()['git_sha']}"
+    """The footer of this study's tables: computed (not measured), and the last commit of the code that
+    computes them (measure.provenance, [Note: the commit of a computed table])."""
+    return f"computed analytically by cs336_systems.accounting at git {code_commit(CODE)}"
 
 
 def constants_table(s: Setting) -> pd.DataFrame:
