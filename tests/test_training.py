@@ -297,6 +297,11 @@ def test_study_quick_run_writes_nothing_by_default(tmp_path, capsys):
     df = study.main(["--quick", "--parts", "compare", "--no-save"])
     assert set(df[df.name == "compare"].impl) == {"stock", "ours"}
     assert (df[df.metric == "step_ms"].p50 > 0).all()
+    peaks = df[df.metric == "peak_memory_gib"].set_index("impl").p50
+    assert set(peaks.index) == {"stock", "ours"} and (peaks > 0).all()
+    # the same persistent bytes per parameter: ours splits its masters (12 each, + padding)
+    persistent = df[df.metric == "persistent_memory_gib"].set_index("impl").p50
+    assert persistent["ours"] == pytest.approx(persistent["stock"], rel=0.05)
     facts = train_step_facts.facts(df)
     assert math.isfinite(facts[32]["ratio"])
     study.main(["--quick", "--parts", "compare", "--results-dir", str(tmp_path)])
