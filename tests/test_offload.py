@@ -16,7 +16,14 @@ from torch import Tensor, nn
 from cs336_systems.model import MODEL_SIZES, BasicsTransformerLM
 from cs336_systems.model.loss import random_batch
 from cs336_systems.studies.training.train_step import StockStep, timed_step
-from cs336_systems.training import FusedAdamW, Offloader, TrainStepConfig, build_train_step, step_tensors
+from cs336_systems.training import (
+    FusedAdamW,
+    Offloader,
+    TrainStepConfig,
+    build_train_step,
+    offload,
+    step_tensors,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PATHS = ["stock", "ours"]
@@ -112,6 +119,34 @@ def test_offloader_refuses_a_second_park_and_an_unpark_of_a_resident_step():
     assert off.parked
     with pytest.raises(RuntimeError, match="already parked"):
         off.park()
+
+
+def test_page_locked_buffers_are_reused_once_unviewed_and_unpinned_when_none_fits(monkeypatch):
+    pinned: dict[int, int] = {}  # a stand-in for the CUDA runtime: address -> registered bytes
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, size, flags):
+            pinned[ptr] = size
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0 if pinned.pop(ptr, None) is not None else 1
+
+    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
+    monkeypatch.setattr(offload, "_PINNED", [])
+    monkeypatch.setattr(offload, "PINNED_GRANULE", 1024)
+    a = offload._pinned_buffer(1000)  # rounded up to the granule, registered once
+    assert a.numel() == 1000 and list(pinned.values()) == [1024]
+    view = a[10:20]
+    del a
+    b = offload._pinned_buffer(900)  # the first is still viewed: a second one
+    assert len(pinned) == 2 and b.data_ptr() != view.data_ptr() - 10
+    del view
+    c = offload._pinned_buffer(1010)  # the first is free and fits (sizes differ by a RoPE table)
+    assert len(pinned) == 2 and c.data_ptr() in pinned
+    del b
+    d = offload._pinned_buffer(5000)  # nothing free fits: the free one is unpinned first
+    assert sorted(pinned.values()) == [1024, 5120] and d.data_ptr() in pinned and c.data_ptr() in pinned
 
 
 @pytest.mark.gpu

@@ -20,11 +20,13 @@ cache (`torch.cuda.empty_cache()` returns it).
 A step parks into one host buffer, allocated on its first park and reused by later ones. From CUDA
 the buffer is page-locked with cudaHostRegister, so the copies run asynchronously at full PCIe
 speed (pageable memory is copied through the driver's staging buffers at a fraction of it).
-PyTorch's pinned allocator rounds every request up to a power of two: the 41 GB of a 2.7B-parameter
+PyTorch's pinned allocator rounds every request up to a power of two: the 41 GB of the 2.7B model's
 step would take 64 GB, two such steps more than a 128 GB host has. Registering tens of GB takes
 seconds (every page is faulted in), so page-locked buffers are kept for the process and handed to
-the next park that fits once no tensor views them any more (a later Offloader of the same step size,
-e.g. the next context length of a benchmark); a buffer is never freed while registered.
+the next park that fits once no tensor views them any more (a later Offloader of about the same size,
+e.g. the next context length of a benchmark: sizes are rounded up to `PINNED_GRANULE`). When none
+fits, the unused ones are unregistered and freed before a new one is made, so the page-locked total
+stays what is parked plus one step; a buffer is never freed while registered.
 
 Caveats: tensors that share storage, other than FusedAdamW's own views, are copied apart (tied
 weights would be untied); every tensor of a step must be on one device; a parked step must not run.
@@ -42,10 +44,10 @@ from torch import Tensor
 from cs336_systems.training.fused_adamw import FusedAdamW
 
 HOST_ALIGN = 64  # bytes: each tensor's copy starts at a multiple of this in the host buffer
+PINNED_GRANULE = 256 * 2**20  # bytes: page-locked buffers are made in multiples of this
 
-_PINNED: list[
-    Tensor
-] = []  # every page-locked host buffer made here, kept for reuse ([Note: pinned host memory])
+# every page-locked host buffer made here, kept for reuse ([Note: pinned host memory])
+_PINNED: list[Tensor] = []
 
 
 def _slots(step: Any) -> tuple[list[Tensor], Callable[[list[Tensor]], None]]:
@@ -111,15 +113,22 @@ def _storage_refs(t: Tensor) -> int:
 
 def _pinned_buffer(nbytes: int) -> Tensor:
     """A page-locked host buffer of `nbytes` (a view: while it or any view of it lives, it is in use)."""
-    free = [b for b in _PINNED if b.numel() >= nbytes and _storage_refs(b) == 1]
-    if free:
-        return min(free, key=Tensor.numel)[:nbytes]
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes:
-        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    free = [b for b in _PINNED if _storage_refs(b) == 1]
+    fits = [b for b in free if b.numel() >= nbytes]
+    if fits:
+        return min(fits, key=Tensor.numel)[:nbytes]
+    for b in free:  # none fits: unpin and free the unused ones before pinning more
+        err = int(torch.cuda.cudart().cudaHostUnregister(b.data_ptr()))
         if err != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed with cudaError {err}")
-        _PINNED.append(buf)
+            raise RuntimeError(f"cudaHostUnregister failed with cudaError {err}")
+    _PINNED[:] = [b for b in _PINNED if all(b is not f for f in free)]
+    buf = torch.empty(-(-nbytes // PINNED_GRANULE) * PINNED_GRANULE, dtype=torch.uint8)
+    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {buf.numel() / 2**30:.1f} GiB failed with cudaError {err}")
+    _PINNED.append(buf)
     return buf[:nbytes]
 
 
@@ -137,6 +146,7 @@ class Offloader:
         self.step = step
         self.home: torch.device | None = None  # where a parked step came from (None: not parked)
         self._host: Tensor | None = None  # the host buffer, kept between parks
+        self._host_pinned = False
 
     @property
     def parked(self) -> bool:
@@ -181,9 +191,10 @@ class Offloader:
         for t in tensors:
             starts.append(end)
             end += -(-t.numel() * t.element_size() // HOST_ALIGN) * HOST_ALIGN
-        if self._host is None or self._host.numel() < end or self._host.is_pinned() != pin:
+        if self._host is None or self._host.numel() < end or self._host_pinned != pin:
             self._host = None  # before asking for a new one: the old one may be the one that fits
             self._host = _pinned_buffer(end) if pin else torch.empty(end, dtype=torch.uint8)
+            self._host_pinned = pin
         copies = []
         for t, start in zip(tensors, starts):
             nbytes = t.numel() * t.element_size()

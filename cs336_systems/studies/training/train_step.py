@@ -398,6 +398,7 @@ def measure(config: argparse.Namespace, *, results_dir=None) -> list[dict]:
             rows += compare(cfg, args, run_cfg, state, batches, peak)
         if "waterfall" in args.parts:
             rows += waterfall(cfg, args, run_cfg, state, batches)
+        state = batches = None  # the host copy of the weights goes before the next context's is made
         print(summary(pd.DataFrame(rows)).to_string(), flush=True)
     if not args.no_save:
         print("rows ->", append_rows(PROBLEM, rows, results_dir or args.results_dir))
