@@ -1,7 +1,8 @@
 """The training stack: the fused AdamW optimizer and the configurable training step (library).
 
 * `FusedAdamW`, `mixed_precision_groups`: the reference AdamW's update in multi-tensor Triton
-  launches, with optional bf16 compute weights (float32 masters) and overlap with backward.
+  launches, with optional bf16 compute weights (float32 masters, optionally split into the weight
+  and 16 bits) and overlap with backward.
 * `TrainStepConfig`, `build_train_step`: one step of `BasicsTransformerLM` with any subset of the
   optimisations (autocast, attention implementation, per-block compile, fused optimizer, fused loss).
 * `Offloader`, `step_tensors`: park a step's parameters, gradients, buffers and optimizer state in

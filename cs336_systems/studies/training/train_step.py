@@ -269,7 +269,7 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
             if other != path and not offloader.parked:
                 offloader.park()
         if cuda:
-            torch.cuda.empty_cache()  # the parked path's blocks, cut to its sizes, back to the device
+            torch.cuda.empty_cache()  # the parked path's cached blocks (cut to its tensors) go back
         if path in parking and parking[path].parked:
             parking[path].unpark()
 
