@@ -14,10 +14,11 @@
 # # training_step (beyond the handouts)
 # A training step faster than stock PyTorch: the project's fastest training step of the 2.7B model (batch 4, bf16 autocast) against the step a
 # PyTorch user writes in ten lines (SDPA, `torch.compile(model)`, `torch.optim.AdamW(fused=True)`),
-# both built from the same weights and timed in interleaved rounds in one process
-# (`python -m cs336_systems.studies.training.train_step`). Ours: a multi-tensor Triton AdamW with the reference
-# AdamW's semantics, bf16 compute weights written by the optimizer from fp32 masters, a chunked
-# LM-head + cross-entropy, and each block compiled on its own.
+# both built from the same weights and timed in interleaved rounds in one process, only one of them on the
+# GPU at a time: between its rounds a path's weights, gradients and optimizer state wait in host memory, so
+# each path's peak memory is its own (`python -m cs336_systems.studies.training.train_step`). Ours: a
+# multi-tensor Triton AdamW with the reference AdamW's semantics, bf16 compute weights written by the
+# optimizer from fp32 masters, a chunked LM-head + cross-entropy, and each block compiled on its own.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure on a GPU, else render the committed results

@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 
-from cs336_systems.kernels.adamw import BLOCK, ChunkPlan, adamw_step_
+from cs336_systems.kernels.adamw import (
+    BLOCK,
+    ChunkPlan,
+    adamw_step_,
+    address_table,
+    join_master,
+    split_master,
+)
 from cs336_systems.kernels.linear_cross_entropy import linear_cross_entropy
 from cs336_systems.model import MODEL_SIZES, AdamW, BasicsTransformerLM, cross_entropy
 from cs336_systems.model.loss import random_batch
@@ -67,6 +74,88 @@ def test_bf16_compute_weights_are_the_rounded_masters():
         torch.testing.assert_close(master, r, rtol=1e-5, atol=1e-6)
         # round-to-nearest-even, bit for bit as torch casts (the interpreter's own cast truncates)
         assert torch.equal(o.detach(), master.to(torch.bfloat16))
+
+
+def _bits(x):
+    return x.view(torch.int32)
+
+
+def test_split_master_keeps_every_float32_but_a_tie_rounded_down():
+    x = torch.cat([torch.randn(4000), torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3.0e38, -2.5e-3])])
+    ties = torch.randn(64)  # low 16 bits exactly half a bf16 ulp: odd highs round up, even ones down
+    _bits(ties).copy_((_bits(ties) & ~0xFFFF) | 0x8000)
+    x = torch.cat([x, ties])
+    hi, lo = split_master(x)
+    assert torch.equal(hi, x.to(torch.bfloat16))  # the weight is autocast's cast of the master, bit for bit
+    back = join_master(hi, lo)
+    down = (_bits(x) & 0xFFFF == 0x8000) & (_bits(x) & 0x10000 == 0)
+    assert down.sum() > 10 and (~down).sum() > 4000
+    assert torch.equal(_bits(back)[~down], _bits(x)[~down])
+    assert torch.equal(_bits(back)[down], _bits(x)[down] - 1)  # one ulp toward zero, the same weight
+    assert torch.equal(back.to(torch.bfloat16), hi)
+
+
+def test_split_master_step_stores_the_float32_update_split():
+    n = 3 * BLOCK + 77
+    hi, lo = split_master(torch.randn(n, device=DEVICE))
+    m, v = torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE)
+    ref_m, ref_v = m.clone(), v.clone()
+    plan, hp = ChunkPlan.build([0], [n], DEVICE), dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for step in (1, 2, 3):
+        g = torch.randn(n, device=DEVICE).bfloat16()
+        ref_p = join_master(hi, lo)
+        adamw_step_(plan, [g], ref_p, ref_m, ref_v, step=step, **hp)  # the same update of a float32 master
+        copies = address_table([hi], DEVICE)
+        adamw_step_(plan, [g], lo, m, v, step=step, copies=copies, copy_dtype=torch.bfloat16, **hp)
+        got = join_master(hi, lo)
+        down = (_bits(ref_p) & 0xFFFF == 0x8000) & (_bits(ref_p) & 0x10000 == 0)  # ties rounded down
+        assert torch.equal(_bits(got)[~down], _bits(ref_p)[~down])
+        assert torch.equal(_bits(got)[down], _bits(ref_p)[down] - 1)
+        assert torch.equal(hi, ref_p.to(torch.bfloat16)) and torch.equal(m, ref_m) and torch.equal(v, ref_v)
+    with pytest.raises(ValueError, match="split master"):
+        adamw_step_(plan, [g], lo, m, v, step=4, **hp)  # no weight to hold the high halves
+
+
+def test_split_master_step_keeps_a_tie_rounded_down_one_ulp_lower():
+    # betas 0, no decay, eps below an ulp of |g|: the update is exactly p - lr * sign(g), landing on ties
+    p = torch.tensor([1 + 2**-7, 1 + 2**-6, -(1 + 2**-7)], device=DEVICE)
+    hi, lo = split_master(p)
+    assert torch.equal(lo, torch.zeros_like(lo))
+    g = torch.tensor([1.0, 1.0, -1.0], device=DEVICE).bfloat16()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    adamw_step_(ChunkPlan.build([0], [3], DEVICE), [g], lo, m, v, step=1, lr=2**-8, betas=(0.0, 0.0), eps=1e-30,
+                weight_decay=0.0, copies=address_table([hi], DEVICE), copy_dtype=torch.bfloat16)  # fmt: skip
+    exact = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)], device=DEVICE)  # ties: even, odd, even
+    assert torch.equal(hi, exact.to(torch.bfloat16))  # rounded to nearest even: 1, 1 + 2^-6, -1
+    assert lo.tolist() == [32767, -32768, 32767]
+    assert torch.equal(_bits(join_master(hi, lo)), _bits(exact) - torch.tensor([1, 0, 1], device=DEVICE))
+
+
+def test_fused_adamw_split_master_holds_no_float32_copy_of_the_weights():
+    init = _params(SHAPES, DEVICE)
+    split = [torch.nn.Parameter(x.clone()) for x in init]
+    whole = [torch.nn.Parameter(x.clone()) for x in init]
+    norm = torch.nn.Parameter(torch.randn(5, device=DEVICE))  # stays float32, updated in place
+    group = {"compute_dtype": torch.bfloat16}
+    opt = FusedAdamW([{"params": split, "split_master": True, **group}, {"params": [norm]}], lr=1e-2)
+    opt_whole = FusedAdamW([{"params": whole, **group}], lr=1e-2)
+    assert opt.master.numel() == 16 and opt.master_lo.dtype == torch.int16  # the norm's master only
+    assert norm.untyped_storage().data_ptr() == opt.master.untyped_storage().data_ptr()
+    for _ in range(4):
+        norm.grad = torch.randn_like(norm)
+        for a, b in zip(split, whole):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g, g.clone()
+        opt.step()
+        opt_whole.step()
+    for a, b in zip(split, whole):
+        assert a.dtype == torch.bfloat16 and "master" not in opt.state[a]
+        torch.testing.assert_close(opt.master_of(a), opt_whole.master_of(b), rtol=1e-6, atol=0)
+        assert torch.equal(a.detach(), opt.master_of(a).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        FusedAdamW(
+            [{"params": [torch.nn.Parameter(init[0])], "compute_dtype": torch.float16, "split_master": True}]
+        )
 
 
 def test_capped_grid_loops_over_chunks_with_the_same_result():
@@ -208,6 +297,11 @@ def test_study_quick_run_writes_nothing_by_default(tmp_path, capsys):
     df = study.main(["--quick", "--parts", "compare", "--no-save"])
     assert set(df[df.name == "compare"].impl) == {"stock", "ours"}
     assert (df[df.metric == "step_ms"].p50 > 0).all()
+    peaks = df[df.metric == "peak_memory_gib"].set_index("impl").p50
+    assert set(peaks.index) == {"stock", "ours"} and (peaks > 0).all()
+    # the same persistent bytes per parameter: ours splits its masters (12 each, + padding)
+    persistent = df[df.metric == "persistent_memory_gib"].set_index("impl").p50
+    assert persistent["ours"] == pytest.approx(persistent["stock"], rel=0.05)
     facts = train_step_facts.facts(df)
     assert math.isfinite(facts[32]["ratio"])
     study.main(["--quick", "--parts", "compare", "--results-dir", str(tmp_path)])

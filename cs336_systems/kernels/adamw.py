@@ -19,9 +19,21 @@ tensors of one gradient dtype. Work is split into fixed-size chunks; chunk c upd
 stores the updated value rounded to the parameter's low-precision dtype at `copy_ptrs[i]` (the bf16
 weight that the model computes with), so autocast never recasts fp32 weights.
 
+[Note: split float32 master]
+A float32 master and its bf16 compute weight need not be kept side by side (6 bytes per parameter):
+the bf16 weight is the master rounded to nearest even, hi = rne(master), so the master is hi plus a
+residual that fits 16 bits. With `master` an int16 buffer the kernel keeps exactly that: it reads
+the master as bits(master) = (bits(hi) << 16) + lo (lo: a signed 16-bit integer, the copy table
+pointing at hi), and after the update stores hi = rne(master) as the weight and lo = bits(master) -
+(bits(hi) << 16), 4 bytes per parameter in all. lo lies in [-2^15, 2^15]: 2^16 + 1 values, one too
+many for 16 bits (for an even hi, both ties round to it). The one value that does not fit, lo = +2^15
+(the master exactly half-way between hi and the next bf16 and rounded down to the even hi), is stored
+as 2^15 - 1: that master is kept one float32 ulp closer to zero (2^-24 of its value; it still rounds
+to the same hi), on about 2^-17 of the updates. The compute weight is always exactly rne(master).
+
 Bytes per element: gradient (2 or 4) + 3 x 4 read, 3 x 4 written, + 2 for a bf16 copy: 28 for a bf16
 gradient with a bf16 copy, 28 for an fp32 parameter updated in place; 14 with bf16 state (2 + 3 x 2
-read, 3 x 2 written).
+read, 3 x 2 written); 26 with a split master (2 + (2 + 2 + 4 + 4) read, the same 12 written).
 
 Caveats: dense gradients only; the step count is a host integer (no device sync); under the Triton
 interpreter (CPU) bf16 arithmetic is unreliable, but this kernel only loads/stores bf16 and computes
@@ -63,11 +75,16 @@ def _rounded(x, DTYPE: tl.constexpr):
 def _adamw_block(
     g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
     COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr, DECAY_BEFORE: tl.constexpr, MASKED: tl.constexpr,
-    STATE_DTYPE: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     mask = idx < n if MASKED else None
     g = tl.load(g_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
-    p = tl.load(p_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
+    if SPLIT:  # [Note: split float32 master]: p_ptr holds lo (int16), out_ptr hi (bf16 bits, uint16)
+        hi = tl.load(out_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.uint32)
+        lo = tl.load(p_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.int32)
+        p = ((hi << 16) + lo.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
+    else:
+        p = tl.load(p_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
     m = tl.load(m_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
     v = tl.load(v_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
     if DECAY_BEFORE:
@@ -77,10 +94,17 @@ def _adamw_block(
     p = p - lr_t * (m / (tl.sqrt(v) + eps))
     if not DECAY_BEFORE:
         p = p * decay
-    tl.store(p_ptr + idx, _rounded(p, STATE_DTYPE), mask=mask)
+    if SPLIT:
+        bits = p.to(tl.uint32, bitcast=True)
+        hi = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16  # round to nearest even, as _rounded
+        lo = tl.minimum((bits - (hi << 16)).to(tl.int32, bitcast=True), 32767)  # the tie: see the Note
+        tl.store(p_ptr + idx, lo.to(tl.int16), mask=mask)
+        tl.store(out_ptr + idx, hi.to(tl.uint16), mask=mask)
+    else:
+        tl.store(p_ptr + idx, _rounded(p, STATE_DTYPE), mask=mask)
     tl.store(m_ptr + idx, _rounded(m, STATE_DTYPE), mask=mask)
     tl.store(v_ptr + idx, _rounded(v, STATE_DTYPE), mask=mask)
-    if WRITE_COPY:
+    if WRITE_COPY and not SPLIT:
         tl.store(out_ptr + idx, _rounded(p, COPY_DTYPE), mask=mask)
 
 
@@ -90,17 +114,17 @@ def _adamw_kernel(
     v_ptr, lr_t, decay, beta1, beta2, eps,
     GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
     DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, PERSISTENT: tl.constexpr,
-    STATE_DTYPE: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     if PERSISTENT:  # chunks pid, pid + grid, ...: a small grid leaves SMs to other streams
         for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
             _adamw_chunk(c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr,
                          m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE, WRITE_COPY,
-                         DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE)  # fmt: skip
+                         DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE, SPLIT)  # fmt: skip
     else:
         _adamw_chunk(tl.program_id(0), grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start,
                      master_ptr, m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE,
-                     WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE)  # fmt: skip
+                     WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE, SPLIT)  # fmt: skip
 
 
 @triton.jit
@@ -109,6 +133,7 @@ def _adamw_chunk(
     lr_t, decay, beta1, beta2, eps,
     GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
     DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, STATE_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     i = tl.load(chunk_tensor + c)
     start = tl.multiple_of(tl.load(chunk_start + c), BLOCK)
@@ -123,10 +148,12 @@ def _adamw_chunk(
     p_ptr, m_ptr, v_ptr = master_ptr + base, m_ptr + base, v_ptr + base
     if start + BLOCK <= n:  # a full chunk: no mask, so nothing stops vectorised access
         _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
-                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=False, STATE_DTYPE=STATE_DTYPE)  # fmt: skip
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=False, STATE_DTYPE=STATE_DTYPE,
+                     SPLIT=SPLIT)  # fmt: skip
     else:
         _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
-                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=True, STATE_DTYPE=STATE_DTYPE)  # fmt: skip
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=True, STATE_DTYPE=STATE_DTYPE,
+                     SPLIT=SPLIT)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -159,6 +186,22 @@ class ChunkPlan:
     @property
     def num_tensors(self) -> int:
         return self.offsets.numel()
+
+
+def split_master(x: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 x -> (hi, lo): hi = x rounded to bfloat16 (nearest even), lo (int16) the low half of x
+    as the kernel stores it ([Note: split float32 master]; the tie rounded down keeps x one ulp lower)."""
+    hi = x.to(torch.bfloat16)
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = (hi.view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+    return hi, (bits - high).clamp_max(32767).to(torch.int16)
+
+
+def join_master(hi: Tensor, lo: Tensor) -> Tensor:
+    """The float32 master of a bfloat16 weight `hi` and its int16 low half `lo` (see `split_master`)."""
+    bits = ((hi.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + lo.to(torch.int64)
+    bits = bits & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
 
 
 def address_table(tensors: list[Tensor], device, cache: dict | None = None) -> Tensor:
@@ -209,8 +252,11 @@ def adamw_step_(
 
     grads: one dense, contiguous gradient per tensor of the plan, all of one dtype (fp32/bf16/fp16);
     master, exp_avg, exp_avg_sq: flat buffers indexed by the plan's offsets, all float32 or all
-        bfloat16 (bf16 state: loaded, updated in float32, stored rounded to nearest even);
-    copies: optional (T,) int64 address table of low-precision copies (dtype `copy_dtype`) to refresh;
+        bfloat16 (bf16 state: loaded, updated in float32, stored rounded to nearest even); or an
+        int16 `master` with float32 m and v: the low halves of split masters ([Note: split float32
+        master]), whose high halves are the bf16 copies;
+    copies: optional (T,) int64 address table of low-precision copies (dtype `copy_dtype`) to refresh
+        (required, bf16, with a split master);
     table_cache: optional dict in which the gradients' address table is kept between calls;
     max_programs: launch at most this many programs (each loops over chunks), e.g. to leave most
     SMs to a concurrent backward; None: one program per chunk.
@@ -220,12 +266,15 @@ def adamw_step_(
     gdtype = grads[0].dtype
     if any(g.dtype != gdtype for g in grads):
         raise ValueError("one launch takes gradients of one dtype; got " + str({g.dtype for g in grads}))
-    state_dtype = master.dtype
+    split = master.dtype == torch.int16
+    state_dtype = exp_avg.dtype
     for buf in (master, exp_avg, exp_avg_sq):
-        if buf.dtype != state_dtype or not buf.is_contiguous():
+        if (buf.dtype != state_dtype and not (split and buf is master)) or not buf.is_contiguous():
             raise ValueError("master, exp_avg and exp_avg_sq must be contiguous buffers of one dtype")
     if state_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the state (master, m, v) must be float32 or bfloat16, got {state_dtype}")
+    if split and (state_dtype != torch.float32 or copies is None or copy_dtype != torch.bfloat16):
+        raise ValueError("a split master (int16 low halves) needs float32 m and v and bf16 copies")
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
     b1, b2 = betas
@@ -255,12 +304,13 @@ def adamw_step_(
         b2,
         eps,
         GRAD_DTYPE=_TL_DTYPES[gdtype],
-        COPY_DTYPE=_TL_DTYPES[copy_dtype or torch.float32],
+        COPY_DTYPE=tl.uint16 if split else _TL_DTYPES[copy_dtype or torch.float32],
         WRITE_COPY=write_copy,
         DECAY_BEFORE=decay_before_update,
         BLOCK=BLOCK,
         ALIGN=ALIGN,
         PERSISTENT=grid < num_chunks,
         STATE_DTYPE=_TL_DTYPES[state_dtype],
+        SPLIT=split,
         num_warps=4,
     )

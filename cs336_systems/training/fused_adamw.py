@@ -13,13 +13,22 @@ same decay order) whose step is `cs336_systems.kernels.adamw` over buckets of pa
   computes (autocast would round the same master values to bf16 in every forward, and cast the bf16
   weight gradient up to float32 in backward): same numerics, without the two casts per weight per
   step (12 bytes per parameter) and with bf16 instead of float32 gradients in memory.
+* `split_master=True` on such a group (bf16 only) keeps no float32 copy beside the bf16 weight: the
+  optimizer stores only the master's low 16 bits, the weight being its high half ([Note: split
+  float32 master] in `cs336_systems.kernels.adamw`): 4 bytes of weight per parameter instead of 6,
+  the same weight bits, the master exact but on ties (one float32 ulp on ~2^-17 of the updates).
 * `overlap_with_backward()` applies each bucket's update as soon as all its gradients are final
   (post-accumulate-grad hooks), on a side CUDA stream, and frees those gradients, so the
   memory-bound update runs under the compute-bound backward of earlier layers. `step()` then only
   flushes incomplete buckets and makes the current stream wait for the side stream.
 
+* `storage_tensors()` / `rehome_(copies)` move the optimizer, with its parameters (same objects) and
+  their gradients, to other memory in place, e.g. to host memory between uses (see
+  `cs336_systems.training.offload`).
+
 Caveats: dense gradients only; no closure-based line search; `state_dict()` holds views of the flat
-buffers (inspection and tests), not a compact checkpoint format.
+buffers (inspection and tests), not a compact checkpoint format; a split master's state holds its
+int16 low half ("master_lo"), `master_of(p)` gives the float32 value.
 """
 
 from __future__ import annotations
@@ -31,7 +40,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from cs336_systems.kernels.adamw import ALIGN, ChunkPlan, adamw_step_, address_table
+from cs336_systems.kernels.adamw import (
+    ALIGN,
+    ChunkPlan,
+    adamw_step_,
+    address_table,
+    join_master,
+    split_master,
+)
 from cs336_systems.model.layers import Embedding
 from cs336_systems.model.optim import check_hyperparameters
 
@@ -40,10 +56,13 @@ from cs336_systems.model.optim import check_hyperparameters
 class _Bucket:
     group: dict
     params: list[nn.Parameter]
-    offsets: list[int]
-    plan: ChunkPlan
-    copies: Tensor | None  # address table of low-precision weights, None when updated in place
+    offsets: list[int]  # in the bucket's region of the flat buffers (`base` on)
+    base: int  # where the region starts in exp_avg / exp_avg_sq: 0, or the split masters' start
+    split: bool  # masters split into the bf16 weight and an int16 low half
     copy_dtype: torch.dtype | None
+    plan: ChunkPlan | None = None  # the tables on the buffers' device (`_bind`)
+    copies: Tensor | None = None  # address table of low-precision weights, None when updated in place
+    buffers: tuple[Tensor, Tensor, Tensor] | None = None  # (master or low halves, m, v) of the region
     ready: list[nn.Parameter] = field(default_factory=list)
     table_cache: dict = field(default_factory=dict)  # the gradients' device address table
 
@@ -57,7 +76,8 @@ class FusedAdamW(torch.optim.Optimizer):
     """AdamW (staff semantics, see `cs336_systems.model.optim`) as fused multi-tensor launches.
 
     params: parameters or param groups; a group may set `compute_dtype` (e.g. torch.bfloat16) to
-        turn its float32 parameters into low-precision compute weights with float32 masters.
+        turn its float32 parameters into low-precision compute weights with float32 masters, and
+        `split_master=True` (bf16 only) to store those masters as the weight plus 16 bits.
     bucket_key: optional `fn(param) -> hashable`; parameters with equal keys (and equal dtype and
         group) share a bucket, i.e. one launch. Default: one bucket per group and dtype. For overlap
         with backward, key by layer (see `cs336_systems.training.step.block_bucket_key`).
@@ -73,6 +93,7 @@ class FusedAdamW(torch.optim.Optimizer):
         *,
         decay_before_update: bool = False,
         compute_dtype: torch.dtype | None = None,
+        split_master: bool = False,
         bucket_key: Callable[[nn.Parameter], object] | None = None,
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
@@ -83,6 +104,7 @@ class FusedAdamW(torch.optim.Optimizer):
             weight_decay=weight_decay,
             decay_before_update=decay_before_update,
             compute_dtype=compute_dtype,
+            split_master=split_master,
             step=0,
         )
         super().__init__(params, defaults)
@@ -104,50 +126,133 @@ class FusedAdamW(torch.optim.Optimizer):
         for p in params:
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"unsupported parameter dtype {p.dtype}")
+        # What each parameter becomes: "inplace" (float32, a view of its master), "copy" (low
+        # precision beside a float32 master) or "split" (bf16, the master's high half).
+        kinds: dict[nn.Parameter, str] = {}
+        compute: dict[nn.Parameter, torch.dtype] = {}  # the dtype the model computes with
+        for group in self.param_groups:
+            cdtype = group["compute_dtype"]
+            for p in group["params"]:
+                dtype = compute[p] = cdtype if p.dtype == torch.float32 and cdtype is not None else p.dtype
+                if dtype == torch.float32:
+                    kinds[p] = "inplace"
+                elif group["split_master"]:
+                    if dtype != torch.bfloat16:
+                        raise ValueError(f"split_master needs bfloat16 compute weights, got {dtype}")
+                    kinds[p] = "split"
+                else:
+                    kinds[p] = "copy"
+        # Layout: float32 masters first, then the split ones, so `master` holds no split parameter.
+        self._offset: dict[nn.Parameter, int] = {}
+        offset = 0
+        for split in (False, True):
+            if split:
+                self._split_base = offset
+            for p in params:
+                if (kinds[p] == "split") == split:
+                    self._offset[p] = offset
+                    offset += _padded(p.numel())
+        self._kind = kinds
         device = params[0].device
-        total = sum(_padded(p.numel()) for p in params)
-        self.master = torch.empty(total, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(total, dtype=torch.float32, device=device)
+        base = self._split_base
+        self.master = torch.empty(base, dtype=torch.float32, device=device)
+        self.master_lo = torch.empty(offset - base, dtype=torch.int16, device=device)
+        self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p, o in self._offset.items():
+                x = p.detach().reshape(-1).float()
+                if kinds[p] == "split":
+                    hi, lo = split_master(x)
+                    self.master_lo[o - base : o - base + p.numel()].copy_(lo)
+                    p.data = hi.view_as(p)
+                    continue
+                self.master[o : o + p.numel()].copy_(x)
+                if kinds[p] == "copy":
+                    p.data = p.data.to(compute[p]).contiguous()
+        grouped: dict[tuple, list[nn.Parameter]] = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                grouped.setdefault((gi, p.dtype, kinds[p] == "split", bucket_key(p)), []).append(p)
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[nn.Parameter, _Bucket] = {}
-        grouped: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
-        offset = 0
-        with torch.no_grad():
-            for gi, group in enumerate(self.param_groups):
-                cdtype = group["compute_dtype"]
-                for p in group["params"]:
-                    n = p.numel()
-                    view = self.master[offset : offset + n]
-                    view.copy_(p.detach().reshape(-1))
-                    if p.dtype == torch.float32 and cdtype not in (None, torch.float32):
-                        p.data = p.data.to(cdtype)
-                    if p.dtype == torch.float32:
-                        p.data = view.view_as(p)  # updated in place by the kernel
-                    else:
-                        p.data = p.data.contiguous()
-                    self.state[p] = {
-                        "master": view.view_as(p),
-                        "exp_avg": self.exp_avg[offset : offset + n].view_as(p),
-                        "exp_avg_sq": self.exp_avg_sq[offset : offset + n].view_as(p),
-                    }
-                    grouped.setdefault((gi, p.dtype, bucket_key(p)), []).append((p, offset))
-                    offset += _padded(n)
-        for (gi, dtype, _), members in grouped.items():
-            ps = [p for p, _ in members]
-            offs = [o for _, o in members]
-            low = dtype != torch.float32
+        for (gi, dtype, split, _), ps in grouped.items():
+            region = base if split else 0
             bucket = _Bucket(
                 group=self.param_groups[gi],
                 params=ps,
-                offsets=offs,
-                plan=ChunkPlan.build(offs, [p.numel() for p in ps], device),
-                copies=address_table(ps, device) if low else None,
-                copy_dtype=dtype if low else None,
+                offsets=[self._offset[p] - region for p in ps],
+                base=region,
+                split=split,
+                copy_dtype=dtype if dtype != torch.float32 else None,
             )
             self._buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
+        self._bind()
+
+    def _bind(self) -> None:
+        """Point the parameters, the state's views and the launch tables at the current flat buffers."""
+        device, base = self.exp_avg.device, self._split_base
+        for p, o in self._offset.items():
+            n, kind = p.numel(), self._kind[p]
+            state = {
+                "exp_avg": self.exp_avg[o : o + n].view_as(p),
+                "exp_avg_sq": self.exp_avg_sq[o : o + n].view_as(p),
+            }
+            if kind == "split":
+                state["master_lo"] = self.master_lo[o - base : o - base + n].view_as(p)
+            else:
+                state["master"] = self.master[o : o + n].view_as(p)
+                if kind == "inplace":
+                    p.data = state["master"]  # updated in place by the kernel
+            self.state[p] = state
+        for b in self._buckets:
+            b.plan = ChunkPlan.build(b.offsets, [p.numel() for p in b.params], device)
+            b.copies = address_table(b.params, device) if b.copy_dtype is not None else None
+            master = self.master_lo if b.split else self.master
+            b.buffers = (master, self.exp_avg[b.base :], self.exp_avg_sq[b.base :])
+            b.table_cache.clear()
+
+    # ---- moving -------------------------------------------------------------------------------
+    def storage_tensors(self) -> list[Tensor]:
+        """Every tensor that holds this optimizer's state or its parameters' values and gradients (the
+        float32 parameters are views of `master`, so they are not listed); see `rehome_`."""
+        out = [self.master, self.master_lo, self.exp_avg, self.exp_avg_sq]
+        out += [p.data for p in self._offset if self._kind[p] != "inplace"]
+        return out + [p.grad for p in self._offset if p.grad is not None]
+
+    def rehome_(self, copies: list[Tensor]) -> None:
+        """Adopt `copies` (one per `storage_tensors()`, same order, all on one device) as the storage.
+
+        The parameters stay the same objects (hooks, optimizer state keys and compiled code that
+        reference them keep working); their `.data`, their gradients and the state's views now live
+        in the copies, and the launch tables are rebuilt on the copies' device.
+        """
+        old = self.storage_tensors()
+        if len(copies) != len(old) or any(
+            c.shape != t.shape or c.dtype != t.dtype for c, t in zip(copies, old)
+        ):
+            raise ValueError("rehome_ takes one copy of each of storage_tensors(), in order")
+        if len({c.device for c in copies}) != 1:
+            raise ValueError(
+                f"the copies must be on one device, got {sorted({str(c.device) for c in copies})}"
+            )
+        it = iter(copies)
+        self.master, self.master_lo, self.exp_avg, self.exp_avg_sq = (next(it) for _ in range(4))
+        with_grad = [p for p in self._offset if p.grad is not None]
+        with torch.no_grad():
+            for p, o in self._offset.items():
+                inplace = self._kind[p] == "inplace"
+                p.data = self.master[o : o + p.numel()].view_as(p) if inplace else next(it)
+            for p in with_grad:  # after .data: a gradient must be on its parameter's device
+                p.grad = next(it)
+        self._bind()
+
+    def master_of(self, p: nn.Parameter) -> Tensor:
+        """The float32 master value of `p` (a view of the state, or computed from a split master)."""
+        state = self.state[p]
+        return state["master"] if "master" in state else join_master(p.detach(), state["master_lo"])
 
     @property
     def num_buckets(self) -> int:
@@ -162,14 +267,13 @@ class FusedAdamW(torch.optim.Optimizer):
         else:  # some gradients never arrived (unused parameters): update only the others
             index = {id(p): i for i, p in enumerate(bucket.params)}
             offs = [bucket.offsets[index[id(p)]] for p in params]
-            plan = ChunkPlan.build(offs, [p.numel() for p in params], self.master.device)
-            copies = address_table(params, self.master.device) if bucket.copies is not None else None
+            device = self.exp_avg.device
+            plan = ChunkPlan.build(offs, [p.numel() for p in params], device)
+            copies = address_table(params, device) if bucket.copies is not None else None
         adamw_step_(
             plan,
             [p.grad for p in params],
-            self.master,
-            self.exp_avg,
-            self.exp_avg_sq,
+            *bucket.buffers,
             step=g["step"] + 1,
             lr=g["lr"],
             betas=g["betas"],
@@ -186,7 +290,7 @@ class FusedAdamW(torch.optim.Optimizer):
         ready = {id(p) for p in bucket.ready}
         params = [p for p in bucket.params if id(p) in ready]  # the plan's order, not arrival order
         bucket.ready = []
-        if self._side_stream is None:  # CPU: nothing to overlap with, same code path
+        if self._side_stream is None or not self.exp_avg.is_cuda:  # CPU: nothing to overlap with
             self._launch(bucket, params)
         else:
             current = torch.cuda.current_stream()
@@ -215,8 +319,8 @@ class FusedAdamW(torch.optim.Optimizer):
         if self._hooks:
             return self
         self._overlap_programs = max_programs
-        if self.master.is_cuda:
-            self._side_stream = torch.cuda.Stream(device=self.master.device)
+        if self.exp_avg.is_cuda:
+            self._side_stream = torch.cuda.Stream(device=self.exp_avg.device)
         for p in self._bucket_of:
             self._hooks.append(p.register_post_accumulate_grad_hook(_GradReadyHook(self)))
         return self
@@ -237,7 +341,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise RuntimeError("FusedAdamW does not support sparse gradients")
             if with_grad:
                 self._launch(bucket, with_grad)
-        if self._side_stream is not None:
+        if self._side_stream is not None and self.exp_avg.is_cuda:
             torch.cuda.current_stream().wait_stream(self._side_stream)
         for group in self.param_groups:
             group["step"] += 1
@@ -260,11 +364,14 @@ class _GradReadyHook:
             optimizer._on_grad_ready(p)
 
 
-def mixed_precision_groups(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+def mixed_precision_groups(
+    model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16, *, split_master: bool = False
+) -> list[dict]:
     """Param groups for `FusedAdamW`: weights of 2-D matmul layers compute in `compute_dtype`.
 
     Every parameter with `ndim >= 2` that is not an embedding table (an embedding lookup is not a
     matmul: autocast would leave it in float32) gets `compute_dtype`; norms and embeddings stay float32.
+    split_master: store the matmul weights' masters split (bf16 weight + 16 bits, see `FusedAdamW`).
     """
     embedding_params = {
         id(p)
@@ -275,7 +382,7 @@ def mixed_precision_groups(model: nn.Module, compute_dtype: torch.dtype = torch.
     low, full = [], []
     for p in model.parameters():
         (low if p.ndim >= 2 and id(p) not in embedding_params else full).append(p)
-    groups = [{"params": low, "compute_dtype": compute_dtype}]
+    groups = [{"params": low, "compute_dtype": compute_dtype, "split_master": split_master}]
     if full:
         groups.append({"params": full, "compute_dtype": None})
     return groups

@@ -10,16 +10,24 @@ Per (size, context), rows under problem "training_step":
   against the datasheet bf16 peak and against the bf16 matmul rate measured in this run.
   Stock = the same architecture with `F.scaled_dot_product_attention`, `torch.compile(model)`,
   `torch.optim.AdamW(fused=True)` and `F.cross_entropy`, bf16 autocast over fp32 weights.
-  Ours = `TrainStepConfig.fastest()` (see `cs336_systems.training.step`), attention per `--attention`.
+  Ours = `TrainStepConfig.fastest()` (see `cs336_systems.training.step`) with our attention
+  (`--attention`: our Triton FlashAttention-2 on CUDA; SDPA on the CPU, where the Triton interpreter
+  cannot run bf16; a non-default attention is named in the row's impl, e.g. "ours +sdpa").
+  Only one path is on the device at a time: the other's parameters, gradients, buffers and optimizer
+  state are parked in page-locked host memory (`cs336_systems.training.Offloader`) from before its
+  first step on, and moved back before its next round, outside the timed region (synchronized before
+  and after), so two 2.7B steps fit on one 80 GB GPU.
 * `waterfall`: the step with one optimisation added at a time (`STAGES`), each built afresh.
 * `bandwidth`: device copy GB/s and the fused AdamW's GB/s (28 bytes per parameter) on the shapes
   of the model's first blocks.
 * `check` (`--check`): 20 steps of ours and of the plain reference step (same weights and batches,
   reference AdamW, no fusions, bf16 autocast): the loss of every step.
 
-Peak memory of a path = its persistent tensors (parameters, buffers, optimizer state: storages
-counted once) + the largest transient allocation above everything resident during its steps, so the
-other path's model living in the same process is not counted.
+Peak memory of a path (`peak_memory_gib`) = `torch.cuda.max_memory_allocated()` over its timed rounds
+(reset before each), with the other path parked off the device: everything the path holds, its
+persistent tensors included. On the CPU, where it cannot be measured: the persistent tensors only.
+`persistent_memory_gib`: the path's parameters, gradients between steps (none), buffers and optimizer
+state (`cs336_systems.training.step_tensors`).
 """
 
 from __future__ import annotations
@@ -55,13 +63,14 @@ from cs336_systems.studies.training.train_step_facts import (
     STAGES,
     facts,  # noqa: F401 (the study's facts, kept beside its tables)
 )
-from cs336_systems.training import FusedAdamW, TrainStepConfig, build_train_step
+from cs336_systems.training import FusedAdamW, Offloader, TrainStepConfig, build_train_step, step_tensors
 from cs336_systems.training.fused_adamw import mixed_precision_groups
 
 PROBLEM = "training_step"
 # the command-line options recorded as each context length's run config
 RUN_CONFIG_KEYS = ("size", "batch_size", "rounds", "steps", "warmup", "compile", "attention")
 PARTS = ("bandwidth", "check", "compare", "waterfall")
+DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class StockStep:
@@ -116,17 +125,9 @@ def phase_ms(marks) -> dict[str, float]:
     return dict(zip(PHASES, gaps)) | {"step": sum(gaps)}
 
 
-def persistent_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    tensors = list(model.parameters()) + list(model.buffers())
-    for state in optimizer.state.values():
-        tensors += [v for v in state.values() if isinstance(v, Tensor)]
-    if isinstance(optimizer, FusedAdamW):
-        tensors += [optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq]
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+def persistent_bytes(step) -> int:
+    """Bytes of a step's parameters, gradients, buffers and optimizer state (each tensor once)."""
+    return sum(t.nbytes for t in step_tensors(step))
 
 
 def step_flops(cfg: ModelConfig, batch: int, ctx: int) -> float:
@@ -207,9 +208,16 @@ def ours_config(args) -> TrainStepConfig:
     )
 
 
+def default_attention(device) -> str:
+    """Our step's attention unless `--attention` says otherwise: our Triton kernel where it runs bf16."""
+    return "flash_triton" if torch.device(device).type == "cuda" else "sdpa"
+
+
 def ours_label(args) -> str:
-    """'ours' for `TrainStepConfig.fastest()`; options that differ from it are named in the label."""
+    """'ours' for `TrainStepConfig.fastest()` with the default attention; other choices are named."""
     label = "ours"
+    if args.attention != default_attention(args.device):
+        label += f" +{args.attention}"
     if not args.overlap:
         label += " -overlap"
     elif args.overlap_programs:
@@ -238,49 +246,65 @@ def _first_step_s(step, batch) -> float:
 
 
 def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: float) -> list[dict]:
-    """Stock vs ours, interleaved rounds; returns rows (a failure row per path that could not run)."""
+    """Stock vs ours, interleaved rounds, one path on the device at a time; returns rows (a failure row
+    per path that could not run)."""
     paths = ["stock", ours_label(args)]
-    steps, times, extra = {}, {p: [] for p in paths}, {}
+    steps, parking, times, extra = {}, {}, {p: [] for p in paths}, {}
     flops = step_flops(cfg, args.batch_size, run_cfg["context_length"])
     datasheet = peak_flops(device_name(), "bf16")
+    cuda = torch.device(args.device).type == "cuda"
     rows = []
 
     def failed(path: str, note: str) -> None:  # an OOM or error is a row, and the other paths go on
         rows.append(_step_failure("compare", path, note, run_cfg))
         steps.pop(path, None)
+        parking.pop(path, None)
         gc.collect()
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.empty_cache()
+
+    def only_on_device(path: str) -> None:
+        """Park every other path, then bring `path` back if it is parked (outside any timing)."""
+        for other, offloader in parking.items():
+            if other != path and not offloader.parked:
+                offloader.park()
+        if cuda:
+            torch.cuda.empty_cache()  # the parked path's cached blocks (cut to its tensors) go back
+        if path in parking and parking[path].parked:
+            parking[path].unpark()
 
     for path in paths:
         outcome: dict = {}
         with capture_failure(outcome):
+            only_on_device(path)
             steps[path] = _build(path, cfg, state, args)
+            parking[path] = Offloader(steps[path])
             extra[path] = {"first_step_s": ("s", _first_step_s(steps[path], batches[0]))}
             for i in range(args.warmup):
                 timed_step(steps[path], *batches[i % len(batches)])
+            extra[path]["persistent_memory_gib"] = ("GiB", persistent_bytes(steps[path]) / 2**30)
         if outcome:
             failed(path, outcome["note"])
     peaks = {p: 0 for p in steps}
     for r in range(args.rounds):
         for path in list(steps)[:: 1 if r % 2 == 0 else -1]:
-            synchronize()
-            base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
             outcome = {}
             with capture_failure(outcome):
+                only_on_device(path)
+                synchronize()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 marks = [timed_step(steps[path], *batches[i % len(batches)])[1] for i in range(args.steps)]
                 synchronize()
                 times[path] += [phase_ms(m) for m in marks]
             if outcome:
                 failed(path, outcome["note"] + f" (in round {r + 1})")
-            elif torch.cuda.is_available():
-                peaks[path] = max(peaks[path], torch.cuda.max_memory_allocated() - base)
+            elif cuda:
+                peaks[path] = max(peaks[path], torch.cuda.max_memory_allocated())
     for path, step in steps.items():
         med = pd.Series([t["step"] for t in times[path]]).median()
         e = extra[path] | {
-            "peak_memory_gib": ("GiB", (persistent_bytes(step.model, step.optimizer) + peaks[path]) / 2**30),
+            "peak_memory_gib": ("GiB", (peaks[path] if cuda else persistent_bytes(step)) / 2**30),
             "tflops": ("TFLOP/s", flops / (med * 1e-3) / 1e12),
             "mfu_measured_peak": ("fraction", flops / (med * 1e-3) / peak),
         }
@@ -288,6 +312,7 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
             e["mfu_datasheet"] = ("fraction", flops / (med * 1e-3) / datasheet)
         rows += _rows_for_path(path, "compare", times[path], e, run_cfg)
     steps.clear()
+    parking.clear()
     return rows
 
 
@@ -373,6 +398,7 @@ def measure(config: argparse.Namespace, *, results_dir=None) -> list[dict]:
             rows += compare(cfg, args, run_cfg, state, batches, peak)
         if "waterfall" in args.parts:
             rows += waterfall(cfg, args, run_cfg, state, batches)
+        state = batches = None  # the host copy of the weights goes before the next context's is made
         print(summary(pd.DataFrame(rows)).to_string(), flush=True)
     if not args.no_save:
         print("rows ->", append_rows(PROBLEM, rows, results_dir or args.results_dir))
@@ -402,7 +428,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compile) step")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument(
-        "--attention", choices=["flash_triton", "sdpa"], default="sdpa", help="attention of our step"
+        "--attention",
+        choices=["flash_triton", "sdpa"],
+        default=default_attention(DEFAULT_DEVICE),
+        help="attention of our step: by default our Triton FlashAttention-2 where CUDA is available, else "
+        "SDPA (the Triton interpreter cannot run bf16); another choice is named in the rows' impl "
+        "(e.g. 'ours +sdpa')",
     )
     p.add_argument(
         "--no-overlap",
@@ -425,9 +456,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager stock and ours")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
-    )
+    p.add_argument("--device", default=DEFAULT_DEVICE, choices=["cuda", "cpu"])
     cli.add_results_dir(p)
     p.add_argument("--no-save", action="store_true", help="print only")
     p.add_argument(
@@ -441,7 +470,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     if args.quick:
         args.size, args.context_length, args.rounds, args.steps, args.warmup = "debug", [32], 2, 2, 1
         args.compile, args.no_save = False, args.results_dir is None
-        args.attention = "flash_triton" if torch.cuda.is_available() else "sdpa"
+    if args.attention == "sdpa" and torch.device(args.device).type == "cpu":
+        print("ours uses SDPA attention on the CPU: our flash_triton needs CUDA for bf16", flush=True)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         raise SystemExit("--rounds and --steps must be >= 1 and --warmup >= 0")
     if args.attention == "flash_triton" and torch.device(args.device).type != "cuda":

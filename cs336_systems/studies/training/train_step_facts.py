@@ -19,7 +19,8 @@ STAGES: list[tuple[str, dict]] = [
     ("+ bf16 compute weights", dict(bf16_weights=True)),
     ("+ fused LM-head loss", dict(fused_loss=True)),
     ("SDPA instead of our attention", dict(attention="sdpa")),
-    ("+ overlap with backward", dict(overlap=True)),  # = TrainStepConfig.fastest()
+    ("+ overlap with backward", dict(overlap=True)),
+    ("+ split fp32 masters", dict(split_master=True)),  # = TrainStepConfig.fastest()
 ]
 
 # per-path metrics of the comparison that facts() reports
