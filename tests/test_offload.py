@@ -157,7 +157,11 @@ def test_compiled_step_parked_in_pinned_host_memory_runs_on_without_recompiling_
     losses, ref = _run(parked, 2, device="cuda"), _run(plain, 2, device="cuda")
     resident = torch.cuda.memory_allocated()
     off.park()
-    assert all(t.device.type == "cpu" and t.is_pinned() for t in _reachable(parked) if t.numel())
+    left = [tuple(t.shape) for t in _reachable(parked) if t.numel() and t.device.type != "cpu"]
+    assert not left, f"tensors left on the GPU: {left}"
+    # the moved storages are page-locked; small host tensors made afterwards (e.g. the fused AdamW's
+    # launch tables, rebuilt on the new device) need not be
+    assert all(t.is_pinned() for t in step_tensors(parked) if t.numel())
     assert torch.cuda.memory_allocated() < resident - sum(t.nbytes for t in step_tensors(parked)) // 2
     off.unpark()
     torch.compiler.set_stance("fail_on_recompile")  # guards on device, dtype, shape: all restored
