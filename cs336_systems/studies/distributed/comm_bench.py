@@ -292,7 +292,9 @@ def tidy(df: pd.DataFrame) -> pd.DataFrame:
 def run_label(row: Any) -> str:
     """ "<num_gpus> x <gpu>, git <sha7>": the machine and commit of a row (the rows name no host, so
     rows with one label are taken to be one run on one machine)."""
-    return f"{int(row.num_gpus)} x {row.gpu_name}, git {str(row.git_sha)[:7]}"
+    gpus = pd.to_numeric(getattr(row, "num_gpus", None), errors="coerce")
+    gpus = "?" if pd.isna(gpus) else int(gpus)
+    return f"{gpus} x {getattr(row, 'gpu_name', '?')}, git {str(getattr(row, 'git_sha', '?'))[:7]}"
 
 
 def latest_rows(df: pd.DataFrame) -> pd.DataFrame:
