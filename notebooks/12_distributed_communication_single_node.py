@@ -57,11 +57,16 @@ if nb.have_results(df, comm_bench.PROBLEM):
         + "."
     ]
     if nccl_worlds:
+        other = (
+            ""
+            if facts["same_machine"] or not facts["gloo_run"]
+            else f" (Gloo ran on the CPUs of another machine: {facts['gloo_run']})"
+        )
         parts.append(
             f"NCCL on {facts['nccl_world']} GPUs reaches {facts['nccl_busbw_big']:.0f} GB/s at {big:g} MB, "
             f"{facts['nccl_over_gloo_big']:.0f}x Gloo with the same number of processes, and "
             f"a {facts['small_mb']:g} MB all-reduce takes {facts['nccl_small_ms']:.3f} ms vs "
-            f"{facts['gloo_small_ms']:.3f} ms with Gloo."
+            f"{facts['gloo_small_ms']:.3f} ms with Gloo{other}."
         )
     if "latency" in facts:
         lat = facts["latency"]
@@ -79,6 +84,21 @@ if nb.have_results(df, comm_bench.PROBLEM):
             f"rank moves only grow from {lo['ring_factor']:.2f}x to {hi['ring_factor']:.2f}x the tensor: a ring "
             f"all-reduce has 2(n-1) steps, each with its own latency."
         )
+    if "nccl_lo" in facts:
+        lo, hi = facts["nccl_lo"], facts["nccl_hi"]
+        where = (
+            f"On one machine ({facts['nccl_run']}; both counts from one run)"
+            if facts["nccl_run"]
+            else f"Across runs ({'; '.join(facts['runs']['nccl/cuda'])})"
+        )
+        parts.append(
+            f"{where}, NCCL with {hi['world']} GPUs takes {hi['big_ms']:.2f} ms for {big:g} MB against "
+            f"{lo['big_ms']:.2f} ms with {lo['world']} ({hi['big_ms'] / lo['big_ms']:.2f}x, while each rank's "
+            f"bytes grow {hi['ring_factor'] / lo['ring_factor']:.2f}x), a bus bandwidth of "
+            f"{hi['busbw_big']:.0f} vs {lo['busbw_big']:.0f} GB/s; at {facts['small_mb']:g} MB it takes "
+            f"{hi['small_ms']:.3f} vs {lo['small_ms']:.3f} ms ({hi['small_ms'] / lo['small_ms']:.1f}x), "
+            f"{2 * (hi['world'] - 1)} ring steps instead of {2 * (lo['world'] - 1)}."
+        )
     parts.append(
         "NCCL reduces in GPU kernels over the GPUs' interconnect, while Gloo goes through host memory and TCP "
         "sockets: the backend matters most for large tensors."
@@ -86,10 +106,10 @@ if nb.have_results(df, comm_bench.PROBLEM):
     if not nccl_worlds:
         parts.append("There are no NCCL rows here (no GPU run).")
     elif facts["nccl_not_run"]:
-        lent = int(df[df.impl.astype(str).str.startswith("nccl")].num_gpus.max())
         parts.append(
-            f"**NCCL with {' and '.join(map(str, facts['nccl_not_run']))} GPUs was not measured:** every machine "
-            f"this benchmark ran on had {lent} GPUs (the rows' num_gpus), and NCCL needs one GPU per process."
+            f"**NCCL with {' and '.join(map(str, facts['nccl_not_run']))} GPUs was not measured:** NCCL needs one "
+            f"GPU per process, the largest machine it ran on had {facts['nccl_max_gpus']} GPUs (the rows' "
+            "num_gpus), and machines with more (8 GPUs) were withheld from this project."
         )
     if facts["missing"]:
         parts.append("Not measured: " + "; ".join(facts["missing"]) + ".")
@@ -107,8 +127,9 @@ if nb.have_results(df, comm_bench.PROBLEM):
     show_table(
         both.reset_index(),
         caption="All-reduce of float32 tensors (MB = 2^20 bytes): median time and bus bandwidth",
-        provenance_from=df,
-        note="bus bandwidth = size / time x 2(n-1)/n, the bytes a rank moves in a ring all-reduce",
+        provenance_from=comm_bench.latest_rows(df),
+        note="bus bandwidth = size / time x 2(n-1)/n, the bytes a rank moves in a ring all-reduce. "
+        + comm_bench.runs_note(facts),
     )
     save_figure(plot_all_reduce(df), f"{comm_bench.PROBLEM}__all_reduce")
 
@@ -116,4 +137,6 @@ if nb.have_results(df, comm_bench.PROBLEM):
 # **Setup.** `python -m cs336_systems.studies.distributed.comm_bench --grid`: one `torchrun` job per backend
 # and process count; 5 warm-up all-reduces, then per call a barrier, `torch.cuda.synchronize()`, the timed
 # SUM all-reduce and another synchronize (3 to 20 calls within 10 s per size); a call's time is the slowest
-# rank's. Gloo runs on the CPU cores of the GPU host, NCCL with one process per GPU.
+# rank's. Gloo runs on the CPU cores of the GPU host, NCCL with one process per GPU. The table and figure
+# show one run per backend and process count (`comm_bench.latest_rows`): the latest run of the largest count
+# supplies every count it measured, so the counts compare on one machine; older runs are named under the table.

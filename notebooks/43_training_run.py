@@ -18,7 +18,7 @@
 # (batch 4, context 512, the entry point's default GPU step: bf16 autocast, compiled blocks, fused AdamW,
 # chunked LM head + loss), then kills a small run mid-way and resumes it from its checkpoint. The
 # scaling estimate is computed from `cs336_systems.accounting` and the committed rows, and checked
-# against the committed one- and two-GPU measurements of the 8B step.
+# against the committed one-, two- and four-GPU measurements of the 8B step.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": run the GPU demo when a GPU is present, else render the committed run
@@ -137,23 +137,74 @@ show_table(
 # %% tags=["remove-input"]
 if len(checked):
     show_table(
-        checked,
+        checked.drop(columns=["gpu", "rep_s"]),
         caption="Estimate against the committed 8B measurements of ours (mode bf16, do_bench mean)",
         formats={"measured_ms": "{:.0f}", "estimate_ms": "{:.0f}", "comm_estimate_ms": "{:.0f}"}
         | {c: "{:.3f}" for c in ("ratio", "serial_ratio", "ideal_ratio")}
         | {"comm_exposed_measured_ms": "{:.0f}"},
-        provenance_from=lb_rows,
+        provenance_from=lb_rows[lb_rows.timestamp.isin(train_scaling.measured(lb_rows).timestamp)],
         note="ratio: estimate (overlapped) / measured; serial_ratio: with communication not overlapped; "
-        "ideal_ratio: compute at the datasheet bf16 peak",
+        "ideal_ratio: compute at the datasheet bf16 peak; n: timed steps behind measured_ms (do_bench); "
+        "attention: the run's attention kernels",
     )
 
 # %% tags=["remove-input"]
 checks = {c["GPUs"]: c for c in scale["checks"]}
-check_text = "; ".join(
-    f"{n} GPU(s) ({c['gpu']}, git {c['git']}): measured {c['measured_ms']:.0f} ms, estimated "
-    f"{c['estimate_ms']:.0f} ms (ratio {c['ratio']:.3f}; {c['serial_ratio']:.3f} with communication serialised)"
+gpus = sorted({c["gpu"] for c in checks.values()})
+check_text = f"on {', '.join(gpus)}, " + "; ".join(
+    f"{n} GPU(s) (git {c['git']}, {c['attention']} attention, n = {c['n']} timed steps): measured "
+    f"{c['measured_ms']:.0f} ms, estimated {c['estimate_ms']:.0f} ms (ratio {c['ratio']:.3f}; "
+    f"{c['serial_ratio']:.3f} with communication serialised)"
     for n, c in checks.items()
 )
+multi = {n: c for n, c in checks.items() if n > 1}
+how = ""
+if 1 in checks and multi:
+    atts = {c["attention"] for c in multi.values()}
+    how = (
+        f" One GPU is the calibration point (its rate defines compute, so its ratio is 1 by construction): the "
+        f"latest one-GPU run of ours, with {checks[1]['attention']} attention. The "
+        + "- and ".join(map(str, multi))
+        + "-GPU checks are the model's test: the latest runs of ours "
+        + (
+            "with our own Triton FlashAttention (flash_triton) "
+            if atts == {train_scaling.OWN_ATTENTION}
+            else f"({', '.join(sorted(atts))} attention) "
+        )
+        + "on the same GPU kind."
+    )
+    if all(c["ratio"] > 1 for c in multi.values()):
+        how += (
+            " Ratios above 1 say these steps compute faster than the one-GPU rate predicts: "
+            + (
+                "their runs are of another commit and attention than the one-GPU row"
+                if any(
+                    (c["git"], c["attention"]) != (checks[1]["git"], checks[1]["attention"])
+                    for c in multi.values()
+                )
+                else "the same commit and attention as the one-GPU row"
+            )
+            + ", and the model's communication is hidden either way."
+        )
+if "multi" in scale:
+    m = scale["multi"]
+    zero2 = table[table.strategy == "zero2"].set_index("GPUs")
+    lo, hi = zero2.loc[m["lo"]], zero2.loc[m["hi"]]
+    why = (
+        f", all of it from recomputing {hi.recomputed_blocks:.0f} instead of {lo.recomputed_blocks:.0f} blocks "
+        "(the communication stays hidden)"
+        if lo.comm_s < lo.compute_s
+        and hi.comm_s < hi.compute_s
+        and lo.recomputed_blocks != hi.recomputed_blocks
+        else ""
+    )
+    how += (
+        f" From {m['lo']} to {m['hi']} GPUs (one commit, {m['attention']} attention) the measured step changes by "
+        f"{m['measured_change']:+.1%} and the estimate by {m['estimate_change']:+.1%}{why}. The {m['hi']}-GPU step "
+        f"is the mean of only {checks[m['hi']]['n']} timed steps (a {checks[m['hi']]['rep_s']:.0f} s budget), the "
+        f"{m['lo']}-GPU one of {checks[m['lo']]['n']} ({checks[m['lo']]['rep_s']:.0f} s)."
+    )
+n_most = max(checks, default=1)
 nb.md(
     f"""**Answer.** The 8B model has {scale["params_b"]:.2f} B parameters, {scale["size_gb"]:.1f} GB in bf16; one
 GPU's step (one 32768-token sequence) needs {scale["compute_s"]:.2f} s of compute at the {scale["rate_tflops"]:.0f}
@@ -166,10 +217,7 @@ TFLOP/s ours achieved on one GPU. Against that, the sharded collectives are smal
 {scale["n_max"]} GPUs would be {scale["zero2_eff_serial"]:.0%} (ZeRO-2), {scale["fsdp_eff_serial"]:.0%} (FSDP) and
 {scale["hybrid_eff_serial"]:.0%} (hybrid), which is where the hybrid pays: it sends only 1/{gpus_per_node} of the
 gradients across nodes. Flat FSDP at {scale["n_max"]} GPUs becomes communication-bound only below
-{scale["fsdp_breakeven_gb_s"]:.1f} GB/s per GPU between nodes. Checked against the committed runs: {check_text}. One
-GPU is the calibration point (its rate defines compute, so its ratio is 1 by construction); the two-GPU check is
-the model's test, and the ratio above 1 there says the two-GPU step computes faster than the one-GPU rate
-predicts: its run is of a later commit than the one-GPU row, and the model's communication is hidden either way.
-At the datasheet peak the compute would take about half as long (ideal_ratio). Not measured: more than two GPUs
-or more than one node (none were lent)."""
+{scale["fsdp_breakeven_gb_s"]:.1f} GB/s per GPU between nodes. Checked against the committed runs: {check_text}.{how}
+At the datasheet peak the compute would take about half as long (ideal_ratio). Not measured: more than {n_most}
+GPUs or more than one node (8-GPU machines and several nodes were not lent)."""
 )

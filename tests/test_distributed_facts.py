@@ -243,6 +243,78 @@ def test_comm_facts_without_nccl_rows(comm_rows):
     assert f["latency"]["impl"] == "gloo/cpu" and f["nccl_not_run"] == [4, 6]
 
 
+def test_comm_facts_quote_one_run_per_backend(comm_rows):
+    """The committed NCCL rows at 2 and 4 ranks come from one run (one 4-GPU machine and commit); the
+    older 2-rank run of another machine is left out of the table, the figure and the facts."""
+    f = comm_bench.facts(comm_rows)
+    nccl = comm_bench.tidy(comm_rows[(comm_rows.impl == "nccl/cuda") & (comm_rows.note.fillna("") == "")])
+    newest = nccl.sort_values("timestamp").iloc[-1]
+    assert f["nccl_run"] == comm_bench.run_label(newest)
+    of_newest = nccl[nccl.run == f["nccl_run"]]
+    assert f["nccl_worlds"] == sorted(set(of_newest.world_size))
+    if 4 in f["nccl_worlds"]:
+        assert f["nccl_not_run"] == [6] and f["nccl_max_gpus"] >= 4
+        lo, hi = f["nccl_lo"], f["nccl_hi"]
+        assert (lo["world"], hi["world"]) == (2, 4) and hi["ring_factor"] == 1.5
+
+        def raw(world, size, metric):
+            sel = of_newest[
+                (of_newest.world_size == world) & (of_newest.x_value == size) & (of_newest.metric == metric)
+            ]
+            return float(sel.sort_values("timestamp").p50.iloc[-1])
+
+        for d in (lo, hi):
+            assert d["big_ms"] == pytest.approx(raw(d["world"], f["big_mb"], "all_reduce_time"))
+            assert d["small_ms"] == pytest.approx(raw(d["world"], f["small_mb"], "all_reduce_time"))
+            assert d["busbw_big"] == pytest.approx(raw(d["world"], f["big_mb"], "busbw"))
+        table = comm_bench.summary_table(comm_rows)
+        assert ("nccl/cuda", 4) in table.index
+        assert table.loc[("nccl/cuda", 4), f"{f['big_mb']:g} MB"] == f"{hi['big_ms']:.4g}"
+    others = set(nccl.run) - {f["nccl_run"]}
+    assert {s.split(": ", 1)[1] for s in f["left_out"] if s.startswith("nccl")} == others
+    shown = comm_bench.latest_rows(comm_rows)
+    assert set(shown[shown.impl == "nccl/cuda"].run) == {f["nccl_run"]}
+    note = comm_bench.runs_note(f)
+    assert f["nccl_run"] in note and all(o in note for o in others)
+
+
+def _comm_run(
+    rows: pd.DataFrame, world: int, git: str, num_gpus: int, when: str, scale: float
+) -> pd.DataFrame:
+    """A copy of one world size's NCCL rows as if measured in another run."""
+    r = comm_bench.tidy(rows)
+    r = rows[(r.impl == "nccl/cuda").to_numpy() & (r.world_size == world).to_numpy()].drop_duplicates(
+        subset=["x_value", "metric"], keep="last"
+    )
+    return r.assign(git_sha=git, num_gpus=num_gpus, timestamp=when, p50=r.p50 * scale)
+
+
+def test_comm_latest_rows_keep_the_largest_count_s_run(comm_rows):
+    base = pd.concat(
+        [
+            _comm_run(comm_rows, 2, "aaaaaaa", 4, "2030-01-01T00:00:00+00:00", 1.0),
+            _comm_run(comm_rows, 4, "aaaaaaa", 4, "2030-01-01T00:00:10+00:00", 1.0),
+        ]
+    )
+    if base.empty or base.git_sha.nunique() != 1 or len(base) < 2:
+        pytest.skip("needs NCCL rows at 2 and 4 ranks")
+    later_two = _comm_run(comm_rows, 2, "bbbbbbb", 2, "2031-01-01T00:00:00+00:00", 2.0)
+    df = pd.concat([base, later_two], ignore_index=True)
+    f = comm_bench.facts(df)
+    # 2 and 4 ranks stay on the 4-GPU run; the later 2-GPU run is named as left out
+    assert f["nccl_run"] == "4 x NVIDIA H200, git aaaaaaa" and f["nccl_worlds"] == [2, 4]
+    assert f["left_out"] == ["nccl/cuda x2: 2 x NVIDIA H200, git bbbbbbb"]
+    # without the 4-rank run, the newest 2-rank run is reported
+    only_two = df[comm_bench.tidy(df).world_size.to_numpy() == 2]
+    g = comm_bench.facts(only_two)
+    assert g["nccl_run"] == "2 x NVIDIA H200, git bbbbbbb" and g["nccl_not_run"] == [4, 6]
+    # the alpha-beta fit uses one run: the one named by `like`, else the newest
+    like = df[df.git_sha == "aaaaaaa"].iloc[0]
+    o_a, w_a = comm_bench.latency_bandwidth_from_rows(df, "nccl/cuda", 2, like=like)
+    o_b, w_b = comm_bench.latency_bandwidth_from_rows(df, "nccl/cuda", 2)
+    assert w_a == pytest.approx(2 * w_b) and o_a == pytest.approx(o_b / 2)
+
+
 def test_ddp_check_facts_from_a_small_frame():
     records = pd.DataFrame(
         {

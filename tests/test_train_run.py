@@ -12,15 +12,23 @@ from cs336_systems.accounting import ring_all_reduce_time, ring_reduce_scatter_t
 from cs336_systems.studies.training import train_run, train_scaling
 
 
-def _lb_rows(step_ms: dict[int, float], blocks: dict[int, float]) -> pd.DataFrame:
+def _lb_rows(
+    step_ms: dict[int, float],
+    blocks: dict[int, float],
+    attention: str = "",
+    git: str = "abcdef0123",
+    day: int = 0,
+    gpu: str = "NVIDIA H100",
+) -> pd.DataFrame:
     rows = []
     for n, ms in step_ms.items():
         for metric, value in (("step_ms", ms), ("checkpoint_blocks", blocks[n])):
             rows.append(
                 dict(problem="training_leaderboard", name="8B_leaderboard:34L", impl="ours", mode="train",
                      dtype="bf16", x_name="world_size", x_value=float(n), metric=metric, unit="", mean=value,
-                     p50=value, note="", config_json=json.dumps({"world_size": n}), gpu_name="NVIDIA H100",
-                     num_gpus=n, git_sha="abcdef0123", timestamp=f"2026-01-0{n}T00:00:00+00:00")
+                     p50=value, n=3, note="",
+                     config_json=json.dumps({"world_size": n, "attention": attention, "rep_ms": 10000.0}),
+                     gpu_name=gpu, num_gpus=n, git_sha=git, timestamp=f"2026-01-{day + n:02d}T00:00:00+00:00")
             )  # fmt: skip
     return pd.DataFrame(rows)
 
@@ -48,13 +56,71 @@ def test_scaling_calibrates_on_one_gpu_and_checks_two():
 
 
 def test_intra_node_bandwidth_from_nccl_rows():
-    rows = pd.DataFrame(
-        dict(metric=["busbw", "busbw", "busbw"], impl=["nccl/cuda", "nccl/cuda", "gloo/cpu"],
-             x_value=[10.0, 1024.0, 1024.0], mean=[90.0, 320.0, 2.0], num_gpus=[2, 2, 2],
-             gpu_name=["H200"] * 3, timestamp=["t1", "t1", "t1"])
-    )  # fmt: skip
-    w, source = train_scaling.intra_node_bandwidth(rows)
-    assert w == 320e9 and "1024 MB" in source
+    def rows(world, sizes, means, gpus, git, when, impl="nccl/cuda"):
+        return pd.DataFrame(
+            dict(metric="busbw", impl=impl, x_value=sizes, mean=means, p50=means, note="", num_gpus=gpus,
+                 gpu_name="H200", git_sha=git, timestamp=when,
+                 config_json=json.dumps({"world_size": world}))
+        )  # fmt: skip
+
+    two = rows(2, [10.0, 1024.0], [90.0, 320.0], 2, "aaaaaaa", "t1")
+    w, source = train_scaling.intra_node_bandwidth(
+        pd.concat([two, rows(2, [1024.0], [2.0], 2, "a", "t1", "gloo/cpu")])
+    )
+    assert w == 320e9 and "1024 MB over 2 ranks on 2 x H200, git aaaaaaa" in source
+    # a run with 2 and 4 ranks: the largest rank count of the latest run
+    four = pd.concat(
+        [rows(2, [1024.0], [325.0], 4, "bbbbbbb", "t2"), rows(4, [1024.0], [347.0], 4, "bbbbbbb", "t2")]
+    )
+    w, source = train_scaling.intra_node_bandwidth(pd.concat([two, four]))
+    assert w == 347e9 and "over 4 ranks on 4 x H200, git bbbbbbb" in source
+
+
+def test_checks_use_our_attention_on_the_calibration_gpu_kind():
+    one = _lb_rows({1: 5000.0}, {1: 17}, attention="sdpa_cudnn", git="1111111")
+    ours = _lb_rows({2: 4700.0, 4: 4730.0}, {2: 14, 4: 12}, attention="flash_triton", git="2222222")
+    newer_sdpa = _lb_rows({2: 4600.0}, {2: 13}, attention="sdpa_cudnn", git="3333333", day=10)
+    other_gpu = _lb_rows(
+        {4: 4500.0}, {4: 11}, attention="flash_triton", git="4444444", day=20, gpu="NVIDIA H200"
+    )
+    lb = pd.concat([one, ours, newer_sdpa, other_gpu], ignore_index=True)
+    m = train_scaling.measured(lb).set_index("world_size")
+    assert m.loc[1, "attention"] == "sdpa_cudnn" and m.loc[1, "git"] == "1111111"  # the calibration run
+    assert (m.loc[[2, 4], "attention"] == "flash_triton").all() and (m.loc[[2, 4], "git"] == "2222222").all()
+    assert m.loc[2, "checkpoint_blocks"] == 14 and m.loc[4, "step_ms"] == 4730.0 and m.loc[4, "n"] == 3
+    assert m.loc[4, "rep_s"] == 10.0
+    a = train_scaling.Assumptions()
+    table, inputs = train_scaling.estimate(lb, pd.DataFrame(), a, (1, 2, 4, 8))
+    checked = train_scaling.check(table, lb).set_index("GPUs")
+    assert list(checked.index) == [1, 2, 4] and checked.loc[1, "ratio"] == pytest.approx(1.0)
+    z = table[table.strategy == "zero2"].set_index("GPUs")
+    assert checked.loc[4, "ratio"] == pytest.approx(z.loc[4, "step_overlap_s"] * 1e3 / 4730.0)
+    assert "sdpa_cudnn" in inputs["rate_source"]
+    f = train_scaling.facts(table, checked.reset_index(), inputs, a)
+    assert f["multi"]["lo"] == 2 and f["multi"]["hi"] == 4 and f["multi"]["attention"] == "flash_triton"
+    assert f["multi"]["measured_change"] == pytest.approx(4730.0 / 4700.0 - 1)
+
+
+def test_committed_scaling_check_has_a_four_gpu_entry_with_our_attention():
+    lb = train_run.committed_rows("training_leaderboard")
+    comm = train_run.committed_rows("distributed_communication_single_node")
+    m = train_scaling.measured(lb)
+    if 4 not in set(m.world_size):
+        pytest.skip("no committed 4-GPU 8B row of ours")
+    table, inputs = train_scaling.estimate(lb, comm, train_scaling.Assumptions())
+    checked = train_scaling.check(table, lb).set_index("GPUs")
+    assert {1, 2, 4} <= set(checked.index)
+    for n in (2, 4):
+        assert checked.loc[n, "attention"] == train_scaling.OWN_ATTENTION
+        assert checked.loc[n, "gpu"] == checked.loc[1, "gpu"]
+    # the 4-GPU row: the newest step_ms of ours at world size 4 with our attention, read from the CSV
+    raw = lb[
+        (lb.impl == "ours") & (lb.metric == "step_ms") & (lb.x_name == "world_size") & (lb.x_value == 4.0)
+    ]
+    raw = raw[[json.loads(c).get("attention") == "flash_triton" for c in raw.config_json]]
+    newest = raw.sort_values("timestamp").iloc[-1]
+    assert checked.loc[4, "measured_ms"] == pytest.approx(newest["mean"]) and checked.loc[4, "n"] == newest.n
+    assert "ranks on" in inputs["w_intra_source"]
 
 
 def test_run_facts_against_benchmark_rows(tmp_path):

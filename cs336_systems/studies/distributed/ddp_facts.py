@@ -197,7 +197,7 @@ def bucket_model(
     impl = impl or (
         "nccl/cuda" if cfg.get("device") == "cuda" or cfg.get("backend") == "nccl" else "gloo/cpu"
     )
-    o, w = latency_bandwidth_from_rows(comm_df, impl, world)
+    o, w = latency_bandwidth_from_rows(comm_df, impl, world, like=first)  # the DDP run's machine
     mcfg = get_config(cfg["size"], context_length=cfg["context_length"])
     params = list(BasicsTransformerLM.from_config(mcfg, device="meta").parameters())
     sizes = [p.numel() * p.element_size() for p in params]

@@ -31,12 +31,14 @@ PHASE_COLS = (
 
 
 def plot_all_reduce(df: pd.DataFrame):
-    """Two panels over tensor size (log-log): all-reduce time (p50, p20-p80 band) and bus bandwidth."""
+    """Two panels over tensor size (log-log): all-reduce time (p50, p20-p80 band) and bus bandwidth, of
+    `comm_bench.latest_rows` (older runs of a case are left out)."""
     import matplotlib.pyplot as plt
 
-    from cs336_systems.studies.distributed.comm_bench import tidy
+    from cs336_systems.studies.distributed.comm_bench import latest_rows
 
-    t = tidy(df[df.note == ""])
+    t = latest_rows(df)  # one run per backend and world size, as the notebook's table
+    t = t[t.note == ""] if len(t) else t
     if t.empty:
         raise ValueError("no successful all-reduce rows")
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(7.2, 3.2))

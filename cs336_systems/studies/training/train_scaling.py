@@ -1,5 +1,6 @@
 """A scaling estimate of the 8B leaderboard step over 1..64 GPUs, on one node and several, from
-`accounting/` and the committed measurements, checked against the one- and two-GPU step times.
+`accounting/` and the committed measurements, checked against the measured step times at every GPU
+count with committed rows (one, two and four GPUs).
 
 Weak scaling: each GPU keeps the leaderboard's one 32768-token sequence, so N GPUs train a global
 batch of N sequences (the leaderboard's fixed batch of 2 cannot be spread over more than 2 GPUs
@@ -25,11 +26,14 @@ without splitting sequences). Per GPU and step:
 * step: max(compute, communication) when the collectives overlap backward (ours does), their sum when
   they do not; tokens/s = N x T / step.
 
-`check(...)`: estimate / measured at every N with committed rows of ours (mode bf16), at both rates.
+`check(...)`: estimate / measured at every N with committed rows of ours (mode bf16), at both rates: the
+one-GPU calibration run (the latest, whatever its attention) and, at more GPUs, the latest run with our
+own attention (config "attention" = flash_triton) on the same GPU kind (`measured`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -43,6 +47,7 @@ from cs336_systems.accounting.communication import (
 )
 from cs336_systems.accounting.hardware import H100_SXM, peak_flops
 from cs336_systems.model import ModelConfig, get_config
+from cs336_systems.studies.distributed import comm_bench
 from cs336_systems.studies.training import leaderboard_facts
 from cs336_systems.studies.training.train_step import step_flops
 
@@ -72,39 +77,84 @@ def recompute_flops(cfg: ModelConfig, blocks: float, tokens: int) -> float:
     return blocks * 2.0 * tokens * (4 * d * d + 3 * d * cfg.d_ff)
 
 
-def measured(lb_rows: pd.DataFrame, mode: str = "bf16") -> pd.DataFrame:
-    """Latest rows of ours per world size: step_ms, checkpoint_blocks, comm_exposed_ms, gpu, git."""
-    d = leaderboard_facts.latest(lb_rows)
-    if d.empty:
-        return pd.DataFrame(columns=["world_size", "step_ms", "checkpoint_blocks", "comm_exposed_ms"])
-    d = d[(d.impl == "ours") & (d.dtype == mode) & (d.name.astype(str).str.startswith(CONFIG))]
-    d = d[d.x_name == "world_size"]
+OWN_ATTENTION = "flash_triton"  # our Triton FlashAttention-2 (the leaderboard rows' config "attention")
+
+
+def _config(row) -> dict:
+    c = getattr(row, "config_json", "")
+    return json.loads(c) if isinstance(c, str) and c else {}
+
+
+def measured(
+    lb_rows: pd.DataFrame, mode: str = "bf16", attention: str | None = OWN_ATTENTION
+) -> pd.DataFrame:
+    """One run of ours (8B, `mode`) per world size: step_ms, checkpoint_blocks, comm_exposed_ms, n (timed
+    steps behind step_ms), rep_s (do_bench's time budget), attention, gpu, git, timestamp.
+
+    One GPU is the calibration point: its latest run, whatever its attention (the one the leaderboard
+    reports). At more GPUs: the latest run whose config attention is `attention` (our own Triton
+    FlashAttention by default) on the one-GPU run's GPU kind, falling back to the latest run of that kind,
+    then to the latest of any; the attention and gpu columns say what was taken. A run's metrics are the
+    rows of its step_ms row's path with the same timestamp and commit.
+    """
+    cols = ["world_size", "step_ms", "checkpoint_blocks", "comm_exposed_ms", "n", "rep_s"]
+    if lb_rows.empty:
+        return pd.DataFrame(columns=[*cols, "attention", "gpu", "git", "timestamp"])
+    d = leaderboard_facts.with_world_size(lb_rows)
+    d = d[(d.impl == "ours") & (d.dtype == mode) & d.name.astype(str).str.startswith(CONFIG)]
+    d = d[d.x_name == "world_size"].sort_values("timestamp", kind="stable")
+    steps = d[(d.metric == "step_ms") & d["mean"].notna()]
+    steps = steps.assign(attention=[_config(r).get("attention", "") for r in steps.itertuples()])
+    calibration_gpu = None
     out = []
-    for n, g in d.groupby("world_size"):
-        vals = g.set_index("metric")["mean"]
-        step = g[g.metric == "step_ms"]
+    for n in sorted(steps.world_size.unique()):
+        cand = steps[steps.world_size == n]
+        if n > 1:
+            for keep in (
+                (cand.gpu_name == calibration_gpu) & (cand.attention == attention),
+                cand.gpu_name == calibration_gpu,
+            ):
+                if keep.any():
+                    cand = cand[keep]
+                    break
+        step = cand.iloc[-1]
+        if n == 1:
+            calibration_gpu = step.gpu_name
+        run = d[
+            (d.world_size == n) & (d.timestamp == step.timestamp) & (d.git_sha == step.git_sha)
+        ].drop_duplicates(subset=["metric"], keep="last")
+        vals = run.set_index("metric")["mean"]
         out.append(
             {
                 "world_size": int(n),
-                "step_ms": float(vals.get("step_ms", math.nan)),
+                "step_ms": float(step["mean"]),
                 "checkpoint_blocks": float(vals.get("checkpoint_blocks", math.nan)),
                 "comm_exposed_ms": float(vals.get("comm_exposed_ms", math.nan)),
-                "gpu": str(step.gpu_name.iloc[-1]) if len(step) else "",
-                "git": str(step.git_sha.iloc[-1])[:7] if len(step) else "",
+                "n": int(step.n) if pd.notna(step.get("n")) else 0,
+                "rep_s": float(_config(step).get("rep_ms", math.nan)) / 1e3,
+                "attention": step.attention,
+                "gpu": str(step.gpu_name),
+                "git": str(step.git_sha)[:7],
+                "timestamp": str(step.timestamp),
             }
         )
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, columns=[*cols, "attention", "gpu", "git", "timestamp"])
 
 
 def intra_node_bandwidth(comm_rows: pd.DataFrame) -> tuple[float, str]:
-    """(bytes/s, source): the latest NCCL all-reduce bus bandwidth at its largest size, else datasheet."""
+    """(bytes/s, source): the NCCL all-reduce bus bandwidth (mean over calls) at the largest size and rank
+    count of the reported all-reduce run (`comm_bench.latest_rows`), else the datasheet NVLink egress."""
     if not comm_rows.empty:
-        sel = comm_rows[(comm_rows.metric == "busbw") & comm_rows.impl.astype(str).str.startswith("nccl")]
+        rows = comm_bench.latest_rows(comm_rows)
+        sel = rows[
+            (rows.metric == "busbw") & rows.impl.astype(str).str.startswith("nccl") & (rows.note == "")
+        ]
         if len(sel):
-            biggest = sel[sel.x_value == sel.x_value.max()].sort_values("timestamp").iloc[-1]
+            sel = sel[sel.world_size == sel.world_size.max()]
+            biggest = sel[sel.x_value == sel.x_value.max()].iloc[-1]
             return float(biggest["mean"]) * 1e9, (
-                f"measured NCCL all-reduce bus bandwidth, {biggest.x_value:.0f} MB on "
-                f"{int(biggest.num_gpus)} x {biggest.gpu_name}"
+                f"measured NCCL all-reduce bus bandwidth, {biggest.x_value:.0f} MB over "
+                f"{int(biggest.world_size)} ranks on {biggest.run}"
             )
     return H100_SXM.link_bytes_per_s, "datasheet NVLink 4 egress (H100 SXM)"
 
@@ -159,7 +209,9 @@ def estimate(
     if len(one) and not math.isnan(one.step_ms.iloc[0]):
         k1 = one.checkpoint_blocks.iloc[0]
         inputs["rate"] = (base_flops + recompute_flops(cfg, k1, tokens)) / (one.step_ms.iloc[0] / 1e3)
-        inputs["rate_source"] = f"ours on 1 x {one.gpu.iloc[0]} (git {one.git.iloc[0]})"
+        inputs["rate_source"] = (
+            f"ours on 1 x {one.gpu.iloc[0]} (git {one.git.iloc[0]}, {one.attention.iloc[0]} attention)"
+        )
     else:
         inputs["rate"], inputs["rate_source"] = 0.5 * peak, "half the datasheet peak (no committed 1-GPU row)"
 
@@ -199,7 +251,8 @@ def estimate(
 
 
 def check(table: pd.DataFrame, lb_rows: pd.DataFrame) -> pd.DataFrame:
-    """Estimate / measured for ours (zero2) at every N with a committed row."""
+    """Estimate / measured for ours (zero2) at every N with a committed row (`measured`'s choice: the
+    calibration run at one GPU, our own attention on the same GPU kind at more)."""
     meas = measured(lb_rows).dropna(subset=["step_ms"])
     est = table[table.strategy == "zero2"].set_index("GPUs")
     out = []
@@ -217,6 +270,9 @@ def check(table: pd.DataFrame, lb_rows: pd.DataFrame) -> pd.DataFrame:
                 "ideal_ratio": max(e.ideal_compute_s, e.comm_s) * 1e3 / r.step_ms,
                 "comm_estimate_ms": e.comm_s * 1e3,
                 "comm_exposed_measured_ms": r.comm_exposed_ms,
+                "n": r.n,
+                "rep_s": r.rep_s,
+                "attention": r.attention,
                 "gpu": r.gpu,
                 "git": r.git,
             }
@@ -248,6 +304,20 @@ def facts(table: pd.DataFrame, checked: pd.DataFrame, inputs: dict, a: Assumptio
     one_node = table[(table.strategy == "zero2") & (table.GPUs == a.gpus_per_node)]
     out["zero2_eff_one_node"] = float(one_node.efficiency.iloc[0]) if len(one_node) else math.nan
     out["checks"] = checked.to_dict("records")
+    # two multi-GPU checks of one commit, attention and GPU kind: how the step changes between them,
+    # measured and estimated (free of the one-GPU calibration's commit and attention)
+    multi = checked[checked.GPUs > 1] if len(checked) else checked
+    if len(multi) >= 2:
+        lo, hi = multi.iloc[0], multi.iloc[-1]
+        if (lo.git, lo.attention, lo.gpu) == (hi.git, hi.attention, hi.gpu):
+            out["multi"] = {
+                "lo": int(lo.GPUs),
+                "hi": int(hi.GPUs),
+                "git": lo.git,
+                "attention": lo.attention,
+                "measured_change": hi.measured_ms / lo.measured_ms - 1,
+                "estimate_change": hi.estimate_ms / lo.estimate_ms - 1,
+            }
     return out
 
 
