@@ -19,8 +19,9 @@ comparison comes back from its torchrun workers as one JSON file per launch, rea
 `facts(df)` over; its `facts(checks)` reads those frames.
 
 Shared helpers (other families may import them): `runner`, which also launches the training
-leaderboard's ranks, and `trace_plot`, the ranks' Chrome-trace timelines.
+leaderboard's ranks, `trace_plot`, the ranks' Chrome-trace timelines, and `comm_facts`, the all-reduce
+grid's analysis (`comm_bench` re-exports it) with the latency-bandwidth fit.
 """
 
-SHARED = ("runner", "trace_plot")
+SHARED = ("runner", "trace_plot", "comm_facts")
 STUDIES = ("comm_bench", "train_bench", "sharding_bench", "fsdp_bench", "fsdp_parity")

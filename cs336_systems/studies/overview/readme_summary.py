@@ -150,17 +150,16 @@ def leaderboard_section() -> str:
     head = facts.get("headline")
     if not head:
         return ""
+    missing = "; not measured on two H100s" if "NVIDIA H100 80GB HBM3" in facts["not_run_kinds"] else ""
     return (
-        f"**2026 training-step leaderboard, 8B config** ({head['config']}, {head['mode']}, {head['GPUs']} GPU(s), "
-        f"global batch {head['batch']}; {', '.join(facts['devices'])}): ours {head['ours_ms']:.0f} ms vs stock "
-        f"FSDP2 {head['stock_ms']:.0f} ms per step in the same run ({head['ratio']:.3f}x), MFU "
-        f"{head['ours_mfu']:.1%} vs {head['stock_mfu']:.1%} of the datasheet bf16 peak"
-        + (" (one GPU only: the two-GPU run was not possible)" if head["GPUs"] == 1 else "")
-        + (
-            f"; from empty caches the whole run took {facts['cold_wall_s']:.0f} s."
-            if "cold_wall_s" in facts
-            else "."
-        )
+        f"**2026 training-step leaderboard, 8B config, a valid entry** (our own kernels only: attention, loss, "
+        f"optimizer; {head['config']}, {head['mode']}, {head['GPUs']} x {head['device']}, global batch "
+        f"{head['batch']}): ours {head['ours_ms']:.0f} ms per step vs the tuned stock step (FSDP2, selective "
+        f"checkpointing, compiled blocks, fused AdamW, chunked loss) {head['stock_tuned_ms']:.0f} ms "
+        f"({head['ratio_tuned']:.3f}x) and the first-attempt stock step {head['stock_ms']:.0f} ms "
+        f"({head['ratio']:.3f}x), in one invocation; MFU {head['ours_mfu']:.1%} of the datasheet bf16 peak"
+        + (f"; from empty caches the run took {facts['cold_wall_s']:.0f} s" if "cold_wall_s" in facts else "")
+        + f"{missing}."
     )
 
 

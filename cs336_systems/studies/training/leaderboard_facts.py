@@ -140,6 +140,17 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
 COMPONENTS = ("forward_ms", "backward_ms", "recompute_ms", "optimizer_step_ms", "comm_exposed_ms")
 
 
+def _recomputed(df: pd.DataFrame, run: pd.DataFrame, path: str, layers: int) -> str:
+    """What the path's backward recomputes, in words (from the run's plan rows)."""
+    if path == "stock":
+        return f"all {layers} blocks whole"
+    if path == "ours":
+        k = _run_metric(df, run, path, "checkpoint_blocks")
+        return f"{k:.0f} blocks, all but attention" if k == k else "?"
+    counts = {p: _run_metric(df, run, path, f"blocks_{p}") for p in ("full", "selective", "none")}
+    return ", ".join(f"{v:.0f} {p}" for p, v in counts.items() if v == v and v > 0)
+
+
 def components_table(df: pd.DataFrame, run: dict) -> pd.DataFrame:
     """Per path of one run (a `runs_table` record): step, forward, backward (recompute included),
     recompute (estimated), optimizer step and exposed communication, ms; the stock step's recompute is
@@ -158,8 +169,12 @@ def components_table(df: pd.DataFrame, run: dict) -> pd.DataFrame:
             continue
         rec = {"path": path, "step_ms": float(g[g.impl == path]["mean"].iloc[-1])}
         rec |= {m: _run_metric(df, g, path, m) for m in COMPONENTS}
+        rec["comm_ms"] = _run_metric(df, g, path, "comm_ms")
         if path == "stock":
             rec["recompute_ms"] = layers * _run_metric(df, g, "stock_tuned", "recompute_block_full_ms")
+        rec["recomputed"] = _recomputed(df, g, path, layers)
+        rec["peak_gib"] = _run_metric(df, g, path, "peak_memory_gib")
+        rec["mfu"] = _run_metric(df, g, path, "mfu_datasheet")
         out.append(rec)
     return pd.DataFrame(out)
 
@@ -242,10 +257,8 @@ def facts(df: pd.DataFrame) -> dict:
     out: dict = {"status": "measured" if on_gpu else "quick CPU run", "provenance": provenance(df)}
     out["devices"] = sorted(df.gpu_name.dropna().unique())
     out["runs"] = runs.to_dict("records")
-    entries = runs[
-        runs.valid & runs.stock_ms.notna() & runs.stock_tuned_ms.notna() & (runs["mode"] == "bf16")
-    ]
-    protocol_runs = entries[entries.GPUs == 2]
+    entries = runs[runs.valid & runs.stock_tuned_ms.notna() & (runs["mode"] == "bf16")]
+    protocol_runs = entries[(entries.GPUs == 2) & entries.stock_ms.notna()]
     out["entries"] = {}  # per GPU kind: every valid two-GPU run and the latest as the headline
     for device, g in protocol_runs.groupby("device", sort=True):
         latest_run = g.iloc[-1].to_dict() | _goals(g.iloc[-1].to_dict())
@@ -268,6 +281,10 @@ def facts(df: pd.DataFrame) -> dict:
     if len(cold):
         out["cold_wall_s"] = float(cold["mean"].iloc[-1])
         out["cold_wall_within_limit"] = out["cold_wall_s"] <= TIME_LIMIT_S
+    wall = df[df.metric == "wall_s"]
+    if len(wall):  # the latest run's wall time, cold caches or not
+        out["wall_s"] = float(wall["mean"].iloc[-1])
+        out["wall_cold"] = wall.note.iloc[-1] == "cold caches"
     backend = df[(df.name == "sdpa_backend") & (df.metric == "backend")]
     if len(backend):
         out["stock_sdpa_backend"] = str(backend.note.iloc[-1])
@@ -284,8 +301,9 @@ def facts(df: pd.DataFrame) -> dict:
             "n_repeat": cfg.get("bench", {}).get("n_repeat"),
         }
     failed = df[(df.metric == "step_ms") & df["mean"].isna()]
-    if len(runs):  # the failures of the latest run's commit
-        failed = failed[failed.git_sha.str[:10] == runs.git.iloc[-1]]
+    if len(runs):  # the failures at the headline's commit (else the latest run's)
+        git = out["headline"]["git"] if "headline" in out else runs.git.iloc[-1]
+        failed = failed[failed.git_sha.str[:10] == git]
     out["failures"] = [
         {"config": r.name, "path": r.impl, "mode": r.dtype, "note": r.note} for r in failed.itertuples()
     ]

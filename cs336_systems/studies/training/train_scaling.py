@@ -47,7 +47,7 @@ from cs336_systems.accounting.communication import (
 )
 from cs336_systems.accounting.hardware import H100_SXM, peak_flops
 from cs336_systems.model import ModelConfig, get_config
-from cs336_systems.studies.distributed import comm_bench
+from cs336_systems.studies.distributed import comm_facts
 from cs336_systems.studies.training import leaderboard_facts
 from cs336_systems.studies.training.train_step import step_flops
 
@@ -143,9 +143,9 @@ def measured(
 
 def intra_node_bandwidth(comm_rows: pd.DataFrame) -> tuple[float, str]:
     """(bytes/s, source): the NCCL all-reduce bus bandwidth (mean over calls) at the largest size and rank
-    count of the reported all-reduce run (`comm_bench.latest_rows`), else the datasheet NVLink egress."""
+    count of the reported all-reduce run (`comm_facts.latest_rows`), else the datasheet NVLink egress."""
     if not comm_rows.empty:
-        rows = comm_bench.latest_rows(comm_rows)
+        rows = comm_facts.latest_rows(comm_rows)
         sel = rows[
             (rows.metric == "busbw") & rows.impl.astype(str).str.startswith("nccl") & (rows.note == "")
         ]
