@@ -12,12 +12,10 @@
 
 # %% [markdown]
 # # flash_leaderboard (2025 §1.3.3)
-# The 2025 FlashAttention-2 leaderboard: forward plus backward of causal bf16 attention with 16 heads,
-# sequence length 16384 and head dim 64 on one GPU (H100 in the first sessions, H200 in the last),
-# timed by the course's harness. Our own goal (not the handout's) is at most 0.72x the time of PyTorch
-# SDPA's FlashAttention-2 backend measured in the same run. We report every protocol run, forward and
-# backward throughput against the measured matmul peak, the optimisation log (each kernel version's
-# time), Nsight Compute profiles of the backward kernels, and the kernel used inside the 2.7B model.
+# The 2025 FlashAttention-2 leaderboard: forward plus backward of causal bf16 attention, 16 heads, N = 16384,
+# d = 64, on one GPU (H100, and H200 in the last sessions), timed by the course's harness. Our own goal
+# (not the handout's): at most 0.72x the time of SDPA's FlashAttention-2 backend in the same run. Then
+# our kernel inside the 2.7B model.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure when a GPU is present, else render the committed results
@@ -118,17 +116,13 @@ if len(protocol) and not quick and (ncu_facts := flash_leaderboard.facts(df, tar
     )
 
 # %% [markdown] tags=["appendix"]
-# **Protocol** (`python -m cs336_systems.studies.attention.flash_bench --leaderboard`): one
-# `torch.randn(3, 16, 16384, 64, dtype=bfloat16, requires_grad=True)` tensor unpacked along dim 0 into
-# q, k, v; `flash = torch.compile(FlashAttentionTriton.apply)`; the timed function is
-# `o = flash(q, k, v, True); o.sum().backward()`, measured by `triton.testing.do_bench(rep=10000,
-# warmup=1000)`; we report the median (the mean, which current Triton returns by default, is shown
-# too). The SDPA baselines get the same tensors as (1, 16, N, 64) views and are pinned to one backend
-# with `sdpa_kernel`. Gradients accumulate into the parent tensor across calls, as in the harness.
-# **Optimisation log.** Each kernel version changed one thing and was timed at the protocol shape
-# (forward and backward timed separately with `do_bench`, heuristic tiles unless tuned); the
-# prediction was written before the measurement (the figure's right panel; the full notes, with the
-# reasons behind every outcome, are in `cs336_systems/attention/flash_triton/OPTIMIZATION_LOG.md`).
+# **Protocol** (`flash_bench --leaderboard`): one `torch.randn(3, 16, 16384, 64, dtype=bfloat16,
+# requires_grad=True)` tensor unpacked into q, k, v; `flash = torch.compile(FlashAttentionTriton.apply)`;
+# `o = flash(q, k, v, True); o.sum().backward()` timed by `triton.testing.do_bench(rep=10000, warmup=1000)`
+# (median; the mean, Triton's default, is shown too). SDPA gets the same tensors as (1, 16, N, 64) views,
+# pinned to one backend with `sdpa_kernel`; gradients accumulate into the parent tensor, as in the harness.
+# **Optimisation log** (the figure's right panel): each kernel version changed one thing, timed at the
+# protocol shape with a prediction written first (`flash_triton/OPTIMIZATION_LOG.md` has the reasons).
 
 # %% tags=["remove-input"]
 if nb.have_results(protocol, "flash_leaderboard"):
@@ -266,10 +260,7 @@ if len(speed):  # Lab only: the figure shows the step times
     )
 
 # %% [markdown] tags=["appendix"]
-# **Our kernel in the model.** The model's attention switches to our kernel with
-# `attention_impl="flash_triton"` (or `model.set_attention("flash_triton")`).
-# `python -m cs336_systems.studies.attention.flash_model` first checks, on one 2.7B model and one batch
-# (batch 2), that the logits and every parameter's gradient with our kernel and with SDPA match the naive
-# T x T attention (float32 with full-precision matmuls, and bf16 autocast), then times full training steps
-# (forward, backward, AdamW; bf16 autocast, batch 4, 3 warm-up + 5 timed steps) for naive attention, SDPA
-# and our kernel.
+# **Our kernel in the model** (`attention_impl="flash_triton"`; `python -m
+# cs336_systems.studies.attention.flash_model`): one 2.7B model and batch (batch 2) checked against naive
+# T x T attention (logits and every gradient; float32 with full-precision matmuls, and bf16 autocast), then
+# full training steps (forward, backward, AdamW; bf16 autocast, batch 4, 3 warm-up + 5 timed steps).

@@ -174,25 +174,25 @@ if len(per_shape) and len(passes) and not quick:
         )
     )
     nb.md(text)
+    lo, hi = sorted((r[(64, "fwd")], w[(64, "fwd")]))  # both Gluon forwards at d = 64, against the tl one
+    gluon64 = f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
     nb.md(
-        "**What got there** (OPTIMIZATION_LOG.md, Sessions 11-12; the per-pass tables are in the notebook). "
-        f"The backward: the one-pass warp-specialised kernel takes {w[(64, 'bwd')]:.2f}x the tl passes' time at "
-        f"d = 64 and {w[(80, 'bwd')]:.2f}x at d = 80 (where the tl kernels pad to 128), after three findings: "
-        "ptxas had serialised every wgmma of the warp-specialised backward, whose partitions left a product in "
-        "flight across the loop's back edge (with each step's products completed inside the step the two-pass "
-        f"warp-specialised dK/dV pass takes {w[(64, 'dkdv')]:.2f}x the tl pass at d = 64 and "
-        f"{w[(128, 'dkdv')]:.2f}x at d = 128); the dQ reduction runs on the TMA engine "
-        "(`cp.reduce.async.bulk.tensor`, as in FlashAttention-3, through a three-line builtin since Gluon does "
-        "not expose it); and a head's key tiles run together, so that the float32 dQ they add into stays in L2. "
-        f"The one-warpgroup Gluon kernels still take {r[(64, 'fwd')]:.2f}x (forward) and {r[(64, 'dkdv')]:.2f}x "
-        f"(dK/dV) the tl kernels' time at d = 64 and the warp-specialised forward {w[(64, 'fwd')]:.2f}x (a tile's "
-        "exponentials take as long as its products), so the tl forward stays the default there"
+        "**What got there** (OPTIMIZATION_LOG.md, Sessions 11-12; the per-pass tables are in the notebook). The "
+        f"one-pass warp-specialised backward takes {w[(64, 'bwd')]:.2f}x the tl passes' time at d = 64 and "
+        f"{w[(80, 'bwd')]:.2f}x at d = 80 (where the tl kernels pad to 128), after three findings: ptxas had "
+        "serialised every wgmma of the warp-specialised backward (a product left in flight across the loop's back "
+        "edge), the dQ reduction runs on the TMA engine (`cp.reduce.async.bulk.tensor`, as in FlashAttention-3), "
+        "and a head's key tiles run together so that the float32 dQ they add into stays in L2"
         + (
-            f". Alone at the protocol shape on the {f['throughput_gpu'].split()[0]}, our backward runs at "
+            f". At d = 64 the tl forward stays the default (the Gluon forwards take {gluon64} its time: a tile's "
+            "exponentials take as long as its products)"
+            if lo >= 1
+            else ""
+        )
+        + (
+            f". Alone at the protocol shape on the {f['throughput_gpu'].split()[0]} our backward runs at "
             f"{tp['bwd']['ours']:.0f} TFLOP/s ({tp['bwd']['ours / measured peak']:.0%} of the matmul peak measured "
-            f"in that run) and our forward at {tp['fwd']['ours']:.0f}; FlashAttention-3 publishes about "
-            f"{tp['bwd']['FA3 (published)']:.0f} (backward, d = 128) and {tp['fwd']['FA3 (published)']:.0f} "
-            "(forward, d = 64) on the H100"
+            f"in that run), against FlashAttention-3's published {tp['bwd']['FA3 (published)']:.0f} (d = 128)"
             if tp
             else ""
         )
@@ -212,7 +212,7 @@ if nb.have_results(per_shape, "the per-shape comparison with cuDNN"):
         for g, r in runs.groupby("gpu", sort=False)
     )
     show_table(
-        per_shape,
+        per_shape.rename(columns={"gpu": "GPU"}),
         caption="Ours against cuDNN per GPU and shape (heads x N x d, causal, bf16): the fwd+bwd time ratio of "
         "the eager steps and of the steps captured in CUDA graphs, and each pass alone in TFLOP/s; the latest "
         f"run of each shape on each GPU ({commits})",
@@ -227,14 +227,12 @@ if nb.have_results(per_shape, "the per-shape comparison with cuDNN"):
 
 # %% [markdown] tags=["appendix"]
 # **Setup** (`flash_bench --leaderboard --lb-runs 3 --lb-shapes ...`): the protocol's step (compiled
-# `apply`, forward + `o.sum().backward()`, batch 1 with B x H heads) at the 2025 shape (16 x 16384 x 64)
-# and the models' attention: the 8B leaderboard's (32 heads, N = 32768, d = 128) and the 2.7B model's
-# (batch 4 x 32 heads, d = 80). "ours" is the default choice of `FlashAttentionTriton`; SDPA's steps are
-# eager calls, ours compiled, as in the protocol; "graphed" captures each step in CUDA graphs
-# (`torch.cuda.make_graphed_callables`, forward and backward replayed with no host work). One run is one
-# process timing every implementation in turn (do_bench medians); the last run of a shape also times each
-# pass alone (TFLOP/s counted for the causal half). Host CPUs differ between machines of one kind, so only
-# ratios within a run are compared, never across GPUs.
+# `apply`, forward + `o.sum().backward()`, batch 1 with B x H heads) at the 2025 shape and the models'
+# attention (8B: 32 heads, N = 32768, d = 128; 2.7B: batch 4 x 32 heads, d = 80). "ours" is
+# `FlashAttentionTriton`'s default; SDPA's steps are eager, ours compiled, as in the protocol; "graphed"
+# replays each step from CUDA graphs (`torch.cuda.make_graphed_callables`). A run is one process timing
+# every implementation (do_bench medians); the last run of a shape also times each pass alone (TFLOP/s
+# of the causal half). Host CPUs differ between machines, so only ratios within a run are compared.
 
 # %% [markdown] tags=["remove-cell"]
 # **Each pass alone** (`flash_bench --tune-hopper d:bfloat16:16384`: 16 heads, N = 16384, causal,

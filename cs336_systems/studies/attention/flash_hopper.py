@@ -470,7 +470,7 @@ def plot_vs_cudnn(table: pd.DataFrame):
     gpus = list(dict.fromkeys(table.gpu))
     shapes = sorted(dict.fromkeys(table["shape"]), key=lambda s: SHAPE_ORDER.get(s, len(SHAPE_ORDER)))
     t = table.set_index(["gpu", "shape"])
-    fig, ax = plt.subplots(figsize=(8.5, 2.9))
+    fig, ax = plt.subplots(figsize=(8.5, 2.6))
     width = 0.8 / max(len(gpus), 1)
     colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
     for k, g in enumerate(gpus):

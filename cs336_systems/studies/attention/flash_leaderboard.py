@@ -418,7 +418,7 @@ def plot_leaderboard(protocol: pd.DataFrame, variants: pd.DataFrame, target: flo
 
     from cs336_systems.report import impl_color
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.4), gridspec_kw={"width_ratios": [1, 2.2]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.0), gridspec_kw={"width_ratios": [1, 2.2]})
     ok = protocol[protocol["median ms"].notna()]
     ax1.bar(ok.impl, ok["median ms"], color=[impl_color(i) for i in ok.impl])
     base = ok.set_index("impl")["median ms"].get("sdpa_flash")

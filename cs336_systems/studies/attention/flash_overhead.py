@@ -383,7 +383,7 @@ def plot_overhead(df: pd.DataFrame, *, d: int = 64, dtype: str = "bfloat16"):
     f = overhead_frame(df)
     f = f[(f.d == d) & (f.dtype == dtype) & (f["mode"] == "fwd_bwd") & f.p50.notna()]
     has_graph = (f.metric == METRICS["graph"]).any()
-    fig, ax = plt.subplots(figsize=(6.4, 3.0))
+    fig, ax = plt.subplots(figsize=(6.4, 2.6))
     eager_metric = METRICS["eager"] if has_graph else "latency"
     for impl in [i for i in IMPLS if i in set(f.impl)]:
         for metric, ls in ((eager_metric, "-"), (METRICS["graph"], "--")):
