@@ -143,9 +143,12 @@ def test_leaderboard_facts_on_the_committed_results():
     assert on_h200["final_gpu"] == "H200" and on_h200["ratio_best"] == ratio[final.gpu == "H200"].min() < 0.72
     assert on_h200["runs_meeting_target"] == int((ratio[final.gpu == "H200"] <= 0.72).sum()) >= 1
     split = df[(df.name == "split") & (df.metric == "throughput")]
-    last = split[split.git_sha == split.git_sha.iloc[-1]].set_index(["impl", "mode"]).p50
-    peak = df[(df.name == "matmul_peak") & (df.git_sha == split.git_sha.iloc[-1])].p50.iloc[-1]  # that run's
-    # the tl kernels' passes: the portable impl of the latest split run (its default backward is Gluon's)
+    # the tl kernels' passes: the portable impl of the latest split run that timed it (the latest split runs'
+    # own default backward is Gluon's, and the H200 run at b04f68b timed no portable kernels)
+    tl_sha = split[split.impl == "flash_triton_portable"].git_sha.iloc[-1]
+    assert tl_sha != split.git_sha.iloc[-1]  # the committed rows have later split runs without them
+    last = split[split.git_sha == tl_sha].set_index(["impl", "mode"]).p50
+    peak = df[(df.name == "matmul_peak") & (df.git_sha == tl_sha)].p50.iloc[-1]  # that run's
     assert facts["bwd_peak_fraction"] == pytest.approx(last[("flash_triton_portable", "bwd")] / peak)
     assert facts["bwd_tflops_issued"] == pytest.approx(last[("flash_triton_portable", "bwd")] * 1.4)
     v0 = df[(df.name == "variant") & (df.impl == "v0_mask_all_tiles") & (df["mode"] == "fwd_bwd")]
@@ -155,7 +158,8 @@ def test_leaderboard_facts_on_the_committed_results():
     # runs whose own backward was the Gluon one-pass kernel are not the tl kernels' final runs
     one_pass = runs[runs["our backward"] == "Gluon one pass"]
     assert len(one_pass) >= 3 and not set(one_pass.index) & set(final.index)
-    latest = one_pass[one_pass["git sha"] == one_pass["git sha"].iloc[-1]]
+    on_h100 = one_pass[one_pass.gpu.str.contains("H100")]  # the facts' GPU (the H200 has its own runs)
+    latest = on_h100[on_h100["git sha"] == on_h100["git sha"].iloc[-1]]
     assert facts["one_pass_runs"] == len(latest)
     assert facts["one_pass_ratio_median"] == pytest.approx(latest["ours / sdpa_flash"].median())
     assert facts["ncu"]["dkdv_spill_requests"] == ncu.loc["Local Memory Spilling Requests", "dkdv (final)"]
@@ -215,20 +219,96 @@ def test_hopper_facts_on_the_committed_results():
             one / bwd[bwd.impl.str.startswith("tl ")].p50.iloc[-1]
         )
         assert f["ws_ratio"][(d, "bwd")] < 1
-    shapes = df[(df.name == "shapes") & (df.metric == "latency") & (df.heads == 32) & (df.n == 32768)]
-    at = lambda impl: shapes[shapes.impl == impl].p50.iloc[-1]
-    assert f["shape_vs_cudnn"]["32 x 32768 x 128"] == pytest.approx(at("flash_triton") / at("sdpa_cudnn"))
-    ratios = dict(
-        sorted((int(k.split(" x ")[1]), v) for k, v in f["shape_vs_flash"].items() if k.endswith("x 80"))
+    # per GPU model: every shape (the protocol's and the models') has an H100 and an H200 entry, each the
+    # latest run of that shape on that model, its ratio from that one run (never across models)
+    fb = df[df.name.isin(["protocol", "shapes"]) & (df.metric == "latency")]
+    fb = fb.assign(
+        gpu=fb.gpu_name.map(flash_hopper.gpu_kind),
+        shape=[f"{int(h)} x {int(n)} x {int(d)}" for h, n, d in zip(fb.heads, fb.n, fb.d)],
+        run=[str(json.loads(c).get("run_id", sha)) for c, sha in zip(fb.config_json, fb.git_sha)],
     )
-    start = f["d80_no_slower_from"]
-    assert start in ratios and all(v <= 1 for n, v in ratios.items() if n >= start)
-    assert any(v > 1 for n, v in ratios.items() if n < start)  # host overhead below it (the text says so)
-    assert f["protocol_runs"] >= 3 and f["protocol_ratio_min"] <= f["protocol_ratio_max"] <= 0.70
+    assert f["gpus"] == ["H100", "H200"]
+    for gpu in ("H100", "H200"):
+        assert set(f["vs_cudnn"][gpu]) == set(flash_hopper.SHAPE_ORDER)
+        for shape, ratio in f["vs_cudnn"][gpu].items():
+            rows = fb[(fb.gpu == gpu) & (fb["shape"] == shape)].sort_values("timestamp")
+            run = rows[rows.run == rows.run.iloc[-1]].set_index("impl").p50
+            assert ratio == pytest.approx(run["flash_triton"] / run["sdpa_cudnn"])
+            assert (ratio <= 1) == (shape in f["at_or_below_cudnn"][gpu]) != (shape in f["above_cudnn"][gpu])
+        for mode in ("fwd", "bwd"):
+            assert (gpu, "32 x 32768 x 128", mode) in f["shape_passes"]
+        ratios = dict(
+            sorted((int(k.split(" x ")[1]), v) for k, v in f["vs_flash"][gpu].items() if k.endswith("x 80"))
+        )
+        start = f["d80"][gpu]["d80_no_slower_from"]
+        assert start in ratios and all(v <= 1 for n, v in ratios.items() if n >= start)
+        assert any(v > 1 for n, v in ratios.items() if n < start)  # host overhead below it (the text says so)
+    # the H200's protocol shape: the latest H200 protocol run is b04f68b's (rep 1500), beside older H200
+    # protocol rows of other commits, none of them mixed into its figures
     runs = flash_leaderboard.protocol_runs(df)
-    latest = runs[runs["git sha"] == runs["git sha"].iloc[-1]]
-    assert f["protocol_sha"] == latest["git sha"].iloc[-1][:7] and len(latest) == f["protocol_runs"]
-    assert f["protocol_beats_cudnn"] == bool((latest["ours ms"] < latest["sdpa_cudnn ms"]).all())
+    for gpu in ("H100", "H200"):
+        mine = runs[runs.gpu.map(flash_hopper.gpu_kind) == gpu]
+        latest = mine[mine["git sha"] == mine["git sha"].iloc[-1]]
+        p = f["protocol"][gpu]
+        assert p["sha"] == latest["git sha"].iloc[-1][:7] and p["runs"] == len(latest) >= 3
+        assert p["ratio_min"] == pytest.approx(latest["ours / sdpa_flash"].min())
+        assert p["beats_cudnn"] == bool((latest["ours ms"] < latest["sdpa_cudnn ms"]).all())
+    assert f["protocol"]["H200"]["budget"] == "1500/1000" and f["protocol"]["H100"]["budget"] == "10000/1000"
+    assert runs[runs.gpu == "H200"]["git sha"].nunique() > 1  # older H200 protocol commits exist
+    assert f["protocol"]["H100"]["ratio_max"] <= 0.70 and f["protocol"]["H200"]["ratio_max"] <= 0.70
+
+
+def test_shape_table_on_the_committed_results_never_mixes_gpu_models_or_runs():
+    """Notebook 42's table: a row per GPU model and shape, the protocol shape included; the forward +
+    backward ratio from one run on one GPU model, each pass alone from one split run on the same model."""
+    from cs336_systems.report import load_results
+    from cs336_systems.studies.attention import flash_hopper
+
+    df = load_results(flash_hopper.PROBLEM)
+    t = flash_hopper.shape_throughput_table(df)
+    assert set(zip(t.gpu, t["shape"])) == {(g, s) for g in ("H100", "H200") for s in flash_hopper.SHAPE_ORDER}
+    assert t[["fwd ours", "fwd cuDNN", "bwd ours", "bwd cuDNN", "fwd+bwd / cuDNN"]].notna().all().all()
+    src = t.attrs["source"]
+    fb, split = src[src.metric == "latency"], src[src.metric == "throughput"]
+    for rows in (fb, split):
+        per_row = rows.groupby(["gpu", "shape"])
+        assert (per_row.gpu_name.nunique() == 1).all() and (per_row.run_id.nunique() == 1).all()
+    h200 = t[t.gpu == "H200"]
+    assert set(src[src.gpu == "H200"].git_sha.str[:7]) == {"b04f68b"}  # the H200 run of every shape
+    assert (h200["graphed / cuDNN"].notna()).all()
+    runs = t.attrs["runs"]
+    assert (runs["min"] <= t["fwd+bwd / cuDNN"] + 1e-12).all() and (
+        t["fwd+bwd / cuDNN"] <= runs["max"] + 1e-12
+    ).all()
+
+
+def _shape_rows(gpu, run_id, ms, *, name="shapes", heads=128, n=1024, d=80, t=0):
+    cfg = json.dumps({"heads": heads, "seq_len": n, "d": d, "run_id": run_id})
+    return [
+        {"name": name, "metric": "latency", "impl": impl, "mode": "fwd_bwd", "p50": v, "config_json": cfg,
+         "gpu_name": gpu, "git_sha": f"sha{run_id}", "timestamp": f"2026-11-2{t}T10:00:00"}
+        for impl, v in ms.items()
+    ]  # fmt: skip
+
+
+def test_the_shape_table_keeps_each_gpu_models_latest_run():
+    """A later run on one GPU model never replaces, or mixes into, another model's latest run; a split
+    run of one model never lends its passes to another."""
+    from cs336_systems.studies.attention import flash_hopper
+
+    rows = (
+        _shape_rows("NVIDIA H100 80GB HBM3", 1, {"flash_triton": 3.0, "sdpa_cudnn": 1.0}, t=1)
+        + _shape_rows("NVIDIA H100 80GB HBM3", 2, {"flash_triton": 2.0, "sdpa_cudnn": 1.0}, t=2)
+        + _shape_rows("NVIDIA H200", 3, {"flash_triton": 1.0, "sdpa_cudnn": 2.0}, t=3)
+        + [r | {"name": "shapes_split", "metric": "throughput", "mode": "fwd", "p50": 100.0}
+           for r in _shape_rows("NVIDIA H200", 4, {"flash_triton": 0, "sdpa_cudnn": 0}, t=4)]
+    )  # fmt: skip
+    t = flash_hopper.shape_throughput_table(pd.DataFrame(rows)).set_index("gpu")
+    assert t.loc["H100", "fwd+bwd / cuDNN"] == 2.0 and t.loc["H200", "fwd+bwd / cuDNN"] == 0.5
+    assert t.loc["H200", "fwd ours"] == 100.0 and math.isnan(t.loc["H100", "fwd ours"])
+    runs = t.attrs["runs"].set_index("gpu")
+    assert runs.loc["H100", "runs"] == 1 and runs.loc["H100", "sha"] == "sha2"
+    assert flash_hopper.gpu_kind("NVIDIA H100 80GB HBM3") == "H100" and flash_hopper.gpu_kind("cpu") == "cpu"
 
 
 def test_a_tuning_candidate_is_timed_only_when_it_runs_and_matches_the_reference():
@@ -289,7 +369,9 @@ def test_throughput_table_on_the_committed_results():
 
     df = load_results(flash_tuning.LEADERBOARD)
     t = flash_hopper.throughput_table(df).set_index("pass")
-    split = flash_leaderboard.split_table(df).set_index(["impl", "mode"])
+    split = flash_leaderboard.split_table(df, gpu="H100").set_index(
+        ["impl", "mode"]
+    )  # FA3 publishes H100 figures
     for mode in ("fwd", "bwd"):
         ours = split.loc[("flash_triton", mode), "TFLOP/s"]
         assert t.loc[mode, "ours"] == ours

@@ -48,6 +48,7 @@ SHAPE_IMPLS = (
     "sdpa_flash_graphed",
     "sdpa_cudnn_graphed",
 )
+PROTOCOL_SHAPE = (16, 16384, 64)  # the 2025 leaderboard's (heads, N, d): rows "protocol" and "split"
 # (heads, N, d): the 8B leaderboard's attention (32 heads, 32768, d 128) and the 2.7B model's (batch 4 x
 # 32 heads, d 80) at the contexts issue 18 names.
 MODEL_SHAPES = ((32, 32768, 128), (128, 512, 80), (128, 1024, 80), (128, 2048, 80), (128, 4096, 80))
@@ -169,62 +170,136 @@ def pass_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _latest_run_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows of each shape's latest run (one `flash_leaderboard.measure` call), with a "shape" column."""
-    if rows.empty:
-        return rows
+def gpu_kind(name: object) -> str:
+    """The GPU model of a row's `gpu_name` ('NVIDIA H100 80GB HBM3' -> 'H100', 'NVIDIA H200' -> 'H200');
+    anything else (a CPU) is returned as it is."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4})\b", str(name))
+    return m.group(1) if m else str(name)
+
+
+def _shape_name(heads: int, n: int, d: int) -> str:
+    return f"{heads} x {n} x {d}"
+
+
+# the table's order: the 2025 protocol's shape, then the models' (8B first, then the 2.7B model's by N)
+SHAPE_ORDER = {
+    _shape_name(*s): i
+    for i, s in enumerate(
+        (PROTOCOL_SHAPE, *sorted(MODEL_SHAPES, key=lambda s: (-s[2], s[1])))  # d = 128 first, then by N
+    )
+}
+
+
+def _with_runs(rows: pd.DataFrame) -> pd.DataFrame:
+    """`rows` with "shape", "gpu" (the GPU model, `gpu_kind`) and "run_id" (one `flash_leaderboard.measure`
+    call; rows older than run ids: their commit) columns."""
     rows = rows.copy()
     cfg = [json.loads(c) for c in rows.config_json]
-    rows["shape"] = [f"{c['heads']} x {c['seq_len']} x {c['d']}" for c in cfg]
-    rows["run_id"] = [c.get("run_id", sha) for c, sha in zip(cfg, rows.git_sha)]
-    last = rows.sort_values("timestamp").groupby("shape", sort=False).run_id.last()
-    return rows[rows.run_id == rows["shape"].map(last)]
+    rows["shape"] = [_shape_name(c["heads"], c["seq_len"], c["d"]) for c in cfg]
+    rows["gpu"] = rows.gpu_name.map(gpu_kind)
+    rows["run_id"] = [str(c.get("run_id", sha)) for c, sha in zip(cfg, rows.git_sha)]
+    return rows
+
+
+def _latest_run_per_shape(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the latest run (one `flash_leaderboard.measure` call, one process) of each shape on each
+    GPU model, with "shape", "gpu" and "run_id" columns: a run on one GPU model never stands in for
+    another model's."""
+    if rows.empty:
+        return rows
+    rows = _with_runs(rows)
+    last = rows.sort_values("timestamp").groupby(["gpu", "shape"], sort=False).run_id.last().to_dict()
+    return rows[[last[(g, s)] == r for g, s, r in zip(rows.gpu, rows["shape"], rows.run_id)]]
+
+
+def _in_order(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows sorted by GPU model, then shape (`SHAPE_ORDER`; other shapes last)."""
+    key = lambda c: c.map(SHAPE_ORDER).fillna(len(SHAPE_ORDER)) if c.name == "shape" else c
+    return frame.sort_values(["gpu", "shape"], key=key).reset_index(drop=True)
 
 
 def shapes_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Forward + backward at each model shape, from the latest run (one `flash_leaderboard.measure` call, one
-    process) of that shape: every implementation it timed (median ms) and ours against SDPA's two
-    backends. Implementations that run did not time are blank, never filled from another run."""
+    """Forward + backward at each model shape, from the latest run (one `flash_leaderboard.measure` call,
+    one process) of that shape on each GPU model: every implementation it timed (median ms) and ours
+    against SDPA's two backends of the same run. Implementations that run did not time are blank, never
+    filled from another run or another GPU model."""
     sh = _latest_run_per_shape(df[(df.name == "shapes") & (df.metric == "latency")])
     if sh.empty:
         return pd.DataFrame()
-    sh = latest_run(sh, keys=("name", "impl", "shape", "metric"))
-    wide = sh.pivot_table(index="shape", columns="impl", values="p50", aggfunc="first", sort=False)
+    sh = latest_run(sh, keys=("name", "impl", "gpu", "shape", "metric"))
+    wide = sh.pivot_table(index=["gpu", "shape"], columns="impl", values="p50", aggfunc="first")
     wide = wide[[i for i in SHAPE_IMPLS if i in wide.columns]]
     for base in ("sdpa_flash", "sdpa_cudnn"):  # absent on a CPU (quick runs)
         if {"flash_triton", base} <= set(wide.columns):
             wide[f"ours / {base}"] = wide["flash_triton"] / wide[base]
-    order = {f"{h} x {n} x {d}": i for i, (h, n, d) in enumerate(MODEL_SHAPES)}
-    out = wide.reset_index().sort_values("shape", key=lambda c: c.map(order)).reset_index(drop=True)
+    wide.columns.name = None
+    out = _in_order(wide.reset_index())
     out.attrs["source"] = sh
     return out
 
 
 def shape_throughput_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Forward and backward alone at each model shape (rows "shapes_split", the latest run of each
-    shape): TFLOP/s of ours and cuDNN's, ours / cuDNN's time per pass."""
-    sp = _latest_run_per_shape(df[(df.name == "shapes_split") & (df.metric == "throughput")])
-    if sp.empty:
+    """Ours against cuDNN at every shape (the 2025 protocol's, rows "protocol"/"split", and the models',
+    rows "shapes"/"shapes_split"), one row per GPU model and shape. Forward + backward: ours / cuDNN's time
+    in the latest run of that shape on that GPU model (one process), and the same for the steps captured
+    in CUDA graphs where that run timed them ("graphed / cuDNN"); each pass alone ("fwd ours", "fwd cuDNN",
+    "bwd ours", "bwd cuDNN"): TFLOP/s in the latest split run of that shape on that GPU model. No ratio
+    mixes GPU models or runs.
+    `attrs["runs"]`: per row the commit of each run, and the spread of the forward + backward ratio over
+    every run of that commit on that GPU model (`runs`, `min`, `max`)."""
+    fb_rows = df[df.name.isin(["protocol", "shapes"]) & (df.metric == "latency")]
+    fb = _latest_run_per_shape(fb_rows)
+    sp = _latest_run_per_shape(df[df.name.isin(["split", "shapes_split"]) & (df.metric == "throughput")])
+    if fb.empty:
         return pd.DataFrame()
-    tf = sp.pivot_table(index=["shape", "mode"], columns="impl", values="p50", aggfunc="first")
-    if not {"flash_triton", "sdpa_cudnn"} <= set(tf.columns):
+    ms = fb.pivot_table(index=["gpu", "shape"], columns="impl", values="p50", aggfunc="last")
+    if not {"flash_triton", "sdpa_cudnn"} <= set(ms.columns):
         return pd.DataFrame()
-    out = pd.DataFrame(
-        {"ours TFLOP/s": tf["flash_triton"], "cuDNN TFLOP/s": tf["sdpa_cudnn"],
-         "ours / cuDNN time": tf["sdpa_cudnn"] / tf["flash_triton"]}
-    ).reset_index()  # fmt: skip
-    order = {f"{h} x {n} x {d}": i for i, (h, n, d) in enumerate(MODEL_SHAPES)}
-    out = out.sort_values(["shape", "mode"], key=lambda c: c.map(order) if c.name == "shape" else c)
-    out = out.reset_index(drop=True)
-    out.attrs["source"] = sp
+    out = pd.DataFrame({"fwd+bwd / cuDNN": ms["flash_triton"] / ms["sdpa_cudnn"]})
+    graphed = {"flash_triton_graphed", "sdpa_cudnn_graphed"} <= set(ms.columns)
+    out["graphed / cuDNN"] = ms["flash_triton_graphed"] / ms["sdpa_cudnn_graphed"] if graphed else math.nan
+    tf = (
+        sp.pivot_table(index=["gpu", "shape"], columns=["mode", "impl"], values="p50", aggfunc="last")
+        if len(sp)
+        else pd.DataFrame()
+    )
+    for mode in ("fwd", "bwd"):
+        for impl, who in (("flash_triton", "ours"), ("sdpa_cudnn", "cuDNN")):
+            col = tf[(mode, impl)] if (mode, impl) in tf.columns else pd.Series(dtype=float)
+            out[f"{mode} {who}"] = col.reindex(out.index)  # TFLOP/s
+    out = _in_order(out.reset_index())
+    # the commits behind each row, and the spread of the ratio over every run of that commit (that GPU model)
+    every = _with_runs(fb_rows)
+    info = []
+    for g, s in zip(out.gpu, out["shape"]):
+        latest = fb[(fb.gpu == g) & (fb["shape"] == s)]
+        sha = str(latest.git_sha.iloc[-1])
+        same = every[(every.gpu == g) & (every["shape"] == s) & (every.git_sha == sha)]
+        per_run = same.pivot_table(index="run_id", columns="impl", values="p50", aggfunc="last")
+        ratio = per_run["flash_triton"] / per_run["sdpa_cudnn"]
+        split = sp[(sp.gpu == g) & (sp["shape"] == s)] if len(sp) else sp
+        info.append(
+            {
+                "gpu": g,
+                "shape": s,
+                "sha": sha[:7],
+                "split sha": str(split.git_sha.iloc[-1])[:7] if len(split) else "",
+                "runs": int(ratio.notna().sum()),
+                "min": float(ratio.min()),
+                "max": float(ratio.max()),
+            }
+        )
+    out.attrs["runs"] = pd.DataFrame(info)
+    out.attrs["source"] = pd.concat([fb, sp]) if len(sp) else fb
     return out
 
 
-def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Forward and backward alone at the protocol shape (the latest split run), TFLOP/s: ours and
-    cuDNN's, ours as a fraction of the matmul peak measured in that run and of the datasheet peak,
-    beside FlashAttention-3's published figures (`FA3_PUBLISHED`, at their own head dims)."""
-    split = split_table(df)
+def throughput_table(df: pd.DataFrame, gpu: str = "H100") -> pd.DataFrame:
+    """Forward and backward alone at the protocol shape (the latest split run on `gpu`: FlashAttention-3
+    publishes H100 figures), TFLOP/s: ours and cuDNN's, ours as a fraction of the matmul peak measured in
+    that run and of the datasheet peak, beside FlashAttention-3's published figures (`FA3_PUBLISHED`, at
+    their own head dims)."""
+    split = split_table(df, gpu=gpu)
     if split.empty:
         return pd.DataFrame()
     tf = split.set_index(["impl", "mode"])["TFLOP/s"]
@@ -241,22 +316,83 @@ def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
         for mode in ("fwd", "bwd")
     ]
     out = pd.DataFrame(rows)
-    out.attrs |= {"source": split.attrs["source"], "peak": split.attrs["peak"], "datasheet": datasheet}
+    out.attrs |= {
+        "source": split.attrs["source"],
+        "peak": split.attrs["peak"],
+        "datasheet": datasheet,
+        "gpu": split.attrs["gpu"],
+    }
+    return out
+
+
+def _protocol_facts(df: pd.DataFrame, kind: str) -> dict[str, Any]:
+    """The protocol runs of the latest commit measured on GPU model `kind`: ours, cuDNN and (where timed)
+    the portable tl kernels against SDPA-flash of the same runs; {} without such runs."""
+    runs = protocol_runs(df)
+    runs = runs[runs.gpu.map(gpu_kind) == kind] if len(runs) else runs
+    if runs.empty:
+        return {}
+    latest = runs[runs["git sha"] == runs["git sha"].iloc[-1]]
+    lb = df[(df.name == "protocol") & (df.metric == "latency") & df.git_sha.isin(latest["git sha"])]
+    portable = lb[(lb.impl == "flash_triton_portable") & (lb.gpu_name.map(gpu_kind) == kind)].p50
+    cudnn = latest["sdpa_cudnn ms"] / latest["sdpa_flash ms"]
+    return {
+        "runs": len(latest),
+        "sha": str(latest["git sha"].iloc[-1])[:7],
+        "budget": str(latest["do_bench rep/warmup ms"].iloc[-1]),
+        "ours_ms_min": float(latest["ours ms"].min()),
+        "ours_ms_max": float(latest["ours ms"].max()),
+        "ratio_min": float(latest["ours / sdpa_flash"].min()),
+        "ratio_max": float(latest["ours / sdpa_flash"].max()),
+        "cudnn_ratio_min": float(cudnn.min()),
+        "cudnn_ratio_max": float(cudnn.max()),
+        # ours below cuDNN in every run (each run's steps timed in one process)
+        "beats_cudnn": bool((latest["ours ms"] < latest["sdpa_cudnn ms"]).all()),
+        "portable_ratio": float(portable.median() / latest["sdpa_flash ms"].median())
+        if len(portable)
+        else math.nan,
+    }
+
+
+def _d80_facts(shapes: pd.DataFrame) -> dict[str, Any]:
+    """One GPU model's d = 80 rows of `shapes_table`: the shortest context from which ours is no slower
+    than SDPA-flash at every longer one, our step times below it (host time, nearly flat in N), and at
+    N = 512 the host floor of our design where that run timed it."""
+    rows = shapes.set_index("shape")
+    if "ours / sdpa_flash" not in rows:
+        return {}
+    d80 = sorted(
+        (int(k.split(" x ")[1]), v) for k, v in rows["ours / sdpa_flash"].items() if k.endswith(" x 80")
+    )
+    start = next((n for k, (n, _) in enumerate(d80) if all(v <= 1 for _, v in d80[k:])), None)
+    out: dict[str, Any] = {"d80_no_slower_from": start}
+    below = [k for k in rows.index if k.endswith(" x 80") and int(k.split(" x ")[1]) < (start or 0)]
+    if below:
+        ours = rows.loc[below, "flash_triton"]
+        out["d80_short_ms"] = (float(ours.min()), float(ours.max()))
+    short = "128 x 512 x 80"
+    if (
+        short in rows.index
+        and "custom_op_floor" in rows.columns
+        and rows.loc[short, "custom_op_floor"] == rows.loc[short, "custom_op_floor"]
+    ):
+        out["floor_512"] = {
+            c: float(rows.loc[short, c]) for c in ("custom_op_floor", "flash_triton", "sdpa_flash")
+        }
     return out
 
 
 def facts(df: pd.DataFrame) -> dict[str, Any]:
-    """The numbers the Hopper section states: per-pass Gluon/tl ratios by head dim, the protocol runs
-    of the latest commit measured on an H100 (ours, the portable tl kernels and cuDNN against
-    SDPA-flash in the same runs), and the model shapes against SDPA-flash and cuDNN."""
+    """The numbers the Hopper section states. Per-pass Gluon/tl ratios by head dim (the tuning runs); and
+    per GPU model (`gpus`, e.g. "H100", "H200"), never mixing two models in one ratio: the protocol runs
+    of the latest commit on that model (`protocol[gpu]`), ours / cuDNN forward + backward at every shape
+    in the latest run of that shape on that model (`vs_cudnn[gpu][shape]`, with the shapes at or below
+    cuDNN and above it, and whether every run of that commit agrees), each pass alone
+    (`shape_passes[(gpu, shape, mode)]`), the steps captured in CUDA graphs (`graphed[gpu][shape]`) and
+    the d = 80 contexts against SDPA-flash (`d80[gpu]`)."""
     passes = pass_table(df)
-    runs = protocol_runs(df)
-    runs = runs[runs.gpu.str.contains("H100")]
-    latest = runs[runs["git sha"] == runs["git sha"].iloc[-1]] if len(runs) else runs
-    lb = df[(df.name == "protocol") & (df.metric == "latency") & df.git_sha.isin(latest["git sha"])]
-    portable = lb[lb.impl == "flash_triton_portable"].p50
-    shapes = shapes_table(df).set_index("shape")
-    cudnn = latest["sdpa_cudnn ms"] / latest["sdpa_flash ms"]
+    table = shape_throughput_table(df)
+    gpus = [g for g in dict.fromkeys(table.gpu) if not g.lower().startswith("cpu")] if len(table) else []
     out: dict[str, Any] = {
         "pass_ratio": {
             (int(r["head dim"]), r["pass"]): r["Gluon / tl"]
@@ -268,83 +404,93 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
             for _, r in passes.iterrows()
             if r["WS / tl"] == r["WS / tl"]
         },
-        "protocol_runs": len(latest),
-        "protocol_sha": str(latest["git sha"].iloc[-1])[:7] if len(latest) else "",
-        "protocol_ratio_min": latest["ours / sdpa_flash"].min(),
-        "protocol_ratio_max": latest["ours / sdpa_flash"].max(),
-        "protocol_cudnn_ratio_min": cudnn.min(),
-        "protocol_cudnn_ratio_max": cudnn.max(),
-        # ours below cuDNN in every run (each run's two steps timed in one process)
-        "protocol_beats_cudnn": bool(len(latest))
-        and bool((latest["ours ms"] < latest["sdpa_cudnn ms"]).all()),
-        "protocol_portable_ratio": float(portable.median() / latest["sdpa_flash ms"].median())
-        if len(portable)
-        else math.nan,
-        "shape_vs_flash": shapes["ours / sdpa_flash"].to_dict(),
-        "shape_vs_cudnn": shapes["ours / sdpa_cudnn"].to_dict(),
-        "gpu": str(latest.gpu.iloc[-1]) if len(latest) else "",
+        "gpus": gpus,
+        "protocol": {g: p for g in gpus if (p := _protocol_facts(df, g))},
     }
-    # the shortest context from which ours is no slower than SDPA-flash at every longer one (d = 80)
-    d80 = sorted((int(k.split(" x ")[1]), v) for k, v in out["shape_vs_flash"].items() if k.endswith(" x 80"))
-    out["d80_no_slower_from"] = next(
-        (n for k, (n, _) in enumerate(d80) if all(v <= 1 for _, v in d80[k:])), None
-    )
-    start = out["d80_no_slower_from"] or 0
-    below = [k for k in shapes.index if k.endswith(" x 80") and int(k.split(" x ")[1]) < start]
-    if below:  # our times where SDPA-flash is faster: nearly flat in N (host overhead)
-        ours = shapes.loc[below, "flash_triton"]
-        out["d80_short_ms"] = (float(ours.min()), float(ours.max()))
-    short = "128 x 512 x 80"
-    if short in shapes.index and "custom_op_floor" in shapes.columns:  # the host floor of our design
-        out["floor_512"] = {
-            c: float(shapes.loc[short, c]) for c in ("custom_op_floor", "flash_triton", "sdpa_flash")
+    runs = table.attrs["runs"].set_index(["gpu", "shape"]) if len(table) else pd.DataFrame()
+    t = table.set_index(["gpu", "shape"]) if len(table) else table
+    out["vs_cudnn"], out["at_or_below_cudnn"], out["above_cudnn"] = {}, {}, {}
+    out["same_verdict_every_run"], out["runs_per_shape"], out["shas"], out["split_shas"] = {}, {}, {}, {}
+    out["shape_passes"], out["graphed_vs_cudnn"], out["passes_faster"] = {}, {}, {}
+    for g in gpus:
+        ratio = t.loc[g, "fwd+bwd / cuDNN"]
+        out["vs_cudnn"][g] = ratio.to_dict()
+        out["at_or_below_cudnn"][g] = [s for s, v in ratio.items() if v <= 1]
+        out["above_cudnn"][g] = [s for s, v in ratio.items() if v > 1]
+        r = runs.loc[g]
+        out["same_verdict_every_run"][g] = bool(((r["max"] <= 1) | (r["min"] > 1)).all())
+        out["runs_per_shape"][g] = (int(r["runs"].min()), int(r["runs"].max()))
+        out["shas"][g] = sorted(set(r["sha"]))
+        out["split_shas"][g] = {s: v for s, v in r["split sha"].items() if v and v != r.loc[s, "sha"]}
+        for s, row in t.loc[g].iterrows():
+            for mode in ("fwd", "bwd"):
+                ours, cudnn = row[f"{mode} ours"], row[f"{mode} cuDNN"]
+                if ours == ours and cudnn == cudnn:
+                    out["shape_passes"][(g, s, mode)] = {
+                        "ours TFLOP/s": float(ours),
+                        "cuDNN TFLOP/s": float(cudnn),
+                        "ours / cuDNN time": float(cudnn / ours),
+                    }
+        out["graphed_vs_cudnn"][g] = t.loc[g, "graphed / cuDNN"].dropna().to_dict()
+        out["passes_faster"][g] = {  # the shapes where that pass alone is no slower than cuDNN's
+            mode: [
+                s
+                for (g2, s, m), v in out["shape_passes"].items()
+                if (g2, m) == (g, mode) and v["ours / cuDNN time"] <= 1
+            ]
+            for mode in ("fwd", "bwd")
         }
-    graphed = [c for c in shapes.columns if c.endswith("_graphed")]
-    if "flash_triton_graphed" in graphed:  # every step captured in CUDA graphs: no host work per call
-        rows = shapes["flash_triton_graphed"].notna()
-        out["graphed"] = {k: {c: float(shapes.loc[k, c]) for c in graphed} for k in shapes.index[rows]}
+    shapes = shapes_table(df)
+    out["graphed"], out["d80"], out["vs_flash"] = {}, {}, {}
+    for g in gpus:
+        sh = shapes[shapes.gpu == g] if len(shapes) else shapes
+        if sh.empty:
+            continue
+        out["d80"][g] = _d80_facts(sh)
+        if "ours / sdpa_flash" in sh.columns:  # the models' shapes against SDPA-flash of the same run
+            out["vs_flash"][g] = sh.set_index("shape")["ours / sdpa_flash"].to_dict()
+        if "flash_triton_graphed" in sh.columns:  # every step captured in CUDA graphs: no host work per call
+            cols = [c for c in sh.columns if c.endswith("_graphed")]
+            sh = sh[sh["flash_triton_graphed"].notna()].set_index("shape")
+            out["graphed"][g] = {k: {c: float(sh.loc[k, c]) for c in cols} for k in sh.index}
     tp = throughput_table(df)
     if len(tp):
         out["throughput"] = tp.set_index("pass").to_dict("index")
-    per_shape = shape_throughput_table(df)  # forward and backward alone at each model shape
-    out["shape_passes"] = {(r["shape"], r["mode"]): r.to_dict() for _, r in per_shape.iterrows()}
+        out["throughput_gpu"] = tp.attrs["gpu"]
     one = flash_backward_tuning.one_pass_table(df)  # the tl one-pass attempt (session 9)
     out["tl_one_pass_ratio"] = {int(r["head dim"]): r["one-pass / two-pass"] for _, r in one.iterrows()}
     return out
 
 
-def plot_shapes(shapes: pd.DataFrame):
-    """Forward + backward time of each implementation relative to SDPA-flash, per model shape; the
-    host floor (`custom_op_floor`) as a black bar across each group where it is in range."""
+def plot_vs_cudnn(table: pd.DataFrame):
+    """Ours / cuDNN's forward + backward time per shape (`shape_throughput_table`), a bar per GPU model
+    for the eager steps and a marker on it for the steps captured in CUDA graphs (no host work)."""
     import matplotlib.pyplot as plt
 
-    from cs336_systems.report import impl_color
-
-    impls = [i for i in SHAPE_IMPLS if i in shapes.columns and i != "custom_op_floor"]
-    fig, ax = plt.subplots(figsize=(8.5, 3.2))
-    width = 0.8 / len(impls)
-    rels = []
-    for k, impl in enumerate(impls):
-        rel = shapes[impl] / shapes["sdpa_flash"]
-        rels.append(rel)
-        ax.bar([x + k * width for x in range(len(shapes))], rel, width, label=impl, color=impl_color(impl))
-    low = 0.8 * min(float(r.min()) for r in rels)
-    if "custom_op_floor" in shapes.columns:
-        floor = shapes["custom_op_floor"] / shapes["sdpa_flash"]
-        for x, f in enumerate(floor):
-            if f >= low:  # only where the host floor is within sight of the kernels' times
-                ax.hlines(f, x - width / 2, x + width * (len(impls) - 0.5), color="k", lw=1.6, ls="--")
-        ax.plot([], [], color="k", lw=1.6, ls="--", label="host floor (custom_op_floor)")
+    gpus = list(dict.fromkeys(table.gpu))
+    shapes = sorted(dict.fromkeys(table["shape"]), key=lambda s: SHAPE_ORDER.get(s, len(SHAPE_ORDER)))
+    t = table.set_index(["gpu", "shape"])
+    fig, ax = plt.subplots(figsize=(8.5, 2.6))
+    width = 0.8 / max(len(gpus), 1)
+    colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+    for k, g in enumerate(gpus):
+        xs = [x + (k - (len(gpus) - 1) / 2) * width for x in range(len(shapes))]
+        eager = [t["fwd+bwd / cuDNN"].get((g, s), math.nan) for s in shapes]
+        graphed = [t["graphed / cuDNN"].get((g, s), math.nan) for s in shapes]
+        ax.bar(xs, eager, width, color=colors[k % len(colors)], label=f"{g}: eager steps")
+        ax.plot(xs, graphed, ls="none", marker="D", ms=5, mec="k", mfc="white", label=None)
+    ax.plot([], [], ls="none", marker="D", ms=5, mec="k", mfc="white", label="steps in CUDA graphs")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(shapes))], shapes["shape"], fontsize=8)
-    ax.set_ylabel("time / SDPA-flash time")
+    ax.set_xticks(range(len(shapes)), shapes, fontsize=8)
     ax.set_yscale("log")
-    ax.set_ylim(bottom=low)
+    top = max(table[["fwd+bwd / cuDNN", "graphed / cuDNN"]].max(skipna=True).max(), 1.0)
+    ax.set_ylim(0.8, 1.45 * top)
+    ax.set_yticks([t for t in (0.8, 1, 1.5, 2, 3, 4, 6) if t <= 1.45 * top])
     ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
     ax.yaxis.set_minor_formatter(plt.NullFormatter())
-    ax.set_yticks([0.5, 1, 2, 4])
-    ax.set_title("fwd+bwd at the models' shapes (heads x N x d, causal, bf16)")
-    ax.legend(frameon=False, fontsize=7, ncol=3)
+    ax.set_ylabel("ours / cuDNN time")
+    ax.set_title("fwd+bwd against cuDNN (heads x N x d, causal, bf16; below 1: ours faster)", fontsize=10)
+    ax.legend(frameon=False, fontsize=8, ncol=3)
     fig.tight_layout()
     return fig
 

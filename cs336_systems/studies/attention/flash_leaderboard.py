@@ -35,7 +35,7 @@ from cs336_systems.measure.results import (
     make_row,
 )
 from cs336_systems.measure.timing import kernel_time
-from cs336_systems.studies.attention.flash_leaderboard_runs import protocol_runs
+from cs336_systems.studies.attention.flash_leaderboard_runs import gluon_one_pass, protocol_runs
 from cs336_systems.studies.attention.flash_sweep import (
     IMPL_ORDER,
     LEADERBOARD,
@@ -281,11 +281,21 @@ VARIANT_NOTES = {
 }
 
 
-def leaderboard_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The protocol's latest result per implementation, with TFLOP/s and the ratio to SDPA-flash."""
-    lb = latest_run(df[(df.name == "protocol") & (df.metric == "latency")], keys=("name", "impl", "metric"))
+def leaderboard_table(df: pd.DataFrame, budget: LeaderboardConfig | None = None) -> pd.DataFrame:
+    """Every implementation of the latest protocol run (one `measure` call) with `budget`'s do_bench rep and
+    warmup (default: the protocol's), with TFLOP/s and the ratio to SDPA-flash of that run."""
+    cfg = budget or LeaderboardConfig()
+    lb = df[(df.name == "protocol") & (df.metric == "latency")]
+    conf = [json.loads(c) for c in lb.config_json]
+    full = [(c.get("rep_ms"), c.get("warmup_ms")) == (cfg.rep_ms, cfg.warmup_ms) for c in conf]
+    run = pd.Series(
+        [str(c.get("run_id", sha)) for c, sha in zip(conf, lb.git_sha)], index=lb.index, dtype=str
+    )
+    lb, run = lb[full], run[full]
     if lb.empty:
         return pd.DataFrame()
+    last = run[lb.sort_values("timestamp").index].iloc[-1]
+    lb = latest_run(lb[run == last], keys=("name", "impl", "metric"))
     cfg = json.loads(lb.config_json.iloc[-1])
     flops = attention_flops(
         1, cfg["heads"], cfg["seq_len"], cfg["seq_len"], cfg["d"], causal=True, mode="fwd_bwd"
@@ -349,16 +359,25 @@ def final_runs(runs: pd.DataFrame, cfg: LeaderboardConfig | None = None) -> pd.D
     return runs[full & same]
 
 
-def split_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Forward-only and backward-only TFLOP/s at the protocol shape, against the measured matmul peak:
-    the implementations of the latest split run only (its commit), none borrowed from older runs."""
+def split_table(df: pd.DataFrame, gpu: str | None = None, tl_kernels: bool = False) -> pd.DataFrame:
+    """Forward-only and backward-only TFLOP/s at the protocol shape against the measured matmul peak, from
+    the latest split run (its commit; nothing borrowed from older runs) on a GPU whose name contains `gpu`
+    and, with `tl_kernels`, that timed the tl kernels' passes (`flash_triton_portable`, or `flash_triton`
+    whose backward was the tl one)."""
     sp = df[df.name == "split"]
+    if gpu is not None:
+        sp = sp[sp.gpu_name.astype(str).str.contains(gpu)]
+    if tl_kernels and len(sp):
+        tl_backward = pd.Series([not gluon_one_pass(json.loads(c)) for c in sp.config_json], index=sp.index)
+        has_tl = (sp.impl == "flash_triton_portable") | ((sp.impl == "flash_triton") & tl_backward)
+        sp = sp[sp.git_sha.isin(sp[has_tl].git_sha)]
     sp = latest_run(
         sp[sp.git_sha == sp.git_sha.iloc[-1]] if len(sp) else sp, keys=("name", "impl", "mode", "metric")
     )
     peak_rows = df[df.name == "matmul_peak"]
     if len(sp):
-        peak_rows = peak_rows[peak_rows.git_sha == sp.git_sha.iloc[-1]]
+        same_run = (peak_rows.git_sha == sp.git_sha.iloc[-1]) & (peak_rows.gpu_name == sp.gpu_name.iloc[-1])
+        peak_rows = peak_rows[same_run]
     peak_rows = latest_run(peak_rows, keys=("name", "metric"))
     if sp.empty or peak_rows.empty:
         return pd.DataFrame()
@@ -399,7 +418,7 @@ def plot_leaderboard(protocol: pd.DataFrame, variants: pd.DataFrame, target: flo
 
     from cs336_systems.report import impl_color
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.4), gridspec_kw={"width_ratios": [1, 2.2]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.0), gridspec_kw={"width_ratios": [1, 2.2]})
     ok = protocol[protocol["median ms"].notna()]
     ax1.bar(ok.impl, ok["median ms"], color=[impl_color(i) for i in ok.impl])
     base = ok.set_index("impl")["median ms"].get("sdpa_flash")
@@ -426,15 +445,14 @@ def facts(
     """The numbers notebook 11's leaderboard answer states: the final-kernel protocol runs on `gpu`
     (the handout's leaderboard GPU by default; times, ratio to SDPA-flash, how many met `target`),
     the median ratio on every GPU with final runs (`ratio_median_by_gpu`), forward/backward shares of
-    the measured matmul peak (the latest split run, `split_gpu`),
-    the optimisation log's fwd+bwd times per version, the last H100 ratio and, when `ncu` (the
-    `flash_tuning.ncu_table` of the committed reports) has the final dK/dV and dQ columns, the profile
-    metrics quoted. The two-pass backward issues 7 rather than 5 N^2 d products, hence
-    `bwd_tflops_issued` = TFLOP/s x 7 / 5."""
+    the measured matmul peak (the latest split run of the tl kernels, `split_gpu`), the optimisation
+    log's fwd+bwd times per version, the last H100 ratio and, when `ncu` (`flash_tuning.ncu_table`) has
+    the final dK/dV and dQ columns, the profile metrics quoted. `bwd_tflops_issued` = TFLOP/s x 7 / 5:
+    the two-pass backward issues 7 rather than 5 N^2 d products."""
     runs = protocol_runs(df, target)
     every_final = final_runs(runs)
     final = every_final[every_final.gpu.str.contains(gpu)]
-    split = split_table(df)
+    split = split_table(df, tl_kernels=True)  # the tl kernels' passes: the latest run that timed them
     s = split.set_index(["impl", "mode"])
     # the tl kernels' passes: the portable impl where the latest split run's default was a Gluon kernel
     tl_impl = "flash_triton_portable" if ("flash_triton_portable", "bwd") in s.index else "flash_triton"

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     pass
 
 
-def _gluon_one_pass(cfg: dict[str, Any]) -> bool:
+def gluon_one_pass(cfg: dict[str, Any]) -> bool:
     """Whether a protocol run's own backward was the Gluon one-pass kernel: recorded as
     `hopper_bwd_default` with its configuration in `hopper_dkdv` (the first such runs recorded only
     the configuration; every protocol run so far was on an sm_90 GPU, where it is the default)."""
@@ -40,7 +40,7 @@ def protocol_runs(df: pd.DataFrame, target: float | None = None) -> pd.DataFrame
         ms = g.set_index("impl").p50
         cfg = json.loads(g.config_json.iloc[0])
         bwd_text = cfg.get("tiles_bwd", "")
-        one_pass = _gluon_one_pass(cfg)
+        one_pass = gluon_one_pass(cfg)
         runs.append(
             {
                 "gpu": g.gpu_name.iloc[0].replace("NVIDIA ", ""),

@@ -233,7 +233,7 @@ def plot_training(df: pd.DataFrame):
 
     t = df[(df["mode"] == "train") & df["metric"].isin(["step_time", "peak_memory"])]
     batch = {int(x): json.loads(c)["batch_size"] for x, c in zip(t.x_value, t.config_json)}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.1))
     for ax, metric, label in zip(axes, ("step_time", "peak_memory"), ("step time (ms)", "peak memory (GiB)")):
         m = t[t.metric == metric]
         ran = t[(t.metric == "step_time") & (t.note.fillna("") == "")]

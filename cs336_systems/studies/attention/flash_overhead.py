@@ -351,6 +351,28 @@ def sweep_grid(df: pd.DataFrame, impls: Sequence[str] = ("flash_triton", "naive"
     return out
 
 
+def handout_grid(df: pd.DataFrame, impls: Sequence[str] = ("flash_triton", "naive")) -> pd.DataFrame:
+    """The handout's flash_benchmarking table: forward, backward and forward+backward medians (ms, eager
+    calls) of `impls` ("ours" = flash_triton) for every dtype and head dim (a row each, with the pass and
+    implementation) and every N (a column each); a failed cell shows its reason's first word (OOM, ...)."""
+    blocks = {mode: sweep_grid(df, impls, mode) for mode in ("fwd", "bwd", "fwd_bwd")}
+    if any(b.empty for b in blocks.values()):
+        return pd.DataFrame()
+    out = pd.concat(blocks, names=["pass"]).reset_index()
+    order = {m: k for k, m in enumerate(blocks)}
+    rank = {i: k for k, i in enumerate(impls)}
+    out = out.sort_values(
+        ["dtype", "d", "pass", "impl"],
+        key=lambda c: c.map(order) if c.name == "pass" else c.map(rank) if c.name == "impl" else c,
+    )
+    out["dtype"] = out["dtype"].map({"bfloat16": "bf16", "float32": "fp32"}).fillna(out["dtype"])
+    out["pass"] = out["pass"].replace({"fwd_bwd": "fwd+bwd"})
+    out["impl"] = out["impl"].replace({"flash_triton": "ours"})
+    return out[["dtype", "d", "pass", "impl", *[c for c in out.columns if c.isdigit()]]].reset_index(
+        drop=True
+    )
+
+
 def plot_overhead(df: pd.DataFrame, *, d: int = 64, dtype: str = "bfloat16"):
     """fwd+bwd ms against N per implementation: eager (solid) and, where measured, graph replay (dashed);
     without graph rows, the sweep's eager times with a causal-FLOPs slope for reference."""
@@ -361,7 +383,7 @@ def plot_overhead(df: pd.DataFrame, *, d: int = 64, dtype: str = "bfloat16"):
     f = overhead_frame(df)
     f = f[(f.d == d) & (f.dtype == dtype) & (f["mode"] == "fwd_bwd") & f.p50.notna()]
     has_graph = (f.metric == METRICS["graph"]).any()
-    fig, ax = plt.subplots(figsize=(6.4, 3.0))
+    fig, ax = plt.subplots(figsize=(6.4, 2.6))
     eager_metric = METRICS["eager"] if has_graph else "latency"
     for impl in [i for i in IMPLS if i in set(f.impl)]:
         for metric, ls in ((eager_metric, "-"), (METRICS["graph"], "--")):

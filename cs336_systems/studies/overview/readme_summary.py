@@ -56,46 +56,78 @@ def flash_section() -> str:
 
 
 def model_shape_sentence(df: pd.DataFrame) -> str:
-    """The 8B model's attention shape: ours against cuDNN in the latest run of that shape, and each
-    pass alone (flash_hopper's tables)."""
+    """The models' attention shapes against cuDNN per GPU model (flash_hopper's table: the latest run of each
+    shape on each GPU model, never a ratio across models): the 8B shape's forward + backward time and
+    each pass alone, and the shapes where ours is at or below cuDNN's time."""
     from cs336_systems.studies.attention import flash_hopper
 
-    shapes = flash_hopper.shapes_table(df)
+    table = flash_hopper.shape_throughput_table(df)
     key = "32 x 32768 x 128"
-    if shapes.empty or key not in set(shapes["shape"]) or "ours / sdpa_cudnn" not in shapes:
+    if table.empty or key not in set(table["shape"]):
         return ""
-    row = shapes.set_index("shape").loc[key]
-    src = shapes.attrs["source"]
-    src = src[src["shape"] == key]
-    out = (
-        f" At the 8B model's attention shape ({key}) ours takes **{row['ours / sdpa_cudnn']:.2f}x** cuDNN's "
-        f"time ({row['flash_triton']:.1f} vs {row['sdpa_cudnn']:.1f} ms, {src.gpu_name.iloc[-1]}, "
-        f"{src.git_sha.iloc[-1][:7]})"
+    shapes = flash_hopper.shapes_table(df).set_index(["gpu", "shape"])
+    runs = table.attrs["runs"].set_index(["gpu", "shape"])
+    t = table.set_index(["gpu", "shape"])
+    gpus = [g for g in dict.fromkeys(table.gpu) if (g, key) in t.index and (g, key) in shapes.index]
+    if not gpus:
+        return ""
+    out = f" At the 8B model's attention shape ({key}) ours takes " + " and ".join(
+        f"**{t.loc[(g, key), 'fwd+bwd / cuDNN']:.2f}x** cuDNN's time on the {g} ({shapes.loc[(g, key), 'flash_triton']:.1f} "
+        f"vs {shapes.loc[(g, key), 'sdpa_cudnn']:.1f} ms, {runs.loc[(g, key), 'sha']})"
+        for g in gpus
     )
-    passes = flash_hopper.shape_throughput_table(df)
-    passes = passes[passes["shape"] == key].set_index("mode")
-    if {"fwd", "bwd"} <= set(passes.index):
-        out += (
-            f"; alone, forward {passes.loc['fwd', 'ours TFLOP/s']:.0f} vs {passes.loc['fwd', 'cuDNN TFLOP/s']:.0f} "
-            f"TFLOP/s, backward {passes.loc['bwd', 'ours TFLOP/s']:.0f} vs {passes.loc['bwd', 'cuDNN TFLOP/s']:.0f}"
-        )
-    return out + "."
+    alone = [
+        f"forward {t.loc[(g, key), 'fwd ours']:.0f} vs {t.loc[(g, key), 'fwd cuDNN']:.0f} TFLOP/s and backward "
+        f"{t.loc[(g, key), 'bwd ours']:.0f} vs {t.loc[(g, key), 'bwd cuDNN']:.0f} on the {g}"
+        for g in gpus
+        if t.loc[(g, key), ["fwd ours", "fwd cuDNN", "bwd ours", "bwd cuDNN"]].notna().all()
+    ]
+    if alone:
+        out += "; alone, " + ", ".join(alone)
+    at_or_below = {
+        g: [
+            s
+            for s in t.loc[g].index
+            if s in flash_hopper.SHAPE_ORDER and t.loc[(g, s), "fwd+bwd / cuDNN"] <= 1
+        ]
+        for g in dict.fromkeys(table.gpu)
+    }
+    lists = {g: " and ".join(v) or "no shape" for g, v in at_or_below.items()}
+    where = (
+        f"{next(iter(lists.values()))} on {'both GPUs' if len(lists) == 2 else 'every GPU'}"
+        if len(set(lists.values())) == 1 and len(lists) > 1
+        else "; ".join(f"{v} on the {g}" for g, v in lists.items())
+    )
+    out += f". Of every shape measured (the 2025 protocol's and the models'), ours is at or below cuDNN's time at {where}"
+    return out + " (notebook 42)."
+
+
+def _span(lo: float, hi: float) -> str:
+    """'0.627-0.631', or one number when both round alike."""
+    return f"{lo:.3f}" if f"{lo:.3f}" == f"{hi:.3f}" else f"{lo:.3f}-{hi:.3f}"
 
 
 def hopper_sentence(runs: pd.DataFrame) -> str:
-    """The protocol with the default backward on Hopper (the Gluon one-pass kernel): the latest such
-    runs, ours against SDPA's backends in the same runs."""
+    """The protocol with the default backward on Hopper (the Gluon one-pass kernel): per GPU model, the
+    runs of the latest commit measured with it, ours against SDPA's backends in the same runs."""
+    from cs336_systems.studies.attention.flash_hopper import gpu_kind
+
     one = runs[runs["our backward"] == "Gluon one pass"] if len(runs) else runs
     if one.empty:
         return ""
-    one = one[one["git sha"] == one["git sha"].iloc[-1]]
-    cudnn = one["sdpa_cudnn ms"] / one["sdpa_flash ms"]
+    parts = []
+    for gpu, g in one.groupby(one.gpu.map(gpu_kind), sort=False):
+        g = g[g["git sha"] == g["git sha"].iloc[-1]]
+        cudnn = g["sdpa_cudnn ms"] / g["sdpa_flash ms"]
+        parts.append(
+            f"on the {gpu}, {len(g)} runs at {g['git sha'].iloc[-1][:7]} (do_bench rep/warmup "
+            f"{g['do_bench rep/warmup ms'].iloc[-1]} ms), ours {g['ours ms'].min():.3f}-{g['ours ms'].max():.3f} ms = "
+            f"**{g['ours / sdpa_flash'].min():.3f}-{g['ours / sdpa_flash'].max():.3f}x** SDPA-flash, against "
+            f"{_span(cudnn.min(), cudnn.max())}x for SDPA's cuDNN backend in the same runs"
+        )
     return (
-        f"\n\nOn Hopper the default backward is now a warp-specialised Gluon kernel with a dQ warpgroup "
-        f"(one pass, TMA reductions): on the {one.gpu.iloc[-1]}, {len(one)} runs at {one['git sha'].iloc[-1][:7]}, "
-        f"ours {one['ours ms'].min():.3f}-{one['ours ms'].max():.3f} ms = "
-        f"**{one['ours / sdpa_flash'].min():.3f}-{one['ours / sdpa_flash'].max():.3f}x** SDPA-flash, against "
-        f"{cudnn.min():.3f}-{cudnn.max():.3f}x for SDPA's cuDNN backend in the same runs (notebook 42)."
+        "\n\nOn Hopper the default backward is now a warp-specialised Gluon kernel with a dQ warpgroup "
+        "(one pass, TMA reductions): " + "; ".join(parts) + " (notebook 42)."
     )
 
 
