@@ -103,17 +103,17 @@ if latest:
         for _, _, r in points
     ]
     fb_text = (
-        f"while its forward + backward takes {span(fb)} ms longer than stock's"
+        f"while its forward and backward take {span(fb)} ms longer than stock's"
         if min(fb) > 0
-        else f"and its forward + backward differs from stock's by {span(fb)} ms"
+        else f"and its forward and backward differ from stock's by {span(fb)} ms"
     )
-    # a step with stock's forward + backward and no optimizer time at all, over stock's step
+    # a step with stock's forward and backward and no optimizer time at all, over stock's step
     bound = {(d, c): (r["stock_forward_ms"] + r["stock_backward_ms"]) / r["stock_ms"] for d, c, r in points}
     hard = sorted(
         {c for (d, c), v in bound.items() if v > goal and all(bound[k] > goal for k in bound if k[1] == c)}
     )
     bound_text = "".join(
-        f" At context {c} a step with stock's forward + backward and no optimizer time at all would still be "
+        f" At context {c} a step with stock's forward and backward and no optimizer time at all would still be "
         f"{span([v for (d, cc), v in bound.items() if cc == c], '.2f')}x of stock's: there the goal needs a faster "
         "forward and backward than stock's."
         for c in hard
