@@ -12,10 +12,9 @@
 
 # %% [markdown]
 # # training_run (beyond the handouts)
-# Training for real with `python -m cs336_systems.train`: a committed one-GPU run of the 2.7B preset
-# (`python -m cs336_systems.train.gpu_demo`, the entry point's default GPU step), a small run killed mid-way and
-# resumed from its checkpoint, and an estimate of the 8B leaderboard step on 1 to 64 GPUs, checked against the
-# committed one-, two- and four-GPU measurements.
+# Training for real with `python -m cs336_systems.train` (the run: `python -m cs336_systems.train.gpu_demo`, the
+# entry point's default GPU step; a small run killed and resumed from its checkpoint), and the 8B leaderboard step
+# on 1 to 64 GPUs, estimated and checked against the committed one-, two- and four-GPU measurements.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": run the GPU demo when a GPU is present, else render the committed run
@@ -118,11 +117,11 @@ if nb.have_results(two, "the two-GPU runs"):
 
 # %% [markdown]
 # ## Scaling the 8B step
-# Weak scaling, one 32768-token sequence per GPU. Compute: the step's model FLOPs plus the recomputed blocks
-# at our one-GPU rate; communication: ring times of the bf16 model's sharded collectives at the measured NCCL
-# bus bandwidth inside a node and the stated bandwidth across nodes, for ZeRO-2 (ours: reduce-scatter +
-# all-gather), FSDP (all-gather twice + reduce-scatter) and the hybrid (ZeRO-2 inside a node, an all-reduce
-# of each GPU's 1/8 shard across nodes). Model and caveats: `cs336_systems/studies/training/train_scaling.py`.
+# Weak scaling, one 32768-token sequence per GPU (model and caveats: `studies/training/train_scaling.py`).
+# Compute: the step's model FLOPs plus the recomputed blocks at our one-GPU rate. Communication: ring times of
+# the bf16 model's sharded collectives at the measured NCCL bus bandwidth inside a node and the stated bandwidth
+# across nodes, for ZeRO-2 (ours: reduce-scatter + all-gather), FSDP (all-gather twice + reduce-scatter) and
+# the hybrid (ZeRO-2 inside a node, an all-reduce of each GPU's 1/8 shard across nodes).
 
 # %% tags=["remove-input"]
 assume = train_scaling.Assumptions(
@@ -172,18 +171,17 @@ if 1 in checks and multi:
         (c["git"], c["attention"]) != (checks[1]["git"], checks[1]["attention"]) for c in multi.values()
     )
     how = (
-        " They are the latest runs of ours "
+        " Those are the latest runs of ours "
         + (
-            "with our own FlashAttention (flash_triton) "
+            "with our own FlashAttention (flash_triton)"
             if atts == {train_scaling.OWN_ATTENTION}
-            else f"({', '.join(sorted(atts))} attention) "
+            else f"({', '.join(sorted(atts))} attention)"
         )
-        + f"on the GPU kind of the calibration point, the latest one-GPU run of ours ({checks[1]['attention']} "
-        "attention; ratio 1 by construction)"
+        + f"; the calibration point (ratio 1 by construction) is the latest one-GPU run of ours, with "
+        f"{checks[1]['attention']} attention"
         + (
-            ": above 1, those steps compute faster than the one-GPU rate predicts ("
-            + ("another commit and attention" if other else "the same commit and attention")
-            + "), the communication hidden either way."
+            (" (another commit and attention)" if other else "")
+            + ": above 1, those steps compute faster than the one-GPU rate predicts."
             if all(c["ratio"] > 1 for c in multi.values())
             else "."
         )
@@ -201,8 +199,8 @@ if "multi" in scale:
     )
     how += (
         f" From {m['lo']} to {m['hi']} GPUs (one commit, {m['attention']} attention) the measured step changes by "
-        f"{m['measured_change']:+.1%} and the estimate by {m['estimate_change']:+.1%}{why}; the measured steps are "
-        f"means of only {checks[m['hi']]['n']} and {checks[m['lo']]['n']} timed steps ({checks[m['hi']]['rep_s']:.0f} "
+        f"{m['measured_change']:+.1%} and the estimate by {m['estimate_change']:+.1%}{why}; the measured {m['hi']}- and "
+        f"{m['lo']}-GPU steps are means of only {checks[m['hi']]['n']} and {checks[m['lo']]['n']} timed steps ({checks[m['hi']]['rep_s']:.0f} "
         f"and {checks[m['lo']]['rep_s']:.0f} s budgets)."
     )
 ideal = [c["ideal_ratio"] for c in checks.values()]
@@ -247,8 +245,7 @@ if len(checked):
         formats={c: "{:.0f}" for c in ("measured", "estimate", "comm est.", "exposed")}
         | {c: "{:.3f}" for c in ("ratio", "serial", "ideal")},
         provenance_from=lb_rows[lb_rows.timestamp.isin(train_scaling.measured(lb_rows).timestamp)],
-        note="ratio: estimate (overlapped) / measured; serial: with communication not overlapped; "
-        "ideal: compute at the datasheet bf16 peak; comm est.: the estimated communication; exposed: measured "
-        "communication not under compute; "
-        "n: timed steps behind the measured mean (do_bench); attention: the run's attention kernels",
+        note="ratio: estimate (overlapped) / measured; serial: communication not overlapped; ideal: compute at "
+        "the datasheet bf16 peak; comm est.: estimated communication; exposed: measured communication not under "
+        "compute; n: timed steps (do_bench); attention: the run's attention kernels",
     )
