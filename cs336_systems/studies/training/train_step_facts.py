@@ -212,11 +212,12 @@ def plot_waterfall(df: pd.DataFrame, ax=None):
 def facts(df: pd.DataFrame, size: str | None = None) -> dict:
     """The numbers the training-step answer quotes (see the module docstring):
     * "runs": `compare_runs` records (every run and context); "latest": `latest_per_device` (of `size`);
-      "goal_ratio", "goal_points" (GPU kind, context) pairs measured of the goal's contexts, "goal_met"
-      (every such point at most the goal and both GPU kinds measured at both contexts), "peaks_ok";
+      "goal_ratio", "goal_points" ((device, context, met) of the latest runs at the goal's contexts),
+      "goal_met" (every such point at most the goal, both GPU kinds measured at both contexts), "peaks_ok"
+      (ours' peak at most stock's at every point of the latest runs);
     * "waterfall" (stage -> ms), "bandwidth" (copy and fused AdamW GB/s), "check" (max loss difference
-      over its steps): each with its run's label ("<part>_run": device, git, attention, and for the
-      waterfall the stock step of its run)."""
+      over its steps): each with its run's label ("<part>_run": device, git, attention; for the waterfall
+      also its run id and the comparison of the same run: context, stock and ours' step)."""
     out: dict = {"goal_ratio": GOAL_RATIO}
     if df.empty:
         return out
