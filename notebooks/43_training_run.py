@@ -12,13 +12,9 @@
 
 # %% [markdown]
 # # training_run (beyond the handouts)
-# Training for real with `python -m cs336_systems.train`: a loss curve and the throughput of a committed
-# one-GPU run, and an estimate of how the 8B leaderboard step scales from 1 to 64 GPUs on one node and
-# several. The run (`python -m cs336_systems.train.gpu_demo`) trains the 2.7B preset on generated tokens
-# (batch 4, context 512, the entry point's default GPU step: bf16 autocast, compiled blocks, fused AdamW,
-# chunked LM head + loss), then kills a small run mid-way and resumes it from its checkpoint. The
-# scaling estimate is computed from `cs336_systems.accounting` and the committed rows, and checked
-# against the committed one-, two- and four-GPU measurements of the 8B step.
+# Training for real with `python -m cs336_systems.train` (the run: `python -m cs336_systems.train.gpu_demo`, the
+# entry point's default GPU step; a small run killed and resumed from its checkpoint), and the 8B leaderboard step
+# on 1 to 64 GPUs, estimated and checked against the committed one-, two- and four-GPU measurements.
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": run the GPU demo when a GPU is present, else render the committed run
@@ -45,9 +41,11 @@ step_rows = train_run.committed_rows("training_step")
 run_facts = train_run.facts(run, step_rows)
 size = run_facts["throughput_size"]
 
-# %% tags=["remove-input"]
-if size is not None:
-    save_figure(train_run.plot_run(run, size, run_facts["device"]), "training_run__loss_throughput")
+
+def _and(items):
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
 
 # %% tags=["remove-input"]
 if size is None:
@@ -55,18 +53,33 @@ if size is None:
 else:
     r = run_facts["runs"][size]
     bench = (
-        f" The training-step benchmark's latest rows for the same configuration ({size}, batch {r['batch']}, "
-        f"context {r['context']}) time the step alone at {r['bench_ours_ms']:.0f} ms (ours) and "
-        f"{r['bench_stock_ms']:.0f} ms (stock PyTorch) on {r['bench_ours_device']}: the run's loop iteration is "
-        f"{r['ratio_to_ours']:.2f}x ours and {r['ratio_to_stock']:.2f}x stock"
+        f" The training-step comparison for the same configuration ({size}, batch {r['batch']}, context "
+        f"{r['context']}; one run on {r['bench_ours_device']}, git {r['bench_git']}, ours with "
+        f"{r['bench_attention']} attention) times the step alone at {r['bench_ours_ms']:.0f} ms (ours) and "
+        f"{r['bench_stock_ms']:.0f} ms (stock PyTorch): the run's loop iteration is {r['ratio_to_ours']:.2f}x ours "
+        f"and {r['ratio_to_stock']:.2f}x stock"
         + (
             f" (a different GPU: {run_facts['device']} here; the demo also times the batch fetch and one host "
             "sync per step)."
             if not r["same_device"]
-            else "."
+            else " (the demo also times the batch fetch and one host sync per step)."
         )
         if "bench_ours_ms" in r
         else " No training-step rows exist for this configuration."
+    )
+    two = train_run.two_gpu_table()
+    two_text = (
+        f" On {two.attrs['device'] or 'two GPUs'} (torchrun, git {two.attrs['git']}, global batch 8; table in the "
+        "notebook) a step took "
+        + _and(
+            [
+                f"{t['step ms']:.0f} ms with --parallel {t.parallel} ({t['tokens/s']:,.0f} tokens/s)"
+                for _, t in two.iterrows()
+            ]
+        )
+        + "."
+        if len(two)
+        else ""
     )
     resume = run_facts["resume"]
     resume_text = (
@@ -82,10 +95,15 @@ else:
 (lowest {r["min_loss"]:.2f}); the first step, which compiles, took {r["first_step_s"]:.1f} s. After the first
 {train_run.SKIP_STEPS} steps the median step took {r["step_ms"]:.0f} ms: {r["tokens_per_s"]:,.0f} tokens/s and
 an MFU of {r["mfu_logged"]:.1%} as logged (full T x T attention counted), {r["mfu_causal"]:.1%} with causal
-attention halved (the convention of the benchmark rows).{bench}{resume_text}"""
+attention halved (the convention of the benchmark rows).{bench}{resume_text}{two_text}"""
     )
 
 # %% tags=["remove-input"]
+if size is not None:
+    save_figure(train_run.plot_run(run, size, run_facts["device"]), "training_run__loss_throughput")
+
+
+# %% tags=["remove-input", "remove-cell"]
 two = train_run.two_gpu_table()
 if nb.have_results(two, "the two-GPU runs"):
     show_table(
@@ -99,13 +117,11 @@ if nb.have_results(two, "the two-GPU runs"):
 
 # %% [markdown]
 # ## Scaling the 8B step
-# Weak scaling: every GPU trains one 32768-token sequence of the 8B leaderboard model, so N GPUs take
-# a global batch of N sequences. Compute per GPU is the step's model FLOPs plus the recomputed blocks at
-# the rate our one-GPU run achieved; communication is the ring time of the sharded data-parallel
-# collectives of the bf16 model over NVLink inside a node (the measured NCCL bus bandwidth) and over the
-# stated inter-node bandwidth across nodes: ZeRO-2 (ours: reduce-scatter + all-gather), FSDP (all-gather
-# twice + reduce-scatter), and the hybrid (ZeRO-2 inside each node, an all-reduce of each GPU's 1/8
-# shard across nodes). The model and its caveats: `cs336_systems/studies/training/train_scaling.py`.
+# Weak scaling, one 32768-token sequence per GPU (model and caveats: `studies/training/train_scaling.py`).
+# Compute: the step's model FLOPs plus the recomputed blocks at our one-GPU rate. Communication: ring times of
+# the bf16 model's sharded collectives at the measured NCCL bus bandwidth inside a node and the stated bandwidth
+# across nodes, for ZeRO-2 (ours: reduce-scatter + all-gather), FSDP (all-gather twice + reduce-scatter) and
+# the hybrid (ZeRO-2 inside a node, an all-reduce of each GPU's 1/8 shard across nodes).
 
 # %% tags=["remove-input"]
 assume = train_scaling.Assumptions(
@@ -120,9 +136,8 @@ comm_rows = train_run.committed_rows("distributed_communication_single_node")
 table, inputs = train_scaling.estimate(lb_rows, comm_rows, assume, tuple(world_sizes))
 checked = train_scaling.check(table, lb_rows)
 scale = train_scaling.facts(table, checked, inputs, assume)
-save_figure(train_scaling.plot_scaling(table, checked, assume), "training_run__scaling_8b")
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input", "remove-cell"]
 show_table(
     table[table.GPUs.isin([1, 2, 8, 16, 64])]
     .drop(columns=["ideal_compute_s", "efficiency_serial"])
@@ -135,64 +150,48 @@ show_table(
 )
 
 # %% tags=["remove-input"]
-if len(checked):
-    show_table(
-        checked.drop(columns=["gpu", "rep_s"]),
-        caption="Estimate against the committed 8B measurements of ours (mode bf16, do_bench mean)",
-        formats={"measured_ms": "{:.0f}", "estimate_ms": "{:.0f}", "comm_estimate_ms": "{:.0f}"}
-        | {c: "{:.3f}" for c in ("ratio", "serial_ratio", "ideal_ratio")}
-        | {"comm_exposed_measured_ms": "{:.0f}"},
-        provenance_from=lb_rows[lb_rows.timestamp.isin(train_scaling.measured(lb_rows).timestamp)],
-        note="ratio: estimate (overlapped) / measured; serial_ratio: with communication not overlapped; "
-        "ideal_ratio: compute at the datasheet bf16 peak; n: timed steps behind measured_ms (do_bench); "
-        "attention: the run's attention kernels",
-    )
-
-# %% tags=["remove-input"]
 checks = {c["GPUs"]: c for c in scale["checks"]}
 gpus = sorted({c["gpu"] for c in checks.values()})
-check_text = f"on {', '.join(gpus)}, " + "; ".join(
-    f"{n} GPU(s) (git {c['git']}, {c['attention']} attention, n = {c['n']} timed steps): measured "
-    f"{c['measured_ms']:.0f} ms, estimated {c['estimate_ms']:.0f} ms (ratio {c['ratio']:.3f}; "
-    f"{c['serial_ratio']:.3f} with communication serialised)"
-    for n, c in checks.items()
-)
 multi = {n: c for n, c in checks.items() if n > 1}
+check_text = (
+    f" Checked against the committed runs on {', '.join(gpus)} (table below): the estimate is "
+    + _and([f"{c['ratio']:.3f}x" for c in multi.values()])
+    + " the measured "
+    + "- and ".join(map(str, multi))
+    + "-GPU steps ("
+    + _and([f"{c['serial_ratio']:.3f}x" for c in multi.values()])
+    + " with communication serialised)."
+    if multi
+    else ""
+)
 how = ""
 if 1 in checks and multi:
     atts = {c["attention"] for c in multi.values()}
-    how = (
-        f" One GPU is the calibration point (its rate defines compute, so its ratio is 1 by construction): the "
-        f"latest one-GPU run of ours, with {checks[1]['attention']} attention. The "
-        + "- and ".join(map(str, multi))
-        + "-GPU checks are the model's test: the latest runs of ours "
-        + (
-            "with our own Triton FlashAttention (flash_triton) "
-            if atts == {train_scaling.OWN_ATTENTION}
-            else f"({', '.join(sorted(atts))} attention) "
-        )
-        + "on the same GPU kind."
+    other = any(
+        (c["git"], c["attention"]) != (checks[1]["git"], checks[1]["attention"]) for c in multi.values()
     )
-    if all(c["ratio"] > 1 for c in multi.values()):
-        how += (
-            " Ratios above 1 say these steps compute faster than the one-GPU rate predicts: "
-            + (
-                "their runs are of another commit and attention than the one-GPU row"
-                if any(
-                    (c["git"], c["attention"]) != (checks[1]["git"], checks[1]["attention"])
-                    for c in multi.values()
-                )
-                else "the same commit and attention as the one-GPU row"
-            )
-            + ", and the model's communication is hidden either way."
+    how = (
+        " Those are the latest runs of ours "
+        + (
+            "with our own FlashAttention (flash_triton)"
+            if atts == {train_scaling.OWN_ATTENTION}
+            else f"({', '.join(sorted(atts))} attention)"
         )
+        + f"; the calibration point (ratio 1 by construction) is the latest one-GPU run of ours, with "
+        f"{checks[1]['attention']} attention"
+        + (
+            (" (another commit and attention)" if other else "")
+            + ": above 1, those steps compute faster than the one-GPU rate predicts."
+            if all(c["ratio"] > 1 for c in multi.values())
+            else "."
+        )
+    )
 if "multi" in scale:
     m = scale["multi"]
     zero2 = table[table.strategy == "zero2"].set_index("GPUs")
     lo, hi = zero2.loc[m["lo"]], zero2.loc[m["hi"]]
     why = (
-        f", all of it from recomputing {hi.recomputed_blocks:.0f} instead of {lo.recomputed_blocks:.0f} blocks "
-        "(the communication stays hidden)"
+        f", all of it from recomputing {hi.recomputed_blocks:.0f} instead of {lo.recomputed_blocks:.0f} blocks"
         if lo.comm_s < lo.compute_s
         and hi.comm_s < hi.compute_s
         and lo.recomputed_blocks != hi.recomputed_blocks
@@ -200,24 +199,53 @@ if "multi" in scale:
     )
     how += (
         f" From {m['lo']} to {m['hi']} GPUs (one commit, {m['attention']} attention) the measured step changes by "
-        f"{m['measured_change']:+.1%} and the estimate by {m['estimate_change']:+.1%}{why}. The {m['hi']}-GPU step "
-        f"is the mean of only {checks[m['hi']]['n']} timed steps (a {checks[m['hi']]['rep_s']:.0f} s budget), the "
-        f"{m['lo']}-GPU one of {checks[m['lo']]['n']} ({checks[m['lo']]['rep_s']:.0f} s)."
+        f"{m['measured_change']:+.1%} and the estimate by {m['estimate_change']:+.1%}{why}; the measured {m['hi']}- and "
+        f"{m['lo']}-GPU steps are means of only {checks[m['hi']]['n']} and {checks[m['lo']]['n']} timed steps ({checks[m['hi']]['rep_s']:.0f} "
+        f"and {checks[m['lo']]['rep_s']:.0f} s budgets)."
     )
+ideal = [c["ideal_ratio"] for c in checks.values()]
+ideal_text = (
+    f" At the datasheet peak the compute would take {min(ideal):.2f} to {max(ideal):.2f} of the measured steps "
+    "(ideal)."
+    if ideal
+    else ""
+)
 n_most = max(checks, default=1)
 nb.md(
     f"""**Answer.** The 8B model has {scale["params_b"]:.2f} B parameters, {scale["size_gb"]:.1f} GB in bf16; one
-GPU's step (one 32768-token sequence) needs {scale["compute_s"]:.2f} s of compute at the {scale["rate_tflops"]:.0f}
-TFLOP/s ours achieved on one GPU. Against that, the sharded collectives are small: at {scale["n_max"]} GPUs on
-{scale["nodes_max"]} nodes, with {inter_node_gb_per_s:.0f} GB/s per GPU between nodes and
-{scale["w_intra_gb_s"]:.0f} GB/s inside a node, one step's communication is {scale["zero2_comm_s"]:.2f} s for ZeRO-2,
-{scale["fsdp_comm_s"]:.2f} s for FSDP and {scale["hybrid_comm_s"]:.2f} s for the hybrid. Overlapped with backward
-(as ours does), every strategy stays compute-bound up to {scale["n_max"]} GPUs (efficiency
-{scale["zero2_eff"]:.0%}: {scale["zero2_tokens_per_s"]:,.0f} tokens/s in all); serialised, the efficiency at
-{scale["n_max"]} GPUs would be {scale["zero2_eff_serial"]:.0%} (ZeRO-2), {scale["fsdp_eff_serial"]:.0%} (FSDP) and
-{scale["hybrid_eff_serial"]:.0%} (hybrid), which is where the hybrid pays: it sends only 1/{gpus_per_node} of the
-gradients across nodes. Flat FSDP at {scale["n_max"]} GPUs becomes communication-bound only below
-{scale["fsdp_breakeven_gb_s"]:.1f} GB/s per GPU between nodes. Checked against the committed runs: {check_text}.{how}
-At the datasheet peak the compute would take about half as long (ideal_ratio). Not measured: more than {n_most}
-GPUs or more than one node (8-GPU machines and several nodes were not lent)."""
+GPU's step needs {scale["compute_s"]:.2f} s of compute at the {scale["rate_tflops"]:.0f} TFLOP/s ours achieved on one
+GPU. Against that, the sharded collectives are small: at {scale["n_max"]} GPUs on {scale["nodes_max"]} nodes, with
+{inter_node_gb_per_s:.0f} GB/s per GPU between nodes and {scale["w_intra_gb_s"]:.0f} GB/s inside a node, one step's
+communication is {scale["zero2_comm_s"]:.2f} s for ZeRO-2, {scale["fsdp_comm_s"]:.2f} s for FSDP and
+{scale["hybrid_comm_s"]:.2f} s for the hybrid. Overlapped with backward (as ours does), every strategy stays
+compute-bound up to {scale["n_max"]} GPUs (efficiency {scale["zero2_eff"]:.0%}: {scale["zero2_tokens_per_s"]:,.0f}
+tokens/s in all); serialised, the efficiency at {scale["n_max"]} GPUs would be {scale["zero2_eff_serial"]:.0%} (ZeRO-2),
+{scale["fsdp_eff_serial"]:.0%} (FSDP) and {scale["hybrid_eff_serial"]:.0%} (hybrid), which is where the hybrid pays: it
+sends only 1/{gpus_per_node} of the gradients across nodes. Flat FSDP at {scale["n_max"]} GPUs becomes
+communication-bound only below {scale["fsdp_breakeven_gb_s"]:.1f} GB/s per GPU between nodes.{check_text}{how}{ideal_text}
+Not measured: more than {n_most} GPUs or more than one node (8-GPU machines and several nodes were not lent)."""
 )
+
+# %% tags=["remove-input"]
+save_figure(train_scaling.plot_scaling(table, checked, assume), "training_run__scaling_8b")
+
+# %% tags=["remove-input"]
+CHECK_COLUMNS = {
+    "measured_ms": "measured",
+    "estimate_ms": "estimate",
+    "serial_ratio": "serial",
+    "ideal_ratio": "ideal",
+    "comm_estimate_ms": "comm est.",
+    "comm_exposed_measured_ms": "exposed",
+}
+if len(checked):
+    show_table(
+        checked.drop(columns=["gpu", "rep_s"]).rename(columns=CHECK_COLUMNS),
+        caption="Estimate against the committed 8B measurements of ours (ms; mode bf16, do_bench mean)",
+        formats={c: "{:.0f}" for c in ("measured", "estimate", "comm est.", "exposed")}
+        | {c: "{:.3f}" for c in ("ratio", "serial", "ideal")},
+        provenance_from=lb_rows[lb_rows.timestamp.isin(train_scaling.measured(lb_rows).timestamp)],
+        note="ratio: estimate (overlapped) / measured; serial: communication not overlapped; ideal: compute at "
+        "the datasheet bf16 peak; comm est.: estimated communication; exposed: measured communication not under "
+        "compute; n: timed steps (do_bench); attention: the run's attention kernels",
+    )

@@ -195,22 +195,56 @@ def test_torch_compile_facts_on_the_committed_runs():
 
 
 def test_training_step_facts_on_the_committed_run():
-    from cs336_systems.measure.results import latest_run
     from cs336_systems.studies.training import train_step, train_step_facts
 
-    df = latest_run(committed(train_step.PROBLEM), keys=("name", "impl", "x_value", "metric"))
-    facts = train_step_facts.facts(df)
-    compare = df[(df.name == "compare") & (df.metric == "step_ms")]
-    for ctx in (512, 2048):
-        p50 = compare[compare.x_value.astype(float) == ctx].set_index("impl")["p50"]
-        assert facts[ctx]["ratio"] == pytest.approx(p50["ours"] / p50["stock"])
-        assert facts[ctx]["ratio"] < 1  # ours is faster than the stock compiled step at both contexts
-    bandwidth = df[df.name == "bandwidth"].set_index("impl")["p50"]
-    assert facts["adamw_fraction_of_copy"] == pytest.approx(bandwidth["fused_adamw"] / bandwidth["copy"])
-    assert 0.5 < facts["adamw_fraction_of_copy"] <= 1
+    df = committed(train_step.PROBLEM)
+    facts = train_step_facts.facts(df, size="2.7B")
+    latest = facts["latest"]
+    # the latest comparison on an H100 and on an H200, each at both contexts, ours with our own attention
+    assert {train_step_facts.gpu_kind(d) for d in latest} == {"H100", "H200"}
+    for device, run in latest.items():
+        assert set(run["contexts"]) == {512, 2048} and run["attention"] == "flash_triton" and run["parked"]
+        # recomputed from the raw rows: the newest compare run of this GPU kind (its rows share commit,
+        # device and time window); both paths' rows of one context were written together
+        step = df[(df.name == "compare") & (df.metric == "step_ms") & (df.gpu_name == device)]
+        newest = step[step.impl.isin(["ours", "stock"])].sort_values("timestamp").tail(4)
+        assert newest.git_sha.nunique() == 1 and str(newest.git_sha.iloc[0])[:10] == run["git"]
+        for ctx, rec in run["contexts"].items():
+            p50 = newest[newest.x_value.astype(float) == ctx].set_index("impl")["p50"]
+            assert newest[newest.x_value.astype(float) == ctx].timestamp.nunique() == 1  # one run
+            assert rec["ratio"] == pytest.approx(p50["ours"] / p50["stock"])
+            assert rec["meets_goal"] == (rec["ratio"] <= train_step_facts.GOAL_RATIO)
+            assert 0.5 < rec["ratio"] < 1  # ours is faster than the stock compiled step
+            peak = df[
+                (df.metric == "peak_memory_gib") & (df.gpu_name == device) & (df.x_value.astype(float) == ctx)
+                & (df.timestamp == newest.timestamp[newest.x_value.astype(float) == ctx].iloc[0])
+            ].set_index("impl")["p50"]  # fmt: skip
+            assert (
+                rec["ours_peak_memory_gib"] == peak["ours"] and rec["stock_peak_memory_gib"] == peak["stock"]
+            )
+            assert (
+                rec["ours_peak_memory_gib"] <= rec["stock_peak_memory_gib"]
+            )  # issue 29: ours' peak <= stock's
+            persistent = (rec["ours_persistent_memory_gib"], rec["stock_persistent_memory_gib"])
+            assert persistent[0] == pytest.approx(persistent[1], rel=1e-3)  # split masters: stock's bytes
+    assert facts["peaks_ok"]
+    assert (
+        facts["goal_met"] == all(ok for _, _, ok in facts["goal_points"]) and len(facts["goal_points"]) == 4
+    )
+    # older runs (SDPA in ours, both paths resident) are listed, never quoted
+    older = [r for r in facts["runs"] if r["run"] not in {x["run"] for x in latest.values()}]
+    assert older and all(r["attention"] == "sdpa" and not r["parked"] for r in older)
+    # the older parts, each from one run and labelled by it
+    runs = train_step_facts.with_runs(df)
+    bandwidth = runs[runs.run == runs[runs.name == "bandwidth"].run.iloc[-1]]
+    bw = bandwidth[bandwidth.name == "bandwidth"].set_index("impl")["p50"]
+    assert facts["bandwidth"]["adamw_fraction_of_copy"] == pytest.approx(bw["fused_adamw"] / bw["copy"])
+    assert 0.5 < facts["bandwidth"]["adamw_fraction_of_copy"] <= 1
     waterfall = facts["waterfall"]
     assert waterfall["handout fp32"] > waterfall["+ bf16 autocast"] > waterfall["+ bf16 compute weights"]
-    assert facts["check_steps"] == 20 and facts["check_max_loss_diff"] < 0.01
+    wr = facts["waterfall_run"]
+    assert wr["git"] == "95a381e903" and wr["device"] == "NVIDIA H200" and wr["attention"] == "sdpa"
+    assert facts["check"]["steps"] == 20 and facts["check"]["max_loss_diff"] < 0.01
 
 
 def test_training_leaderboard_facts_on_the_committed_run():

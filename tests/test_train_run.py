@@ -132,15 +132,29 @@ def test_run_facts_against_benchmark_rows(tmp_path):
     (folder / "summary.json").write_text(
         json.dumps({"device": "NVIDIA H100 80GB HBM3", "runs": {"2.7B": {}}})
     )
-    step_rows = pd.DataFrame(
-        dict(name=["compare", "compare"], metric=["step_ms", "step_ms"], impl=["ours", "stock"],
-             p50=[80.0, 125.0], gpu_name=["NVIDIA H200"] * 2, timestamp=["t", "t"],
-             config_json=[json.dumps({"size": "2.7B", "batch_size": 4, "context_length": 512})] * 2)
-    )  # fmt: skip
-    facts = train_run.facts(train_run.load_run(tmp_path), step_rows)
+
+    def compare(device, run_id, when, ours, stock, ctx=512):
+        cfg = json.dumps({"size": "2.7B", "batch_size": 4, "context_length": ctx, "run_id": run_id})
+        return pd.DataFrame(
+            dict(name="compare", metric="step_ms", impl=["ours", "stock"], p50=[ours, stock], x_value=float(ctx),
+                 gpu_name=device, git_sha="abcdef0123", timestamp=when, note="", config_json=cfg)
+        )  # fmt: skip
+
+    h200 = compare("NVIDIA H200", "a", "2026-01-01", 80.0, 125.0)
+    facts = train_run.facts(train_run.load_run(tmp_path), h200)
     r = facts["runs"]["2.7B"]
     assert r["step_ms"] == pytest.approx(100.0) and r["ratio_to_ours"] == pytest.approx(1.25)
     assert r["ratio_to_stock"] == pytest.approx(0.8) and not r["same_device"]
     assert r["first_loss"] == pytest.approx(9.9) and 0 < r["mfu_causal"] < 1
+    # a run on the demo's GPU kind is preferred to a later one elsewhere; ours and stock from that one run
+    rows = pd.concat(
+        [
+            compare("NVIDIA H100 80GB HBM3", "b", "2026-01-02", 90.0, 110.0),
+            compare("NVIDIA H100 80GB HBM3", "c", "2026-01-03", 95.0, 120.0, ctx=2048),
+            h200.assign(timestamp="2026-01-04", config_json=h200.config_json.str.replace('"a"', '"d"')),
+        ]
+    ).reset_index(drop=True)
+    r = train_run.facts(train_run.load_run(tmp_path), rows)["runs"]["2.7B"]
+    assert r["same_device"] and r["bench_ours_ms"] == 90.0 and r["bench_stock_ms"] == 110.0
     assert facts["throughput_size"] == "2.7B"
     assert train_run.load_run(tmp_path / "missing") == {"summary": {}, "metrics": {}}

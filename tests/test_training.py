@@ -4,6 +4,7 @@ CPU: Triton kernels under the interpreter, small sizes. GPU (`gpu` marker): the 
 sizes that span many chunks, bf16, and the overlapped optimizer on a side stream.
 """
 
+import json
 import math
 
 import pytest
@@ -303,9 +304,102 @@ def test_study_quick_run_writes_nothing_by_default(tmp_path, capsys):
     persistent = df[df.metric == "persistent_memory_gib"].set_index("impl").p50
     assert persistent["ours"] == pytest.approx(persistent["stock"], rel=0.05)
     facts = train_step_facts.facts(df)
-    assert math.isfinite(facts[32]["ratio"])
+    (run,) = facts["latest"].values()  # one run of one device: its rows share the run id
+    assert run["attention"] == "sdpa" and run["parked"]  # the CPU's attention, said so in the rows
+    assert math.isfinite(run["contexts"][32]["ratio"])
+    assert df.config_json.str.contains('"run_id"').all()
     study.main(["--quick", "--parts", "compare", "--results-dir", str(tmp_path)])
     assert (tmp_path / "training_step.csv").exists()
+
+
+def _compare_rows(
+    device, git, when, step_ms, *, run_id="", ours="ours", attention="flash_triton", peaks=None
+):
+    """The matmul_peak row and the compare rows of one run: {ctx: (stock ms, ours ms)}; peaks: {ctx: (stock,
+    ours)} GiB (a run of the parking code also writes persistent_memory_gib)."""
+    import pandas as pd
+
+    run = {"run_id": run_id} if run_id else {}
+    rows = [dict(name="matmul_peak", impl="torch.mm", x_value=None, metric="tflops", p50=700.0, config=run)]
+    for ctx, times in step_ms.items():
+        cfg = run | {"size": "2.7B", "batch_size": 4, "context_length": ctx, "attention": attention}
+        for impl, ms in zip(("stock", ours), times):
+            rows.append(dict(name="compare", impl=impl, x_value=ctx, metric="step_ms", p50=ms, config=cfg))
+            for i, metric in enumerate(("peak_memory_gib", "persistent_memory_gib") if peaks else ()):
+                value = peaks[ctx][impl != "stock"] if i == 0 else 38.0
+                rows.append(
+                    dict(name="compare", impl=impl, x_value=ctx, metric=metric, p50=value, config=cfg)
+                )
+    df = pd.DataFrame(rows)
+    df["config_json"] = [json.dumps(c) for c in df.pop("config")]
+    return df.assign(note="", gpu_name=device, git_sha=git, timestamp=when)
+
+
+def test_train_step_facts_keep_each_ratio_within_one_run():
+    import pandas as pd
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    df = pd.concat(
+        [
+            # older H200 run, rows without a run id (grouped by their block in the file): SDPA in ours
+            _compare_rows(h200, "aaaaaaaaaa", "2026-01-01T00:00:00", {512: (100.0, 80.0)}, attention="sdpa"),
+            _compare_rows(
+                h200,
+                "bbbbbbbbbb",
+                "2026-01-02T00:00:00",
+                {512: (110.0, 99.0), 2048: (300.0, 290.0)},
+                run_id="r2",
+                peaks={512: (50.0, 45.0), 2048: (70.0, 66.0)},
+            ),
+            _compare_rows(
+                h100,
+                "bbbbbbbbbb",
+                "2026-01-03T00:00:00",
+                {512: (120.0, 100.0), 2048: (330.0, 280.0)},
+                run_id="r3",
+                peaks={512: (50.0, 45.0), 2048: (70.0, 71.0)},
+            ),
+            # a later exploratory H200 run of another ours: listed, never the headline
+            _compare_rows(
+                h200,
+                "cccccccccc",
+                "2026-01-04T00:00:00",
+                {512: (110.0, 60.0)},
+                run_id="r4",
+                ours="ours +sdpa",
+            ),
+        ]
+    ).reset_index(drop=True)
+    facts = train_step_facts.facts(df, size="2.7B")
+    latest = facts["latest"]
+    assert list(latest) == [h100, h200]
+    assert latest[h200]["run"] == "r2" and latest[h100]["run"] == "r3"
+    assert latest[h200]["contexts"][512]["ratio"] == pytest.approx(99 / 110)  # not 80/100 nor 60/110
+    assert latest[h100]["contexts"][2048]["ratio"] == pytest.approx(280 / 330)
+    assert facts["goal_points"] == [
+        (h100, 512, True),
+        (h100, 2048, True),
+        (h200, 512, False),
+        (h200, 2048, False),
+    ]
+    assert not facts["goal_met"]
+    assert not facts["peaks_ok"] and not latest[h100]["contexts"][2048]["peak_le_stock"]  # 71 > 70 GiB
+    runs = pd.DataFrame(facts["runs"])
+    assert list(runs.run) == ["aaaaaaaaaa#1", "r2", "r2", "r3", "r3", "r4"]
+    assert runs.set_index("run").loc["aaaaaaaaaa#1", "attention"] == "sdpa"
+    assert not runs.set_index("run").loc["aaaaaaaaaa#1", "parked"]  # no persistent rows: both paths resident
+    # a failed path (an OOM row) leaves its ratio undefined, and that run is not a headline
+    oom = _compare_rows(h100, "dddddddddd", "2026-01-05T00:00:00", {512: (125.0, float("nan"))}, run_id="r5")
+    oom.loc[oom.impl == "ours", "note"] = "OOM"
+    facts = train_step_facts.facts(pd.concat([df, oom]).reset_index(drop=True), size="2.7B")
+    assert facts["latest"][h100]["run"] == "r3"
+    assert pd.DataFrame(facts["runs"]).set_index("run").loc["r5", "ours_note"] == "OOM"
+    # every context met on both kinds: the goal is met
+    good = {512: (100.0, 80.0), 2048: (300.0, 250.0)}
+    both = pd.concat([_compare_rows(d, "e", "2026-02-01", good, run_id=d) for d in (h100, h200)])
+    assert train_step_facts.facts(both.reset_index(drop=True))["goal_met"]
+    # one kind only: not met, whatever its ratios
+    assert not train_step_facts.facts(_compare_rows(h100, "e", "2026-02-01", good, run_id="x"))["goal_met"]
 
 
 def test_step_flops_counts_weights_and_causal_attention():

@@ -10,12 +10,13 @@ notebook's quick mode), through the same `python -m cs336_systems.train` a user 
 `facts(run, step_rows)` returns what notebook 43 quotes: per run the first/last loss, median step time,
 tokens/s and MFU as logged (matmul FLOPs of the full T x T attention, `train.loop`), the MFU recomputed
 with causal attention halved (`train_step.step_flops`, the convention of the training-step and
-leaderboard rows), and, where `training_step` rows exist for the same size, batch and context, the
-latest ours and stock step times there (their median, as notebook 40 quotes) with the ratio demo / benchmark and both devices (a different
-GPU model is said, not hidden).
+leaderboard rows), and, where `training_step` rows exist for the same size, batch and context, ours and
+stock from one comparison run there (`bench_run`: the latest on the demo's GPU kind, else the latest; their
+medians, as notebook 40 quotes) with the ratio demo / benchmark and both devices (a different GPU model is
+said, not hidden).
 
 Caveat: the demo times a whole loop iteration (batch fetch, one host sync for the loss, the metrics
-line) with `time.perf_counter`; the benchmark times the step alone (do_bench-style, mean of rounds).
+line) with `time.perf_counter`; the benchmark times the step alone (CUDA events, median of its rounds).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from cs336_systems.accounting.hardware import peak_flops
 from cs336_systems.measure.cli import COMMITTED_RESULTS_DIR
 from cs336_systems.measure.results import REPO_ROOT, load_results
 from cs336_systems.model import get_config
+from cs336_systems.studies.training import train_step_facts
 from cs336_systems.studies.training.train_step import step_flops
 
 RUN_DIR = "train_gpu_demo"
@@ -115,18 +117,22 @@ def committed_rows(problem: str) -> pd.DataFrame:
     return load_results(problem, COMMITTED_RESULTS_DIR)
 
 
-def _bench_rows(step_rows: pd.DataFrame, size: str, batch: int, ctx: int) -> pd.DataFrame:
-    """The training_step `compare` step_ms rows of (size, batch, context)."""
+def bench_run(step_rows: pd.DataFrame, size: str, batch: int, ctx: int, device: str) -> dict | None:
+    """The training_step comparison of (size, batch, context) to set the demo against: ours (the default
+    `TrainStepConfig.fastest()`) and stock from one run (`train_step_facts.compare_runs`), the latest run
+    on `device` where there is one, else the latest on any GPU; None without one."""
     if step_rows.empty:
-        return step_rows
-    sel = step_rows[(step_rows.name == "compare") & (step_rows.metric == "step_ms")]
-    keep = []
-    for r in sel.itertuples():
-        cfg = json.loads(r.config_json) if isinstance(r.config_json, str) and r.config_json else {}
-        keep.append(
-            cfg.get("size") == size and cfg.get("batch_size") == batch and cfg.get("context_length") == ctx
-        )
-    return sel[keep]
+        return None
+    runs = train_step_facts.compare_runs(step_rows)
+    if runs.empty:
+        return None
+    sel = runs[
+        (runs["size"] == size) & (runs.batch == batch) & (runs.ctx == ctx)
+        & (runs.ours == train_step_facts.DEFAULT_OURS) & runs.ratio.notna()
+    ]  # fmt: skip
+    same = sel[sel.device == device]
+    pick = same if len(same) else sel
+    return pick.iloc[-1].to_dict() if len(pick) else None
 
 
 def facts(run: dict, step_rows: pd.DataFrame) -> dict:
@@ -153,14 +159,13 @@ def facts(run: dict, step_rows: pd.DataFrame) -> dict:
         peak = peak_flops(out["device"], "bf16")
         flops = step_flops(get_config(size), batch, ctx)
         rec["mfu_causal"] = flops / step_s / peak if peak else math.nan
-        bench = _bench_rows(step_rows, size, batch, ctx)
-        for impl in ("ours", "stock"):
-            sel = bench[bench.impl == impl]
-            if len(sel):
-                last = sel.sort_values("timestamp").iloc[-1]
-                rec[f"bench_{impl}_ms"] = float(last.p50)
-                rec[f"bench_{impl}_device"] = str(last.gpu_name)
-                rec[f"ratio_to_{impl}"] = rec["step_ms"] / float(last.p50)
+        bench = bench_run(step_rows, size, batch, ctx, out["device"])
+        if bench is not None:
+            for impl in ("ours", "stock"):
+                rec[f"bench_{impl}_ms"] = bench[f"{impl}_ms"]
+                rec[f"bench_{impl}_device"] = bench["device"]
+                rec[f"ratio_to_{impl}"] = rec["step_ms"] / bench[f"{impl}_ms"]
+            rec["bench_git"], rec["bench_attention"] = bench["git"], bench["attention"]
         rec["same_device"] = rec.get("bench_ours_device", out["device"]) == out["device"]
         out["runs"][size] = rec
     out["throughput_size"] = next((s for s in out["runs"] if s != "small"), None)
@@ -174,7 +179,7 @@ def facts(run: dict, step_rows: pd.DataFrame) -> dict:
 def plot_run(run: dict, size: str, device: str):
     """Loss per step (left) and tokens/s with MFU per step (right) of one run."""
     rows = run["metrics"][size]
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(10, 2.9))
     ax_loss.plot(rows.step, rows.loss, lw=1.2)
     ax_loss.set(xlabel="step", ylabel="training loss (nats)", title=f"{size}: loss")
     steady = rows.iloc[1:]  # the first step compiles: off the throughput scale
@@ -196,7 +201,8 @@ TWO_GPU_DIR = "train_two_gpu"  # torchrun runs of the entry point on two GPUs (`
 def two_gpu_table(results_dir: str | Path = COMMITTED_RESULTS_DIR) -> pd.DataFrame:
     """Per `--parallel` mode of the committed two-GPU runs (`2gpu_<size>_<mode>.jsonl`): steps, median
     step time, tokens/s and logged MFU after the first `SKIP_STEPS` steps, and the last loss; the
-    provenance file's lines in attrs["provenance"]. Empty when the folder is absent."""
+    provenance file's lines in attrs["provenance"], its device and short commit in attrs["device"] and
+    attrs["git"]. Empty when the folder is absent."""
     folder = Path(results_dir) / TWO_GPU_DIR
     rows = []
     for path in sorted(folder.glob("2gpu_*.jsonl")):
@@ -216,5 +222,9 @@ def two_gpu_table(results_dir: str | Path = COMMITTED_RESULTS_DIR) -> pd.DataFra
         )
     out = pd.DataFrame(rows)
     prov = folder / "provenance.txt"
-    out.attrs["provenance"] = prov.read_text().strip().splitlines() if prov.exists() else []
+    lines = prov.read_text().strip().splitlines() if prov.exists() else []
+    out.attrs["provenance"] = lines
+    # the provenance file's "device <n> x <GPU>, ..." and "git <sha> ..." lines, for prose
+    out.attrs["device"] = next((x[7:].split(",")[0] for x in lines if x.startswith("device ")), "")
+    out.attrs["git"] = next((x.split()[1][:10] for x in lines if x.startswith("git ")), "")
     return out

@@ -323,7 +323,7 @@ def facts(table: pd.DataFrame, checked: pd.DataFrame, inputs: dict, a: Assumptio
 
 def plot_scaling(table: pd.DataFrame, checked: pd.DataFrame, a: Assumptions):
     """Step time (left) and communication time against compute (right) per strategy over N GPUs."""
-    fig, (ax_step, ax_comm) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax_step, ax_comm) = plt.subplots(1, 2, figsize=(10, 3.1))
     colors = dict(zip(STRATEGIES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
     for s in STRATEGIES:
         t = table[table.strategy == s]

@@ -3,7 +3,8 @@
     python -m cs336_systems.studies.training.train_step --size 2.7B --context-length 512 2048 --batch-size 4
     python -m cs336_systems.studies.training.train_step --quick          # debug model on the CPU, scratch results
 
-Per (size, context), rows under problem "training_step":
+Per (size, context), rows under problem "training_step" (the rows of one invocation share the config's
+`run_id`; every ratio is of one run, `train_step_facts.with_runs`):
 * `compare`: the stock step and ours, built from the same initial weights and timed in interleaved
   rounds (`--rounds` x `--steps` steps each, after `--warmup`); per path the median step and its
   forward / backward / optimizer phases (CUDA events), peak memory, first-step (compile) time and MFU
@@ -345,7 +346,7 @@ def waterfall(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches) -> li
     return rows
 
 
-def check(cfg: ModelConfig, args, state: dict, batches, num_steps: int = 20) -> list[dict]:
+def check(cfg: ModelConfig, args, state: dict, batches, num_steps: int = 20, run_id: str = "") -> list[dict]:
     """Loss of each of `num_steps` steps: ours vs the plain reference step (reference AdamW, no fusions)."""
     attention = "sdpa" if not torch.cuda.is_available() else args.attention
     optimizer = {"lr": args.lr, "weight_decay": args.weight_decay}
@@ -354,7 +355,7 @@ def check(cfg: ModelConfig, args, state: dict, batches, num_steps: int = 20) -> 
         "ours": dataclasses.replace(ours_config(args), attention=attention),
     }
     loss = {"problem": PROBLEM, "name": "check", "mode": "train", "dtype": "bf16", "metric": "loss"}
-    check_config = {"size": args.size_name, "context_length": cfg.context_length}
+    check_config = {"size": args.size_name, "context_length": cfg.context_length, "run_id": run_id}
     loss |= {"x_name": "step", "unit": "nats", "config": check_config}
     rows = []
     for name, tc in configs.items():
@@ -374,12 +375,18 @@ def measure(config: argparse.Namespace, *, results_dir=None) -> list[dict]:
     args = config
     rows: list[dict] = []
     device = torch.device(args.device)
+    run_id = f"{time.time_ns():x}"  # the rows of one invocation share it (train_step_facts.with_runs)
     peak = matmul_peak(device)
     matmul = {"problem": PROBLEM, "name": "matmul_peak", "impl": "torch.mm", "dtype": "bf16"}
-    rows.append(make_row(metric="tflops", unit="TFLOP/s", value=peak / 1e12, **matmul))
+    rows.append(
+        make_row(metric="tflops", unit="TFLOP/s", value=peak / 1e12, config={"run_id": run_id}, **matmul)
+    )
     for ctx in args.context_length:
         cfg = MODEL_SIZES[args.size].replace(context_length=ctx)
-        run_cfg = {key: getattr(args, key) for key in RUN_CONFIG_KEYS} | {"context_length": ctx}
+        run_cfg = {key: getattr(args, key) for key in RUN_CONFIG_KEYS} | {
+            "context_length": ctx,
+            "run_id": run_id,
+        }
         run_cfg["ours"] = dataclasses.asdict(ours_config(args))
         torch.manual_seed(0)
         state = {
@@ -393,7 +400,7 @@ def measure(config: argparse.Namespace, *, results_dir=None) -> list[dict]:
         if "bandwidth" in args.parts and ctx == args.context_length[0]:
             rows += bandwidth_rows(cfg, device, run_cfg)
         if "check" in args.parts and ctx == args.context_length[0]:
-            rows += check(cfg, args, state, batches)
+            rows += check(cfg, args, state, batches, run_id=run_id)
         if "compare" in args.parts:
             rows += compare(cfg, args, run_cfg, state, batches, peak)
         if "waterfall" in args.parts:
