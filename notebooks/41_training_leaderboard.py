@@ -134,31 +134,28 @@ if head is not None:
                 "optimizer_step_ms",
                 "comm_exposed_ms",
                 "recomputed",
-                "peak_gib",
             ]
         ].rename(
             columns={
                 "step_ms": "step",
-                "forward_ms": "forward",
-                "backward_ms": "backward",
+                "forward_ms": "fwd",
+                "backward_ms": "bwd",
                 "recompute_ms": "recompute",
-                "optimizer_step_ms": "optimizer",
-                "comm_exposed_ms": "exposed comm",
-                "peak_gib": "peak GiB",
+                "optimizer_step_ms": "opt",
+                "comm_exposed_ms": "exp. comm",
+                "recomputed": "what is recomputed",
             }
-        ),  # fmt: skip
+        ),
         caption=f"Where the step's time goes, per path, one run ({head['GPUs']} x {head['device']}, ms)",
-        formats={
-            c: "{:.0f}" for c in ("step", "forward", "backward", "recompute", "optimizer", "exposed comm")
-        }
-        | {"peak GiB": "{:.1f}"},
-        wrap={"recomputed": 0.2},
+        formats={c: "{:.0f}" for c in ("step", "fwd", "bwd", "recompute", "opt", "exp. comm")},
+        wrap={"what is recomputed": 0.22},
         provenance_from=df[df.git_sha.str[:10] == head["git"]],
         note=(
-            "do_bench mean of the step and CUDA-event phases of the timed calls; backward includes the "
-            "recompute, which is estimated from the run's own steps with different recompute plans "
-            "([Note: the recompute estimate] in leaderboard_bench); exposed comm: NCCL kernel time not "
-            "under compute in one profiled step on rank 0; ours applies its update inside backward"
+            "do_bench mean of the step and CUDA-event phases of the timed calls; bwd includes the recompute, "
+            "estimated from the run's own steps with other recompute plans ([Note: the recompute estimate] in "
+            "leaderboard_bench); exp. comm: NCCL kernel time not under compute in one profiled step on rank 0; "
+            "opt: what is left after backward (ours updates inside backward). Peak memory per GPU: "
+            + ", ".join(f"{r.path} {r.peak_gib:.1f} GiB" for r in parts.itertuples())
         ),
     )
 
@@ -195,11 +192,17 @@ here). Stock recomputes every block whole ({ms(s["recompute_ms"])} of its backwa
 # %% tags=["remove-input", "appendix"]
 runs = pd.DataFrame(facts.get("runs", []))
 if len(runs):
-    runs = runs.assign(entry=runs.valid.map({True: "valid", False: "not valid"}))
+    runs = runs.assign(
+        entry=runs.valid.map({True: "valid", False: "not valid"}),
+        GPUs=runs.GPUs.astype(str)
+        + " x "
+        + runs.device.str.removeprefix("NVIDIA ").str.removesuffix(" 80GB HBM3"),
+        recompute=runs.recompute.map({"all but attention": "keeps attn.", "whole block": "whole"}),
+        git=runs.git.str[:7],
+    )
     show_table(
         runs[
             [
-                "device",
                 "GPUs",
                 "mode",
                 "attention of ours",
@@ -216,20 +219,20 @@ if len(runs):
             columns={
                 "attention of ours": "attention",
                 "ours_ms": "ours",
-                "stock_tuned_ms": "stock_tuned",
+                "stock_tuned_ms": "tuned",
                 "stock_ms": "stock",
                 "ratio_tuned": "/ tuned",
                 "ratio": "/ stock",
             }
-        ),  # fmt: skip
+        ),
         caption="training_leaderboard: every run of the 8B config (mean step, ms; ratios of ours, within one run)",
         formats={
             "ours": "{:.0f}",
-            "stock_tuned": "{:.0f}",
+            "tuned": "{:.0f}",
             "stock": "{:.0f}",
             "/ tuned": "{:.3f}",
             "/ stock": "{:.3f}",
-        },  # fmt: skip
+        },
         provenance_from=df,
         font="footnotesize",
         note="entry: valid when ours ran our own attention (flash_triton); runs with SDPA or cuDNN in ours are "
