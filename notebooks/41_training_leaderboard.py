@@ -164,14 +164,22 @@ if head is not None:
     parts = {r["path"]: r for r in facts["entries"][head["device"]]["components"]}
     o, t, s = parts["ours"], parts["stock_tuned"], parts["stock"]
     nb.md(
-        f"""Where ours gains on stock_tuned: **recompute** ({ms(o["recompute_ms"])} vs {ms(t["recompute_ms"])}:
+        f"""Where ours gains on stock_tuned: **recompute** ({ms(o["recompute_ms"])} vs {
+            ms(t["recompute_ms"])
+        }:
 ours recomputes {o["recomputed"]}; stock_tuned {t["recomputed"]}, its selective policy keeping the attention's
-and every second matmul's outputs), the **optimizer** ({ms(o["optimizer_step_ms"])} left after backward vs
+and {
+            "every second" if head["tuned_sac"] == "every_second" else "every"
+        } matmul's outputs), the **optimizer** ({ms(o["optimizer_step_ms"])} left after backward vs
 {ms(t["optimizer_step_ms"])}) and **exposed communication** ({ms(o["comm_exposed_ms"])} vs
 {ms(t["comm_exposed_ms"])}). Forward is {ms(o["forward_ms"])} vs {ms(t["forward_ms"])}: the fused loss
 computes the head's gradients in forward, and our attention forward is at cuDNN's speed at this shape;
 what is left of the backward difference is our attention backward, still slower than cuDNN's at d = 128
-(the FlashAttention section). stock_tuned, as tuned here: FSDP2 per block (the last block not resharded),
+(the FlashAttention section). stock_tuned, as tuned here: FSDP2 per block ({
+            "the last block not resharded"
+            if head["tuned_reshard"] == "after_forward"
+            else "no block resharded"
+        }),
 `torch.compile` per block with the checkpoint inside the graph, per block one of full / selective / no
 recompute planned from three measured steps (every block full; block 0 selective; block 0 unchecked) so
 that the peak fits with {leaderboard.LeaderboardRunConfig().margin_gib:.0f} GiB to spare, fused AdamW,

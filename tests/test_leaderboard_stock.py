@@ -62,7 +62,7 @@ def _full_params(step) -> list[torch.Tensor]:
     return [p.full_tensor().clone() for p in step.module.parameters()]
 
 
-def _tuned_equals_stock(rank, world_size, device, policies: list[str]) -> None:
+def _tuned_equals_stock(rank, world_size, device, policies: list[str], options: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -71,7 +71,7 @@ def _tuned_equals_stock(rank, world_size, device, policies: list[str]) -> None:
     tuned_model = copy.deepcopy(model)
     kw = dict(param_mode="fp32", mesh=mesh, compile=False, loss_chunk=40)
     stock = StockFsdp2Step(model, **kw)
-    tuned = StockTunedStep(tuned_model, **kw)
+    tuned = StockTunedStep(tuned_model, **kw, **options)
     with pytest.raises(ValueError, match="one of"):
         tuned.set_policies(["full"])  # one policy per block
     tuned.set_policies(policies)
@@ -86,19 +86,26 @@ def _tuned_equals_stock(rank, world_size, device, policies: list[str]) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("policies", [["full", "selective", "none"], ["selective", "selective", "none"]])
-def test_tuned_stock_step_equals_the_stock_step_on_two_ranks(policies):
-    spawn(_tuned_equals_stock, 2, policies, timeout_s=150)
+@pytest.mark.parametrize(
+    "policies, options",
+    [
+        (["full", "selective", "none"], {}),
+        (["selective", "selective", "none"], {"sac_matmuls": "all", "reshard": "never"}),
+    ],
+)
+def test_tuned_stock_step_equals_the_stock_step_on_two_ranks(policies, options):
+    spawn(_tuned_equals_stock, 2, policies, options, timeout_s=150)
 
 
 def test_the_selective_policy_recomputes_every_second_matmul_and_no_attention():
+    """Backward of a selective block reruns every second matmul (none with stride 1) and no attention."""
     cfg = get_config("debug").replace(context_length=32)
     torch.manual_seed(0)
     block = BasicsTransformerLM.from_config(cfg, attention_impl="sdpa").layers[0]
     x = torch.randn(2, cfg.context_length, cfg.d_model, requires_grad=True)
     counts = {}
-    for policy in ("none", "selective", "full"):
-        y = PolicyBlock(block, policy)(x)
+    for policy, stride in (("none", 2), ("selective", 2), ("full", 2), ("selective_all", 1)):
+        y = PolicyBlock(block, policy.removesuffix("_all"), stride)(x)
         with _OpLog() as log:
             y.sum().backward()
         counts[policy] = (log.names.count("aten::mm"), sum("scaled_dot_product" in n for n in log.names))
@@ -106,6 +113,7 @@ def test_the_selective_policy_recomputes_every_second_matmul_and_no_attention():
     # once backward's inputs exist), "selective" the 2nd, 4th and 6th (k, the output projection, w3)
     assert counts["full"][0] == counts["none"][0] + 6
     assert counts["selective"][0] == counts["none"][0] + 3
+    assert counts["selective_all"] == counts["none"]  # every matmul output kept: only elementwise work
     assert counts["selective"][1] == counts["none"][1]  # the attention's forward is not rerun
     assert counts["full"][1] > counts["none"][1]
 
@@ -169,3 +177,14 @@ def test_our_entry_runs_only_our_attention(compiled, monkeypatch):
     code = "\n".join(graphs)
     assert graphs and "scaled_dot_product" not in code
     assert "torch.ops.cs336.flash_attn_fwd" in code and "torch.ops.cs336.flash_attn_bwd" in code
+
+
+def test_bad_tuned_options_fail_before_any_work():
+    from cs336_systems.studies.training.leaderboard import LeaderboardRunConfig
+
+    with pytest.raises(ValueError, match="--tuned-sac"):
+        LeaderboardRunConfig(size="debug", tuned_sac="some")
+    with pytest.raises(ValueError, match="--tuned-reshard"):
+        LeaderboardRunConfig(size="debug", tuned_reshard="always")
+    with pytest.raises(ValueError, match="sac_matmuls"):
+        StockTunedStep(BasicsTransformerLM(**SMALL), param_mode="fp32", mesh=None, sac_matmuls="half")

@@ -102,7 +102,12 @@ from cs336_systems.studies.training.leaderboard_rows import (
     parse_variant,
     sdpa_backend,  # noqa: F401 (re-exported)
 )
-from cs336_systems.studies.training.leaderboard_stock import StockFsdp2Step, StockTunedStep
+from cs336_systems.studies.training.leaderboard_stock import (
+    RESHARD,
+    SAC_MATMULS,
+    StockFsdp2Step,
+    StockTunedStep,
+)
 from cs336_systems.training import LeaderboardConfig, build_leaderboard_step
 
 MODULE = "cs336_systems.studies.training.leaderboard"
@@ -123,6 +128,8 @@ class LeaderboardRunConfig:
     attention: str = "flash_triton"  # ours; "sdpa_cudnn" / "sdpa" are experiments, not valid entries
     checkpoint_blocks: str = "auto"
     keep_attention: bool = True
+    tuned_sac: str = "every_second"  # stock_tuned: which matmul outputs a selective block keeps
+    tuned_reshard: str = "after_forward"  # stock_tuned: FSDP2 resharding after forward, or "never"
     loss_chunk: int = 4096
     compile: bool = True
     overlap: bool = True
@@ -148,6 +155,10 @@ class LeaderboardRunConfig:
             raise ValueError(f"unknown param modes or paths {sorted(unknown)}")
         if self.checkpoint_blocks != "auto" and not (self.checkpoint_blocks.isdigit()):
             raise ValueError(f"--checkpoint-blocks must be 'auto' or a count, got {self.checkpoint_blocks!r}")
+        if self.tuned_sac not in SAC_MATMULS or self.tuned_reshard not in RESHARD:
+            raise ValueError(
+                f"--tuned-sac must be one of {tuple(SAC_MATMULS)}, --tuned-reshard one of {RESHARD}"
+            )
         if self.rep_ms <= 0 or self.warmup_ms < 0 or self.estimate_calls < 1:
             raise ValueError("--rep-ms must be > 0, --warmup-ms >= 0, --estimate-calls >= 1")
         if not self.variants:
@@ -178,8 +189,9 @@ def build_path(cfg: LeaderboardRunConfig, label: str, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        tuned = dict(sac_matmuls=cfg.tuned_sac, reshard=cfg.tuned_reshard) if path == "stock_tuned" else {}
         stock = STOCK_STEPS[path](
-            model, param_mode=mode, mesh=mesh, compile=cfg.compile, loss_chunk=cfg.loss_chunk
+            model, param_mode=mode, mesh=mesh, compile=cfg.compile, loss_chunk=cfg.loss_chunk, **tuned
         )
         return stock, mcfg
     k = layers if cfg.checkpoint_blocks == "auto" else int(cfg.checkpoint_blocks)
@@ -380,6 +392,14 @@ def _parser():
         default=d.keep_attention,
         help="ours: recomputed blocks keep the attention's outputs (selective checkpointing)",
     )
+    p.add_argument(
+        "--tuned-sac", choices=list(SAC_MATMULS), default=d.tuned_sac,
+        help="stock_tuned: matmul outputs a selectively checkpointed block keeps",
+    )  # fmt: skip
+    p.add_argument(
+        "--tuned-reshard", choices=list(RESHARD), default=d.tuned_reshard,
+        help="stock_tuned: FSDP2 frees gathered weights after forward (not the last block), or never",
+    )  # fmt: skip
     p.add_argument("--loss-chunk", type=int, default=d.loss_chunk, help="tokens per LM-head + loss chunk")
     p.add_argument("--compile", type=cli.boolean, default=d.compile, help="compile each block (every path)")
     p.add_argument(
@@ -428,7 +448,8 @@ def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.D
             size=args.size, layers=tuple(args.layers), context_length=args.context_length,
             batch_per_rank=args.batch_per_rank, param_modes=tuple(args.param_modes), paths=tuple(args.paths),
             attention=args.attention, checkpoint_blocks=args.checkpoint_blocks,
-            keep_attention=args.keep_attention, loss_chunk=args.loss_chunk,
+            keep_attention=args.keep_attention, loss_chunk=args.loss_chunk, tuned_sac=args.tuned_sac,
+            tuned_reshard=args.tuned_reshard,
             compile=args.compile, overlap=args.overlap, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
             estimate_calls=args.estimate_calls, trace=args.trace, margin_gib=args.margin_gib, cold=args.cold,
             backend=args.backend,

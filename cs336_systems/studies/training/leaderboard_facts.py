@@ -79,7 +79,11 @@ def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
         c.get("run_id") or f"{r.git_sha}:{r.x_value}" for c, r in zip(configs, steps.itertuples())
     ]
     steps["attention"] = [c.get("attention", "") for c in configs]
-    steps["kept"] = [c.get("keep_attention", False) for c in configs]  # runs before the option: whole blocks
+    steps["kept"] = [c.get("keep_attention", False) for c in configs]
+    steps["tuned_sac"] = [c.get("tuned_sac", "every_second") for c in configs]  # runs before the options
+    steps["tuned_reshard"] = [
+        c.get("tuned_reshard", "after_forward") for c in configs
+    ]  # runs before the option: whole blocks
     steps["batch"] = [
         int(r.x_value) * int(c.get("batch_per_rank", 1)) for c, r in zip(configs, steps.itertuples())
     ]
@@ -114,7 +118,9 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
             "device": first.gpu_name, "config": name, "mode": dtype, "GPUs": int(first.x_value),
             "batch": int(first.batch), "attention of ours": first.attention,
             "recompute": "all but attention" if first.kept else "whole block",
-            "valid": first.attention == VALID_ATTENTION, "git": str(first.git_sha)[:10],
+            "valid": first.attention == VALID_ATTENTION,
+            "tuned_sac": first.tuned_sac,
+            "tuned_reshard": first.tuned_reshard, "git": str(first.git_sha)[:10],
             "timestamp": g.timestamp.max(),
         }  # fmt: skip
         for path in PATH_ORDER:

@@ -19,11 +19,12 @@ Precision, in the same mode as ours (`PARAM_MODES` of cs336_systems.distributed.
 
 `StockTunedStep` ("stock_tuned") is the recipe a skilled PyTorch user runs (torchtitan's choices):
 * FSDP2 per block and on the root, blocks resharded after forward except the last (its backward comes
-  first, so gathering it again would only wait);
+  first, so gathering it again would only wait), or with `reshard="never"` none (the gathered weights
+  kept until backward: no second all-gather, ZeRO-2's memory);
 * per block one of three activation-checkpointing policies ([Note: the tuned stock recompute plan]):
   "full" (the whole block recomputed), "selective" (torch's selective checkpointing,
   `create_selective_checkpoint_contexts`: the attention's outputs and every second matmul's output
-  saved, everything else recomputed) or "none"; as few blocks recomputed, and as cheaply, as memory
+  saved, or with `sac_matmuls="all"` every matmul's, everything else recomputed) or "none"; as few blocks recomputed, and as cheaply, as memory
   allows, planned from measured peaks;
 * every block compiled with its checkpoint inside the compiled graph (so the partitioner honours the
   selective policy); SDPA with the backend PyTorch picks (cuDNN at the 8B shape on Hopper, recorded
@@ -41,6 +42,7 @@ it removes the most recompute (the matmuls), "none" then removes the cheap eleme
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -153,6 +155,7 @@ class StockFsdp2Step:
 # --------------------------------------------------------------------------------------------------
 
 POLICIES = ("full", "selective", "none")
+RESHARD = ("after_forward", "never")
 SAVED_ATTENTION = tuple(
     op
     for name in (
@@ -166,9 +169,13 @@ SAVED_ATTENTION = tuple(
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
 
 
-def selective_context():
-    """`context_fn` of torchtitan's operator-level selective checkpointing: the attention's outputs and
-    every second matmul's output saved (the first, third, ... in each pass), everything else recomputed."""
+SAC_MATMULS = {"every_second": 2, "all": 1}  # which matmul outputs a selective block keeps: every k-th
+
+
+def selective_context(stride: int = 2):
+    """`context_fn` of operator-level selective checkpointing: the attention's outputs and every
+    `stride`-th matmul's output saved (the 1st, (1 + stride)-th, ... in each pass; torchtitan's default
+    is 2, 1 keeps them all), everything else recomputed."""
     seen = {False: 0, True: 0}  # matmuls met in the forward pass and in the recompute
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -176,7 +183,7 @@ def selective_context():
             return CheckpointPolicy.MUST_SAVE
         if op in MATMULS:
             seen[ctx.is_recompute] += 1
-            if seen[ctx.is_recompute] % 2 == 1:
+            if seen[ctx.is_recompute] % stride == 1 % stride:
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -187,15 +194,16 @@ class PolicyBlock(nn.Module):
     """A block run under one of `POLICIES` (`policy`, changed between steps; compiled, it keeps one
     graph per policy)."""
 
-    def __init__(self, block: nn.Module, policy: str = "full"):
+    def __init__(self, block: nn.Module, policy: str = "full", stride: int = 2):
         super().__init__()
         self.block, self.policy = block, policy
+        self.context = functools.partial(selective_context, stride)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.policy == "none":
             return self.block(x)
         if self.policy == "selective":
-            return checkpoint(self.block, x, use_reentrant=False, context_fn=selective_context)
+            return checkpoint(self.block, x, use_reentrant=False, context_fn=self.context)
         return checkpoint(self.block, x, use_reentrant=False)
 
 
@@ -213,17 +221,28 @@ def recompute_plan(layers: int, room: float, kept_selective: float, kept_none: f
 class StockTunedStep(StockFsdp2Step):
     """The tuned stock step (module docstring): `policies` per block, `set_policies`, `plan(...)`."""
 
-    def __init__(self, model: BasicsTransformerLM, **kwargs):
+    def __init__(
+        self, model: BasicsTransformerLM, *, sac_matmuls: str = "every_second", reshard: str = "after_forward",
+        **kwargs,
+    ):  # fmt: skip
+        if sac_matmuls not in SAC_MATMULS or reshard not in RESHARD:
+            raise ValueError(
+                f"sac_matmuls must be one of {tuple(SAC_MATMULS)} and reshard one of {RESHARD}, "
+                f"got {sac_matmuls!r}, {reshard!r}"
+            )
         self.blocks: list[PolicyBlock] = []
+        self.stride, self.reshard = SAC_MATMULS[sac_matmuls], reshard
         super().__init__(model, **kwargs)
 
     def _wrap_block(self, block: nn.Module, compile: bool) -> nn.Module:
-        wrapped = PolicyBlock(block)
+        wrapped = PolicyBlock(block, stride=self.stride)
         self.blocks.append(wrapped)
         return torch.compile(wrapped) if compile else wrapped  # the checkpoint inside the compiled graph
 
     def _reshard(self, index: int, layers: int) -> bool:
-        return index < layers - 1  # the last block's backward comes first
+        # "after_forward": every block but the last (its backward comes first); "never": gathered
+        # weights kept from forward to backward (ZeRO-2-like memory, no second all-gather)
+        return self.reshard == "after_forward" and index < layers - 1
 
     @property
     def policies(self) -> list[str]:
