@@ -255,7 +255,9 @@ def test_training_leaderboard_facts_on_the_committed_run():
     head = facts["headline"]
     runs = pd.DataFrame(facts["runs"])
     same = runs[(runs.git == head["git"]) & (runs.GPUs == head["GPUs"]) & (runs.device == head["device"])]
-    assert head["ratio"] == pytest.approx(head["ours_ms"] / head["stock_ms"])  # do_bench's statistic: the mean
+    assert head["ratio"] == pytest.approx(
+        head["ours_ms"] / head["stock_ms"]
+    )  # do_bench's statistic: the mean
     assert head["ratio_tuned"] == pytest.approx(head["ours_ms"] / head["stock_tuned_ms"])
     assert head["ours_ms"] in set(same.ours_ms) and head["valid"]
     assert head["meets_tuned"] == (head["ratio_tuned"] <= results.GOAL_TUNED)

@@ -342,11 +342,11 @@ def test_facts_on_the_committed_runs():
 def test_a_profile_without_gpu_events_is_not_measured_and_an_earlier_profile_stands_in(tmp_path):
     """A run whose profiler saw no GPU activity records its communication as not measured (never 0);
     the timeline and the quoted communication then come from the latest run that was profiled."""
-    from cs336_systems.studies.training import leaderboard as study
     from cs336_systems.studies.training import leaderboard_facts as results
+    from cs336_systems.studies.training import leaderboard_rows as study
 
-    assert study._missing_note("comm_ms", math.nan) == study.NO_GPU_PROFILE
-    assert study._missing_note("comm_ms", 0.0) == "" and study._missing_note("tflops", math.nan) == ""
+    assert study.missing_note("comm_ms", math.nan) == study.NO_GPU_PROFILE
+    assert study.missing_note("comm_ms", 0.0) == "" and study.missing_note("tflops", math.nan) == ""
     earlier = [_row("ours", "comm_ms", 800.0), _row("ours", "comm_exposed_ms", 12.0)]
     for r in earlier:
         r["git_sha"], r["timestamp"] = "a" * 40, "2026-11-26T00:00:00"

@@ -93,14 +93,10 @@ from cs336_systems.studies.training.leaderboard_facts import (
     facts,  # noqa: F401 (the study's facts, kept beside its tables)
 )
 from cs336_systems.studies.training.leaderboard_rows import (
-    NO_GPU_PROFILE,  # noqa: F401 (re-exported)
-    _missing_note,  # noqa: F401 (re-exported)
-    _rows,
     failure_rows,
     finish_rows,
-    measured_matmul_peak,  # noqa: F401 (re-exported)
     parse_variant,
-    sdpa_backend,  # noqa: F401 (re-exported)
+    variant_rows,
 )
 from cs336_systems.studies.training.leaderboard_stock import (
     RESHARD,
@@ -291,7 +287,7 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     if result["phases"].get("backward"):
         backward = statistics.median(result["phases"]["backward"])
         extra["recompute_ms"] = ("ms", recompute_ms(path, plan, backward, layers))
-    return _rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device)
+    return variant_rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device)
 
 
 STUDY = runner.Study(

@@ -1,6 +1,6 @@
-"""The training_leaderboard rows (measured by `cs336_systems.studies.training.leaderboard`): the
-comparison and breakdown tables, the memory-plan table, the step timeline, and `facts()`, the numbers
-notebook 41 quotes. Reads rows (and the saved trace) only.
+"""The training_leaderboard rows (measured by `cs336_systems.studies.training.leaderboard`): every
+run (`runs_table`), the per-path components of one run (`components_table`), the step timeline, and
+`facts()`, the numbers notebook 41 quotes. Reads rows (and the saved trace) only.
 
 The step time of a path is do_bench's statistic, the mean of the timed calls (each at its slowest
 rank); p50 is kept beside it. A configuration is (name = "<size>:<layers>L", dtype = param mode,
@@ -25,15 +25,9 @@ from pathlib import Path
 import pandas as pd
 
 from cs336_systems.measure.provenance import provenance
-from cs336_systems.measure.results import latest_run
 from cs336_systems.measure.traces import load_trace
-from cs336_systems.model import get_config
 from cs336_systems.studies.distributed import trace_plot
-from cs336_systems.studies.training.leaderboard_memory import GiB, memory_plan
 
-KEYS = ("name", "impl", "dtype", "world_size", "x_name", "x_value", "metric")
-PHASE_METRICS = ("forward_ms", "backward_ms", "optimizer_step_ms")
-GOAL_RATIO = 0.85  # the first goal: ours at most 0.85x the stock step time (the runs before stock_tuned)
 GOALS = {  # GPU kind: ours / stock at most ([Note: the valid entry])
     "NVIDIA H200": 0.80,
     "NVIDIA H100 80GB HBM3": 0.85,
@@ -47,14 +41,6 @@ TIME_LIMIT_S = 600.0  # the protocol's limit of a run from empty caches
 PROBLEM = "training_leaderboard"
 
 
-def latest(df: pd.DataFrame) -> pd.DataFrame:
-    """The most recent row of every (configuration, path, metric), a configuration including its
-    world size (column `world_size`: x_value of the per-run rows, the run's for per-rank rows)."""
-    if df.empty:
-        return df
-    return latest_run(with_world_size(df), keys=KEYS)
-
-
 def with_world_size(df: pd.DataFrame) -> pd.DataFrame:
     per_run = df.x_name == "world_size"
     from_config = [_config(r).get("world_size", math.nan) for r in df.itertuples()]
@@ -64,11 +50,6 @@ def with_world_size(df: pd.DataFrame) -> pd.DataFrame:
 
 def _config(row) -> dict:
     return json.loads(row.config_json) if isinstance(row.config_json, str) and row.config_json else {}
-
-
-def _last_mean(rows: pd.DataFrame, metric: str) -> float:
-    sel = rows[rows.metric == metric]["mean"]
-    return float(sel.iloc[-1]) if len(sel) else math.nan
 
 
 def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
@@ -183,26 +164,6 @@ def components_table(df: pd.DataFrame, run: dict) -> pd.DataFrame:
         rec["mfu"] = _run_metric(df, g, path, "mfu_datasheet")
         out.append(rec)
     return pd.DataFrame(out)
-
-
-def memory_plan_table(
-    size: str, layers: int, world_size: int, batch: int, loss_chunk: int = 4096
-) -> pd.DataFrame:
-    """The memory plan of `leaderboard_memory` as a (quantity, GiB) table."""
-    cfg = get_config(size, num_layers=layers)
-    plan = memory_plan(cfg, batch=batch, world_size=world_size, loss_chunk=loss_chunk)
-    labels = {
-        "state_ours_bf16": "ours, bf16: weights + AdamW shard",
-        "state_stock_bf16": "stock FSDP2, bf16: (weights + grads + AdamW) / N",
-        "state_ours_fp32_master": "ours, fp32 master: bf16 weights + (master, m, v) shard",
-        "state_stock_fp32_master": "stock FSDP2, fp32 master: (weights + grads + AdamW) / N",
-        "block_input": "one block input (checkpoint)",
-        "block_inputs": f"all {layers} block inputs",
-        "block_saved": "one unchecked block's saved activations (eager, flash-like attention)",
-        "logits_bf16": "the full logits of the rank's batch (never materialised)",
-    }
-    rows = [{"quantity": text, "GiB": plan[key] / GiB} for key, text in labels.items()]
-    return pd.DataFrame(rows)
 
 
 def latest_profiled(df: pd.DataFrame, mode: str | None = None, world_size: int | None = None) -> pd.DataFrame:

@@ -34,7 +34,7 @@ def _keys(cfg, label: str, world_size: int) -> dict[str, Any]:
 NO_GPU_PROFILE = "the profiler recorded no GPU activity (CUPTI unavailable): not measured"
 
 
-def _missing_note(metric: str, value: float) -> str:
+def missing_note(metric: str, value: float) -> str:
     if not math.isnan(value):
         return ""
     if metric.startswith("comm"):
@@ -42,7 +42,7 @@ def _missing_note(metric: str, value: float) -> str:
     return "not estimated here ([Note: the recompute estimate])" if metric == "recompute_ms" else ""
 
 
-def _rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device) -> list[dict]:
+def variant_rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device) -> list[dict]:
     """step / phase rows (ms per timed call), throughput and MFU, peak memory per rank, `extra`."""
     keys = _keys(cfg, label, world)
     bench = {k: result[k] for k in ("estimate_ms", "n_warmup", "n_repeat", "calls")}
@@ -59,7 +59,7 @@ def _rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device) -> 
     if (datasheet := peak_flops(device_name(device), "bf16")) is not None:
         extra["mfu_datasheet"] = ("fraction", flops / mean_s / datasheet)
     rows += [
-        make_row(metric=m, unit=u, value=float(v), note=_missing_note(m, v), **at, **keys)
+        make_row(metric=m, unit=u, value=float(v), note=missing_note(m, v), **at, **keys)
         for m, (u, v) in extra.items()
     ]
     rows += [

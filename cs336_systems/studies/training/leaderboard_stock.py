@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from cs336_systems.model import BasicsTransformerLM
+from cs336_systems.model.checkpointing import is_kept_attention
 
 
 def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
@@ -156,16 +157,6 @@ class StockFsdp2Step:
 
 POLICIES = ("full", "selective", "none")
 RESHARD = ("after_forward", "never")
-SAVED_ATTENTION = tuple(
-    op
-    for name in (
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
-)
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
 
 
@@ -179,7 +170,7 @@ def selective_context(stride: int = 2):
     seen = {False: 0, True: 0}  # matmuls met in the forward pass and in the recompute
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in SAVED_ATTENTION:
+        if is_kept_attention(op):  # the attention core's outputs, as in model.checkpointing
             return CheckpointPolicy.MUST_SAVE
         if op in MATMULS:
             seen[ctx.is_recompute] += 1
