@@ -205,7 +205,13 @@ if len(runs):
         GPUs=runs.GPUs.astype(str)
         + " x "
         + runs.device.str.removeprefix("NVIDIA ").str.removesuffix(" 80GB HBM3"),
-        recompute=runs.recompute.map({"all but attention": "keeps attn.", "whole block": "whole"}),
+        recompute=runs.recompute.map(
+            {
+                "all but attention": "keeps attn.",
+                "attention or matmuls kept": "keeps attn. (+ mm)",
+                "whole block": "whole",
+            }
+        ),
         git=runs.git.str[:7],
     )
     show_table(

@@ -17,6 +17,7 @@ from cs336_systems.model import (
 )
 from cs336_systems.model.checkpointing import (
     KEPT_ATTENTION_OPS,
+    MATMUL_OPS,
     activation_peak_model,
     checkpoint_keeping_attention,
     checkpoint_sub_blocks,
@@ -198,9 +199,11 @@ class _CountKeptOps(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls = 0
+        self.matmuls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += is_kept_attention(func)
+        self.matmuls += func in MATMUL_OPS
         return func(*args, **(kwargs or {}))
 
 
@@ -233,9 +236,34 @@ def test_keeping_the_attention_skips_only_its_recompute(keep, attention):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
-def test_keeping_the_attention_holds_under_compile(attention):
+def test_keeping_the_matmuls_too_recomputes_no_matmul(attention):
+    """With `matmuls=True` backward runs only the gradients' matmuls, two per forward matmul (input and
+    weight gradient); keeping only the attention recomputes the projections too. Gradients exact."""
+    block, x = _block_and_input(attention)
+    forward = _CountKeptOps()
+    with forward:
+        y = block(x)
+    expected = _grads(block, y, x)
+    backward = {}
+    for matmuls in (False, True):
+        y = checkpoint_keeping_attention(block.forward, x, matmuls=matmuls)
+        counter = _CountKeptOps()
+        with counter:
+            grads = _grads(block, y, x)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+        assert counter.calls == 0
+        backward[matmuls] = counter.matmuls
+    assert forward.matmuls >= 7  # q, k, v, output, and the MLP's three projections
+    assert backward[True] == 2 * forward.matmuls
+    assert backward[False] > backward[True]
+
+
+@pytest.mark.parametrize("matmuls", [False, True])
+@pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
+def test_keeping_the_attention_holds_under_compile(attention, matmuls):
     """Compiled with the checkpoint inside (as the leaderboard step does), the partitioner keeps the
-    attention's outputs: its backward graph has no attention forward, and the gradients match eager."""
+    attention's outputs: its backward graph has no attention forward, and the gradients match eager;
+    with `matmuls` its backward has only the gradients' matmuls (two per forward matmul)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -251,7 +279,9 @@ def test_keeping_the_attention_holds_under_compile(attention):
     block, x = _block_and_input(attention)
     expected = _grads(block, block(x), x)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda t: checkpoint_keeping_attention(block.forward, t), backend=backend)
+    compiled = torch.compile(
+        lambda t: checkpoint_keeping_attention(block.forward, t, matmuls=matmuls), backend=backend
+    )
     grads = _grads(block, compiled(x), x)
     torch._dynamo.reset()
     assert len(graphs) == 2
@@ -266,5 +296,7 @@ def test_keeping_the_attention_holds_under_compile(attention):
     backward_ops = {op.removesuffix(".default") + "_backward.default" for op in kept}
     backward_ops.add("cs336.flash_attn_bwd.default")
     assert any(op in backward_ops for op in ops(backward_graph))
+    mms = [sum(op.startswith(("aten.mm.", "aten.bmm.", "aten.addmm.")) for op in ops(g)) for g in graphs]
+    assert (mms[1] == 2 * mms[0]) == matmuls, mms
     for a, b in zip(grads, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

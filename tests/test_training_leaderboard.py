@@ -74,8 +74,9 @@ def _reference(model: BasicsTransformerLM, mode: str, x, y) -> list[float]:
 
 
 def _compare(
-    rank, world_size, device, mode: str, attention: str, compile_blocks: bool, keep_attention: bool = True
-) -> None:
+    rank, world_size, device, mode: str, attention: str, compile_blocks: bool, keep_attention: bool = True,
+    keep_matmuls: bool = False,
+) -> None:  # fmt: skip
     torch.manual_seed(0)
     ref = BasicsTransformerLM(**SMALL, attention_impl="sdpa", device=device)
     ours = copy.deepcopy(ref)
@@ -87,6 +88,7 @@ def _compare(
         compile=compile_blocks,
         checkpoint_blocks=1,  # one block recomputed, one not
         keep_attention=keep_attention,
+        matmul_blocks=int(keep_matmuls),  # the recomputed block keeps its matmuls
         loss_chunk=100,  # ragged chunks: 256 = 100 + 100 + 56
         lr=LR,
         eps=EPS[mode],
@@ -121,10 +123,10 @@ def test_leaderboard_step_on_two_ranks_matches_the_single_process_step(mode, mon
     spawn(_compare, 2, mode, "sdpa", False, timeout_s=200)
 
 
-@pytest.mark.parametrize("keep_attention", [True, False])
-def test_leaderboard_step_without_a_process_group_matches_too(keep_attention):
+@pytest.mark.parametrize("keep_attention,keep_matmuls", [(True, False), (True, True), (False, False)])
+def test_leaderboard_step_without_a_process_group_matches_too(keep_attention, keep_matmuls):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _compare(0, 1, device, "fp32", "sdpa", False, keep_attention)
+    _compare(0, 1, device, "fp32", "sdpa", False, keep_attention, keep_matmuls)
 
 
 def test_leaderboard_config_rejects_bad_values():
@@ -132,6 +134,10 @@ def test_leaderboard_config_rejects_bad_values():
         LeaderboardConfig(param_mode="fp16")
     with pytest.raises(ValueError, match="checkpoint_blocks"):
         LeaderboardConfig(checkpoint_blocks=-1)
+    with pytest.raises(ValueError, match="matmul_blocks needs keep_attention"):
+        LeaderboardConfig(keep_attention=False, checkpoint_blocks=2, matmul_blocks=1)
+    with pytest.raises(ValueError, match="matmul_blocks must be in"):
+        LeaderboardConfig(checkpoint_blocks=2, matmul_blocks=3)
 
 
 @pytest.mark.gpu
@@ -139,7 +145,7 @@ def test_leaderboard_config_rejects_bad_values():
 @pytest.mark.parametrize("attention", ["flash_triton", "sdpa", "sdpa_cudnn"])
 def test_leaderboard_step_on_one_gpu_compiled_matches_the_reference_gpu(attention):
     """The real path on one GPU (NCCL, one rank): compiled blocks, our attention, side-stream updates."""
-    spawn(_compare, 1, "bf16", attention, True, backend="nccl", timeout_s=500)
+    spawn(_compare, 1, "bf16", attention, True, True, attention != "sdpa", backend="nccl", timeout_s=500)
 
 
 @pytest.mark.multigpu

@@ -7,8 +7,9 @@ that `BasicsTransformerLM.set_block_runner` accepts:
   `torch.utils.checkpoint.checkpoint` region (what `set_checkpointing(k)` does inside the model).
 * `checkpoint_sub_blocks(blocks, x)`: one level below the block: the attention half
   `x + attn(ln1 x)` and the MLP half `h + ffn(ln2 h)` of every block are separate regions.
-* `checkpoint_keeping_attention(fn, x)`: selective checkpointing of one region: backward recomputes
-  everything in `fn` except the attention core, whose outputs are kept ([Note: keeping the attention]).
+* `checkpoint_keeping_attention(fn, x, matmuls=False)`: selective checkpointing of one region: backward
+  recomputes everything in `fn` except the attention core, whose outputs are kept ([Note: keeping the
+  attention]), and with `matmuls` except every matmul too ([Note: keeping the matmuls too]).
 * `checkpoint_recursive(blocks, x)`: nested bisection (a binary tree of checkpoints), the O(log N)
   memory / O(N log N) compute scheme (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
   Cost", https://arxiv.org/abs/1604.06174, section 4.1 and its recursive variant).
@@ -37,6 +38,7 @@ the model has none (no dropout). Attribution relies on autograd nodes' `_saved_*
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -121,6 +123,13 @@ KEPT_ATTENTION_OPS = tuple(
     )
     if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
 )
+# [Note: keeping the matmuls too]
+# With `matmuls=True` the checkpoint also keeps every matmul's output (the q, k, v, output and MLP
+# projections), so backward recomputes only elementwise work: the norms, RoPE and SwiGLU's product,
+# memory-bound passes of a few ms per block at the 8B shape instead of the projections' matmuls. It
+# keeps more bytes per block (the projections' outputs), so fewer blocks fit unchecked; a planner that
+# measures both trades them (torchtitan's "selective" checkpointing keeps every second matmul by default).
+MATMUL_OPS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
 
 
 def is_kept_attention(op) -> bool:
@@ -132,14 +141,22 @@ def _keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if is_kept_attention(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def keep_attention_context():
-    """`context_fn` of a checkpoint that keeps the attention core's outputs ([Note: keeping the attention])."""
-    return create_selective_checkpoint_contexts(_keep_attention_policy)
+def _keep_attention_and_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    kept = is_kept_attention(op) or op in MATMUL_OPS
+    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_keeping_attention(fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
-    """`fn(*args)`, recomputed in backward except its attention core ([Note: keeping the attention])."""
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=keep_attention_context)
+def keep_attention_context(matmuls: bool = False):
+    """`context_fn` of a checkpoint that keeps the attention core's outputs ([Note: keeping the
+    attention]) and, with `matmuls`, every matmul's ([Note: keeping the matmuls too])."""
+    policy = _keep_attention_and_matmuls_policy if matmuls else _keep_attention_policy
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_keeping_attention(fn: Callable[..., Tensor], *args: Tensor, matmuls: bool = False) -> Tensor:
+    """`fn(*args)`, recomputed in backward except its attention core (and with `matmuls` its matmuls)."""
+    context = functools.partial(keep_attention_context, matmuls) if matmuls else keep_attention_context
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context)
 
 
 def checkpoint_recursive(blocks: Sequence[nn.Module], x: Tensor, min_blocks: int = 1) -> Tensor:

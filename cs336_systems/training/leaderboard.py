@@ -20,8 +20,10 @@ calling it runs the protocol's step on this rank's batch:
   training/step.py), and the first `checkpoint_blocks` blocks recomputed in backward, the rest keeping
   their activations. With `keep_attention` (the default) a recomputed block keeps its attention core's
   outputs and backward recomputes only the rest (a selective checkpoint compiled with the block,
-  [Note: keeping the attention] in model/checkpointing.py); without it the whole compiled block is
-  recomputed. `set_checkpoint_blocks` changes the count without recompiling.
+  [Note: keeping the attention] in model/checkpointing.py); the last `matmul_blocks` of them keep
+  every matmul's output too, so only their elementwise work is recomputed ([Note: keeping the
+  matmuls too]); without `keep_attention` the whole compiled block is recomputed.
+  `set_checkpoint_blocks(k, m)` changes the counts (a policy's compiled graph is made at its first use).
 * Streams: forward and backward run on a stream of the highest priority, the unit updates on
   ZeroAdamW's side stream ([Note: stream priorities] in training/step.py).
 
@@ -66,6 +68,7 @@ class LeaderboardConfig:
     compile: bool = True  # torch.compile each block
     checkpoint_blocks: int = 0  # the first k blocks are recomputed in backward
     keep_attention: bool = True  # recomputed blocks keep the attention core's outputs
+    matmul_blocks: int = 0  # of those, the last m also keep every matmul's output
     fused_loss: bool = True
     loss_chunk: int | None = None  # tokens per LM-head chunk (None: the kernel's default)
     overlap: bool = True  # reduce-scatter / update / all-gather of a unit from inside backward
@@ -79,6 +82,14 @@ class LeaderboardConfig:
             raise ValueError(f"param_mode must be one of {tuple(PARAM_MODES)}, got {self.param_mode!r}")
         if self.checkpoint_blocks < 0:
             raise ValueError(f"checkpoint_blocks must be >= 0, got {self.checkpoint_blocks}")
+        if not 0 <= self.matmul_blocks <= self.checkpoint_blocks:
+            raise ValueError(
+                f"matmul_blocks must be in [0, checkpoint_blocks = {self.checkpoint_blocks}], got {self.matmul_blocks}"
+            )
+        if self.matmul_blocks and not self.keep_attention:
+            raise ValueError(
+                "matmul_blocks needs keep_attention (a block that keeps its matmuls keeps its attention)"
+            )
         if self.loss_chunk is not None and self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be positive, got {self.loss_chunk}")
 
@@ -96,22 +107,26 @@ def transformer_units(model: BasicsTransformerLM) -> list[tuple[str, list[nn.Par
 
 
 class KeepAttentionBlock(nn.Module):
-    """One block recomputed in backward except its attention core (compile this module, not the block
-    inside: the selective checkpoint has to be part of the compiled graph)."""
+    """One block recomputed in backward except its attention core, and with `matmuls` its matmuls
+    (compile this module, not the block inside: the selective checkpoint has to be part of the
+    compiled graph)."""
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, matmuls: bool = False):
         super().__init__()
-        self.block = block
+        self.block, self.matmuls = block, matmuls
 
     def forward(self, x: Tensor) -> Tensor:
-        return checkpoint_keeping_attention(self.block.forward, x)
+        return checkpoint_keeping_attention(self.block.forward, x, matmuls=self.matmuls)
 
 
-def checkpointed_regions(blocks: nn.ModuleList, cfg: LeaderboardConfig) -> list[Callable[[Tensor], Tensor]]:
-    """Per block, what runs it when it is recomputed in backward (module docstring, "Blocks")."""
+def checkpointed_regions(
+    blocks: nn.ModuleList, cfg: LeaderboardConfig, matmuls: bool = False
+) -> list[Callable[[Tensor], Tensor]]:
+    """Per block, what runs it when it is recomputed in backward (module docstring, "Blocks"); with
+    `matmuls`, the regions that keep the matmuls' outputs too."""
     if not cfg.keep_attention:
         return [functools.partial(checkpoint, block, use_reentrant=False) for block in blocks]
-    regions = [KeepAttentionBlock(block) for block in blocks]
+    regions = [KeepAttentionBlock(block, matmuls) for block in blocks]
     if cfg.compile:
         for region in regions:
             region.compile()
@@ -119,14 +134,20 @@ def checkpointed_regions(blocks: nn.ModuleList, cfg: LeaderboardConfig) -> list[
 
 
 class _PartlyCheckpointed:
-    """Block runner: the first `k` blocks run by their checkpointed region, the others plainly."""
+    """Block runner: the first `k - m` blocks by their recomputed region, the next `m` by their region
+    that keeps the matmuls too, the others plainly."""
 
-    def __init__(self, k: int, regions: list[Callable[[Tensor], Tensor]]):
-        self.k, self.regions = k, regions
+    def __init__(self, k: int, m: int, regions: list, matmul_regions: list):
+        self.k, self.m, self.regions, self.matmul_regions = k, m, regions, matmul_regions
 
     def __call__(self, blocks: nn.ModuleList, x: Tensor) -> Tensor:
         for i, block in enumerate(blocks):
-            x = self.regions[i](x) if i < self.k else block(x)
+            if i < self.k - self.m:
+                x = self.regions[i](x)
+            elif i < self.k:
+                x = self.matmul_regions[i](x)
+            else:
+                x = block(x)
         return x
 
 
@@ -137,6 +158,7 @@ class LeaderboardStep:
     cfg: LeaderboardConfig
     stream: torch.cuda.Stream | None = None
     regions: list[Callable[[Tensor], Tensor]] = field(default_factory=list)  # per block, recomputed
+    matmul_regions: list[Callable[[Tensor], Tensor]] = field(default_factory=list)  # ... keeping matmuls
 
     def on_stream(self):
         """Run the enclosed work on the step's stream (ordered after, and before, the caller's)."""
@@ -147,12 +169,22 @@ class LeaderboardStep:
         runner = self.model.block_runner
         return runner.k if isinstance(runner, _PartlyCheckpointed) else 0
 
-    def set_checkpoint_blocks(self, k: int) -> None:
-        """Recompute the first `k` blocks in backward (clamped to the model's depth)."""
-        if k < 0:
-            raise ValueError(f"checkpoint blocks must be >= 0, got {k}")
+    @property
+    def matmul_blocks(self) -> int:
+        runner = self.model.block_runner
+        return runner.m if isinstance(runner, _PartlyCheckpointed) else 0
+
+    def set_checkpoint_blocks(self, k: int, matmul_blocks: int = 0) -> None:
+        """Recompute the first `k` blocks in backward (clamped to the model's depth), the last
+        `matmul_blocks` of them keeping their matmuls' outputs."""
+        if k < 0 or not 0 <= matmul_blocks <= max(k, 0):
+            raise ValueError(f"need k >= 0 and 0 <= matmul_blocks <= k, got {k}, {matmul_blocks}")
+        if matmul_blocks and not self.cfg.keep_attention:
+            raise ValueError("matmul_blocks needs keep_attention")
         k = min(k, len(self.model.layers))
-        self.model.set_block_runner(_PartlyCheckpointed(k, self.regions) if k else None)
+        m = min(matmul_blocks, k)
+        runner = _PartlyCheckpointed(k, m, self.regions, self.matmul_regions) if k else None
+        self.model.set_block_runner(runner)
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of this rank's batch: tokens, targets (batch, T) int64 -> scalar float32."""
@@ -192,6 +224,14 @@ def build_leaderboard_step(
     if next(model.parameters()).is_cuda:
         stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
     regions = checkpointed_regions(model.layers, cfg)
-    step = LeaderboardStep(model=model, optimizer=optimizer, cfg=cfg, stream=stream, regions=regions)
-    step.set_checkpoint_blocks(cfg.checkpoint_blocks)
+    matmul_regions = checkpointed_regions(model.layers, cfg, matmuls=True) if cfg.keep_attention else []
+    step = LeaderboardStep(
+        model=model,
+        optimizer=optimizer,
+        cfg=cfg,
+        stream=stream,
+        regions=regions,
+        matmul_regions=matmul_regions,
+    )
+    step.set_checkpoint_blocks(cfg.checkpoint_blocks, cfg.matmul_blocks)
     return step

@@ -35,17 +35,16 @@ chunked loss; leaderboard_stock.py); "ours":
 
 Ours (cs336_systems.training.leaderboard): ZeRO-2 over flat per-unit buffers, the fused AdamW in the
 mode's precision on the local shard, the chunked fused LM-head + cross-entropy, each block compiled,
-and only the first k blocks checkpointed (`--keep-attention`: keeping their attention's outputs), k
-from `--checkpoint-blocks` or planned ("auto"): one step with every block checkpointed gives the peak
-P; an unchecked block costs A, its measured saved bytes beyond a checkpointed block's;
-k = L - floor((device memory - margin - P) / A) (the ranks agree on the largest k). After an OOM
+and only the first k blocks checkpointed (`--keep-attention`: keeping their attention's outputs;
+`--keep-matmuls`: the last m of them also their matmuls'), k and m from `--checkpoint-blocks` (m = 0)
+or planned ("auto", [Note: choosing the checkpointed blocks] in leaderboard_bench). After an OOM
 (one rank only) the step is retried with 2 more checkpointed blocks, up to 3 times.
 
 Rows (problem training_leaderboard; name "<size>:<layers>L", impl ours/stock, dtype the mode,
 x_name world_size): step_ms (per timed call, slowest rank), forward_ms / backward_ms / optimizer_ms
 (CUDA events in the timed calls; ours applies most of its update inside backward), peak_memory_gib
 per rank (x_name rank), tflops, mfu_datasheet, mfu_measured_peak, setup_s (build + compile + first
-step), checkpoint_blocks and block_saved_gib (ours), comm_ms / comm_exposed_ms (from a profiled
+step), checkpoint_blocks, matmul_blocks and block_saved_gib (ours), comm_ms / comm_exposed_ms (from a profiled
 step of every path on rank 0, saved as `training_leaderboard__trace_<variant>.json.gz`),
 recompute_ms (estimated, [Note: the recompute estimate] in leaderboard_bench), stock_tuned's
 blocks_full / blocks_selective / blocks_none and recompute_block_<policy>_ms, matmul_peak, and wall_s
@@ -124,7 +123,8 @@ class LeaderboardRunConfig:
     attention: str = "flash_triton"  # ours; "sdpa_cudnn" / "sdpa" are experiments, not valid entries
     checkpoint_blocks: str = "auto"
     keep_attention: bool = True
-    tuned_sac: str = "every_second"  # stock_tuned: which matmul outputs a selective block keeps
+    keep_matmuls: bool = True  # ours: recomputed blocks keep every matmul's output too
+    tuned_sac: str = "all"  # stock_tuned: which matmul outputs a selective block keeps
     tuned_reshard: str = "after_forward"  # stock_tuned: FSDP2 resharding after forward, or "never"
     loss_chunk: int = 4096
     compile: bool = True
@@ -151,6 +151,8 @@ class LeaderboardRunConfig:
             raise ValueError(f"unknown param modes or paths {sorted(unknown)}")
         if self.checkpoint_blocks != "auto" and not (self.checkpoint_blocks.isdigit()):
             raise ValueError(f"--checkpoint-blocks must be 'auto' or a count, got {self.checkpoint_blocks!r}")
+        if self.keep_matmuls and not self.keep_attention:
+            raise ValueError("--keep-matmuls true needs --keep-attention true")
         if self.tuned_sac not in SAC_MATMULS or self.tuned_reshard not in RESHARD:
             raise ValueError(
                 f"--tuned-sac must be one of {tuple(SAC_MATMULS)}, --tuned-reshard one of {RESHARD}"
@@ -277,6 +279,8 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     extra = {"setup_s": ("s", setup_s)} | {m: ("ms", v) for m, v in comm.items()}
     if "checkpoint_blocks" in plan:
         extra["checkpoint_blocks"] = ("blocks", plan["checkpoint_blocks"])
+    if "matmul_blocks" in plan:
+        extra["matmul_blocks"] = ("blocks", plan["matmul_blocks"])
     if "block_saved" in plan:
         extra["block_saved_gib"] = ("GiB", plan["block_saved"] / 2**30)
     for policy in ("full", "selective", "none"):  # stock_tuned: blocks per recompute policy
@@ -389,6 +393,10 @@ def _parser():
         help="ours: recomputed blocks keep the attention's outputs (selective checkpointing)",
     )
     p.add_argument(
+        "--keep-matmuls", type=cli.boolean, default=d.keep_matmuls,
+        help="ours: recomputed blocks also keep every matmul's output (only elementwise work recomputed)",
+    )  # fmt: skip
+    p.add_argument(
         "--tuned-sac", choices=list(SAC_MATMULS), default=d.tuned_sac,
         help="stock_tuned: matmul outputs a selectively checkpointed block keeps",
     )  # fmt: skip
@@ -444,8 +452,8 @@ def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.D
             size=args.size, layers=tuple(args.layers), context_length=args.context_length,
             batch_per_rank=args.batch_per_rank, param_modes=tuple(args.param_modes), paths=tuple(args.paths),
             attention=args.attention, checkpoint_blocks=args.checkpoint_blocks,
-            keep_attention=args.keep_attention, loss_chunk=args.loss_chunk, tuned_sac=args.tuned_sac,
-            tuned_reshard=args.tuned_reshard,
+            keep_attention=args.keep_attention, keep_matmuls=args.keep_matmuls, loss_chunk=args.loss_chunk,
+            tuned_sac=args.tuned_sac, tuned_reshard=args.tuned_reshard,
             compile=args.compile, overlap=args.overlap, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
             estimate_calls=args.estimate_calls, trace=args.trace, margin_gib=args.margin_gib, cold=args.cold,
             backend=args.backend,

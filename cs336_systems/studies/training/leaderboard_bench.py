@@ -3,23 +3,34 @@ phases marked, the "auto" choice of checkpointed blocks, do_bench with OOM retri
 
 [Note: the recompute estimate]
 Recomputation runs inside backward, fused into its kernels, so it is estimated from backward times
-of the same run: ours' plan steps with every block recomputed (backward B_all) and the timed steps
-with k blocks recomputed (B_k): each recomputed block costs (B_all - B_k) / (L - k), so recompute =
-k (B_all - B_k) / (L - k). stock_tuned's plan steps differ only in block 0's policy ("full",
-"selective", "none"): a policy's per-block cost is its step's backward minus the "none" step's, and
-recompute sums it over the blocks. The stock step recomputes every block in full: L times the
-"full" per-block cost of stock_tuned from the same run (the same compiled, FSDP-sharded block under
-the same checkpoint), when that ran. One step per estimate: expect a few ms of noise per block.
+of the same run. Ours with `keep_matmuls`: its plan steps have every block recomputed keeping its
+attention (backward B_all), then the last block unchecked (B_n), then the last block keeping its
+matmuls too (B_m); a block recomputed keeping only its attention costs B_all - B_n, one keeping its
+matmuls B_m - B_n, and recompute = (k - m)(B_all - B_n) + m (B_m - B_n). Without it: the plan step
+B_all and the timed steps with k blocks recomputed (B_k): each recomputed block costs
+(B_all - B_k) / (L - k), so recompute = k (B_all - B_k) / (L - k). stock_tuned's plan steps differ
+only in block 0's policy ("full", "selective", "none"): a policy's per-block cost is its step's
+backward minus the "none" step's, and recompute sums it over the blocks. The stock step recomputes
+every block in full: L times the "full" per-block cost of stock_tuned from the same run (the same
+compiled, FSDP-sharded block under the same checkpoint), when that ran. One step per estimate:
+expect a few ms of noise per block; an estimate below zero (recompute cheaper than that noise, e.g.
+elementwise work only) is not reported.
 
 [Note: choosing the checkpointed blocks]
-Only as many blocks are recomputed as memory needs. One step with every block checkpointed is run
-(it also compiles), then a second one whose allocator peak P is read; the last block's forward on a
-random input gives A = the bytes an unchecked block keeps beyond what its checkpointed region keeps
-(allocated after minus before minus the output, run plainly and then as the region, which keeps the
-attention's outputs with `keep_attention`). With M the device memory and `margin_gib` left for fragmentation and
-the allocator's workspace, floor((M - margin - P) / A) blocks can keep their activations, so the first
-k = L - that many are checkpointed (the largest k of all ranks). The first blocks are the ones
-recomputed (any choice gives the same peak: every block's activations are alive at the end of forward).
+Only as many blocks are recomputed, and as cheaply, as memory needs. One step with every block
+checkpointed keeping its attention is run (it also compiles), then a second one whose allocator peak
+P is read. The last block's forward on a random input, run plainly, as its recomputed region and as
+its region keeping the matmuls, gives A_n and A_m: the bytes an unchecked block, and one keeping its
+matmuls, keeps beyond the recomputed region (allocated after minus before minus the output). With M
+the device memory and `margin_gib` left for fragmentation and the allocator's workspace,
+R = M - margin - P (the least of all ranks; the largest A of all ranks). With `keep_matmuls` the
+blocks are planned like stock_tuned's ([Note: the tuned stock recompute plan] in leaderboard_stock,
+"selective" = keeping the matmuls, "full" = keeping only the attention): if every block fits keeping
+its matmuls (L A_m <= R), floor((R - L A_m) / (A_n - A_m)) blocks run unchecked and the others keep
+their matmuls; otherwise floor(R / A_m) keep their matmuls and the rest only their attention.
+Without it floor(R / A_n) blocks keep their activations and the first k = L - that many are
+recomputed. Which blocks get which policy does not change the peak (every block's activations are
+alive at the end of forward); recomputed blocks come first.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from cs336_systems.measure.results import capture_failure
 from cs336_systems.measure.timing import do_bench_all_ranks, synchronize
 from cs336_systems.measure.traces import load_trace, save_trace
 from cs336_systems.studies.distributed import trace_plot
+from cs336_systems.studies.training.leaderboard_stock import recompute_plan
 
 PHASES = ("forward", "backward", "optimizer_step")  # the range names trace_plot.compact_trace keeps
 
@@ -82,51 +94,76 @@ class ProtocolStep:
         return out
 
 
-def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, float]:
-    """k for "auto" (module docstring): {"checkpoint_blocks", "peak_all_checkpointed", "block_saved"}."""
+def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, Any]:
+    """k and m for "auto" ([Note: choosing the checkpointed blocks]): {"checkpoint_blocks",
+    "matmul_blocks", "peak_all_checkpointed", "block_saved", "matmuls_saved", and the plan steps'
+    backward times for [Note: the recompute estimate]}."""
     layers = len(step.model.layers)
     step.set_checkpoint_blocks(layers)
     protocol()
     synchronize(device)
     if device.type != "cuda":
-        return {"checkpoint_blocks": layers}
+        return {"checkpoint_blocks": layers, "matmul_blocks": 0}
     torch.cuda.reset_peak_memory_stats(device)
     protocol()
     synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
+    backward_all = protocol.phase_ms(1)["backward"][0]  # every block recomputed
+    plan: dict[str, Any] = {"peak_all_checkpointed": peak, "backward_all_checkpointed_ms": backward_all}
+    matmuls = cfg.keep_matmuls and bool(step.matmul_regions)
+    if matmuls:  # the last block unchecked, then keeping its matmuls: per-block recompute costs
+        for name, (k, m) in {
+            "backward_last_none_ms": (layers - 1, 0),
+            "backward_last_matmuls_ms": (layers, 1),
+        }.items():
+            step.set_checkpoint_blocks(k, m)
+            protocol()  # compiles the policy's graph at its first use
+            protocol()
+            synchronize(device)
+            plan[name] = protocol.phase_ms(1)["backward"][0]
     block = step.model.layers[-1]
     shape = (cfg.batch_per_rank, cfg.context_length, block.ln1.weight.shape[0])
     with step.on_stream():
         x = torch.randn(shape, device=device, dtype=step.optimizer.compute_dtype, requires_grad=True)
-        saved = _kept_bytes(block, x, device) - _kept_bytes(step.regions[-1], x, device)
+        region = _kept_bytes(step.regions[-1], x, device)
+        saved = _kept_bytes(block, x, device) - region
+        saved_mm = _kept_bytes(step.matmul_regions[-1], x, device) - region if matmuls else 0
         del x
     room = torch.cuda.mem_get_info(device)[1] - cfg.margin_gib * 2**30 - peak
-    unchecked = min(layers, max(0, int(room // max(saved, 1))))
-    k = torch.tensor([layers - unchecked], device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(k, op=dist.ReduceOp.MAX)
-    backward_all = protocol.phase_ms(1)["backward"][0]  # every block recomputed
-    return {
-        "checkpoint_blocks": int(k),
-        "peak_all_checkpointed": peak,
+    agreed = torch.tensor([-room, saved, saved_mm], device=device, dtype=torch.float64)
+    if dist.get_world_size() > 1:  # the ranks plan from the least room and the most bytes
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    room, saved, saved_mm = -float(agreed[0]), float(agreed[1]), float(agreed[2])
+    if matmuls:
+        policies = recompute_plan(layers, room, max(saved_mm, 1.0), max(saved, saved_mm + 1.0))
+        k, m = layers - policies.count("none"), policies.count("selective")
+    else:
+        k, m = layers - min(layers, max(0, int(room // max(saved, 1)))), 0
+    return plan | {
+        "checkpoint_blocks": k,
+        "matmul_blocks": m,
         "block_saved": saved,
-        "backward_all_checkpointed_ms": backward_all,
+        "matmuls_saved": saved_mm,
     }
 
 
 def recompute_ms(path: str, plan: dict, backward_ms: float, layers: int) -> float:
     """The estimated time backward spends recomputing forward work ([Note: the recompute estimate]);
     NaN where the run gives no estimate."""
-    if path == "ours" and "backward_all_checkpointed_ms" in plan:
+    estimate = math.nan
+    if path == "ours" and "backward_last_none_ms" in plan:  # per-block costs from the plan steps
+        per_attention = plan["backward_all_checkpointed_ms"] - plan["backward_last_none_ms"]
+        per_matmuls = plan["backward_last_matmuls_ms"] - plan["backward_last_none_ms"]
+        k, m = plan["checkpoint_blocks"], plan["matmul_blocks"]
+        estimate = (k - m) * per_attention + m * per_matmuls
+    elif path == "ours" and "backward_all_checkpointed_ms" in plan:
         k = plan["checkpoint_blocks"]
-        if k == layers:
-            return math.nan
-        per_block = (plan["backward_all_checkpointed_ms"] - backward_ms) / (layers - k)
-        return k * per_block
-    if "recompute_block_ms" in plan:  # stock_tuned's plan
+        if k < layers:
+            estimate = k * (plan["backward_all_checkpointed_ms"] - backward_ms) / (layers - k)
+    elif "recompute_block_ms" in plan:  # stock_tuned's plan
         per_block = plan["recompute_block_ms"]
-        return sum(per_block.get(p, 0.0) for p in plan["policies"])
-    return math.nan
+        estimate = sum(per_block.get(p, 0.0) for p in plan["policies"])
+    return estimate if estimate >= 0 else math.nan
 
 
 def _kept_bytes(fn, x, device) -> int:
@@ -161,7 +198,7 @@ def bench_ours_fitting(step, protocol, cfg, device, plan: dict) -> tuple[dict, s
             raise RuntimeError(outcome["note"])
         note += f"OOM with {step.checkpoint_blocks} checkpointed blocks; "
         step.optimizer.abandon_step()
-        step.set_checkpoint_blocks(step.checkpoint_blocks + 2)
+        step.set_checkpoint_blocks(step.checkpoint_blocks + 2, step.matmul_blocks)
         plan["checkpoint_blocks"] = step.checkpoint_blocks
         protocol.marks.clear()
     raise AssertionError("unreachable")

@@ -52,6 +52,13 @@ def _config(row) -> dict:
     return json.loads(row.config_json) if isinstance(row.config_json, str) and row.config_json else {}
 
 
+def _ours_recompute(config: dict) -> str:
+    """What ours' recomputed blocks recompute, in words, from a run's configuration."""
+    if not config.get("keep_attention", False):
+        return "whole block"
+    return "attention or matmuls kept" if config.get("keep_matmuls", False) else "all but attention"
+
+
 def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The per-run step rows, with their run id, attention of ours and recompute choice."""
     steps = df[(df.metric == "step_ms") & (df.x_name == "world_size")].copy()
@@ -60,7 +67,7 @@ def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
         c.get("run_id") or f"{r.git_sha}:{r.x_value}" for c, r in zip(configs, steps.itertuples())
     ]
     steps["attention"] = [c.get("attention", "") for c in configs]
-    steps["kept"] = [c.get("keep_attention", False) for c in configs]
+    steps["kept"] = [_ours_recompute(c) for c in configs]
     steps["tuned_sac"] = [c.get("tuned_sac", "every_second") for c in configs]  # runs before the options
     steps["tuned_reshard"] = [
         c.get("tuned_reshard", "after_forward") for c in configs
@@ -98,7 +105,7 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
         rec: dict = {
             "device": first.gpu_name, "config": name, "mode": dtype, "GPUs": int(first.x_value),
             "batch": int(first.batch), "attention of ours": first.attention,
-            "recompute": "all but attention" if first.kept else "whole block",
+            "recompute": first.kept,
             "valid": first.attention == VALID_ATTENTION,
             "tuned_sac": first.tuned_sac,
             "tuned_reshard": first.tuned_reshard, "git": str(first.git_sha)[:10],
@@ -133,7 +140,12 @@ def _recomputed(df: pd.DataFrame, run: pd.DataFrame, path: str, layers: int) -> 
         return f"all {layers} blocks whole"
     if path == "ours":
         k = _run_metric(df, run, path, "checkpoint_blocks")
-        return f"{k:.0f} blocks, all but attention" if k == k else "?"
+        m = _run_metric(df, run, path, "matmul_blocks")
+        if k != k:
+            return "?"
+        if m == m and m > 0:
+            return f"{k - m:.0f} blocks all but attention, {m:.0f} only elementwise work"
+        return f"{k:.0f} blocks, {run.iloc[0].kept}"
     counts = {p: _run_metric(df, run, path, f"blocks_{p}") for p in ("full", "selective", "none")}
     return ", ".join(f"{v:.0f} {p}" for p, v in counts.items() if v == v and v > 0)
 

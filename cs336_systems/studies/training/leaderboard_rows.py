@@ -39,7 +39,9 @@ def missing_note(metric: str, value: float) -> str:
         return ""
     if metric.startswith("comm"):
         return NO_GPU_PROFILE
-    return "not estimated here ([Note: the recompute estimate])" if metric == "recompute_ms" else ""
+    if metric == "recompute_ms":
+        return "not estimated here, or below the estimate's noise ([Note: the recompute estimate])"
+    return ""
 
 
 def variant_rows(cfg, label, world, mcfg, result, plan, peaks, extra, note, device) -> list[dict]:

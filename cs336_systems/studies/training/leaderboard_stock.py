@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from cs336_systems.model import BasicsTransformerLM
-from cs336_systems.model.checkpointing import is_kept_attention
+from cs336_systems.model.checkpointing import MATMUL_OPS, is_kept_attention
 
 
 def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
@@ -157,9 +157,6 @@ class StockFsdp2Step:
 
 POLICIES = ("full", "selective", "none")
 RESHARD = ("after_forward", "never")
-MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
-
-
 SAC_MATMULS = {"every_second": 2, "all": 1}  # which matmul outputs a selective block keeps: every k-th
 
 
@@ -172,7 +169,7 @@ def selective_context(stride: int = 2):
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if is_kept_attention(op):  # the attention core's outputs, as in model.checkpointing
             return CheckpointPolicy.MUST_SAVE
-        if op in MATMULS:
+        if op in MATMUL_OPS:
             seen[ctx.is_recompute] += 1
             if seen[ctx.is_recompute] % stride == 1 % stride:
                 return CheckpointPolicy.MUST_SAVE
