@@ -246,8 +246,7 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     protocol = ProtocolStep(step, tokens, targets)
     plan: dict = {}
     if path == "ours" and cfg.checkpoint_blocks == "auto":
-        plan = plan_checkpointing(step, protocol, cfg, device)  # its first step compiles
-        step.set_checkpoint_blocks(plan["checkpoint_blocks"])
+        plan = plan_checkpointing(step, protocol, cfg, device)  # its first step compiles; sets the plan
     elif path == "stock_tuned" and cfg.checkpoint_blocks == "auto":
         plan = step.plan(protocol, device, cfg.margin_gib)
     elif path == "stock_tuned":
