@@ -313,8 +313,9 @@ def test_small_gpu_run_measures_ours_and_stock_in_both_modes_gpu(tmp_path):
 
 def test_facts_on_the_committed_runs():
     """The committed rows: the headline is the latest two-GPU run of ours on our own attention with both
-    stock steps from the same invocation; runs with ours on cuDNN are experiments; the 4-GPU run is
-    reported beside; per path the components of one run."""
+    stock steps from the same invocation and ours' default plan; runs with ours on cuDNN are experiments,
+    runs with --keep-matmuls trials; the 4-GPU run is reported beside; per path the components of one run;
+    stock_tuned's recipes with the one measured right after the headline on the same machine."""
     from cs336_systems.report import load_results
     from cs336_systems.studies.training import leaderboard_facts as results
 
@@ -327,7 +328,11 @@ def test_facts_on_the_committed_runs():
     steps = steps[
         steps.config_json.str.contains('"attention": "flash_triton"') & (steps.gpu_name == head["device"])
     ]
-    last = steps.sort_values("timestamp").groupby("impl")["mean"].last()
+    steps = steps[~steps.config_json.str.contains('"keep_matmuls": true')]  # trials are never the headline
+    steps = steps.assign(run=steps.config_json.str.extract(r'"run_id": "(\w+)"')[0])
+    complete = steps.groupby("run").impl.nunique() == 3  # ours, stock and stock_tuned in one invocation
+    steps = steps[steps.run.isin(complete[complete].index)].sort_values("timestamp")
+    last = steps[steps.run == steps.run.iloc[-1]].set_index("impl")["mean"]
     assert head["GPUs"] == 2 and head["mode"] == "bf16" and head["attention of ours"] == "flash_triton"
     assert (head["ours_ms"], head["stock_ms"], head["stock_tuned_ms"]) == (
         last["ours"],
@@ -337,12 +342,17 @@ def test_facts_on_the_committed_runs():
     assert head["ratio_tuned"] == pytest.approx(last["ours"] / last["stock_tuned"])
     assert head["meets_minimum"] == (head["ratio"] <= 0.90 and head["ratio_tuned"] <= 1.0)
     assert {r["attention of ours"] for r in facts["experiments"]} >= {"sdpa_cudnn"}
-    assert not any(r["valid"] for r in facts["experiments"])
+    assert all(not r["valid"] or r["trial"] for r in facts["experiments"])
+    assert head["trial"] == ""
     assert [r["GPUs"] for r in facts["other_world_sizes"]] == [4]
     parts = pd.DataFrame(facts["entries"][head["device"]]["components"]).set_index("path")
     assert list(parts.index) == ["ours", "stock_tuned", "stock"]
     assert (parts.recompute_ms > 0).all() and (parts.backward_ms > parts.recompute_ms).all()
     assert facts["cold_wall_s"] <= results.TIME_LIMIT_S
+    variants = facts["tuned_variants"]
+    assert {v["tuned_sac"] for v in variants} == {"every_second", "all"}
+    same = [v for v in variants if 0 < v.get("minutes_after_headline", -1) < 30]
+    assert same and all(v["headline_ours_over"] == head["ours_ms"] / v["stock_tuned_ms"] for v in same)
 
 
 def test_a_profile_without_gpu_events_is_not_measured_and_an_earlier_profile_stands_in(tmp_path):

@@ -123,7 +123,7 @@ class LeaderboardRunConfig:
     attention: str = "flash_triton"  # ours; "sdpa_cudnn" / "sdpa" are experiments, not valid entries
     checkpoint_blocks: str = "auto"
     keep_attention: bool = True
-    keep_matmuls: bool = True  # ours: recomputed blocks keep every matmul's output too
+    keep_matmuls: bool = False  # ours: plan blocks that keep every matmul's output too (LEADERBOARD_LOG)
     tuned_sac: str = "all"  # stock_tuned: which matmul outputs a selective block keeps
     tuned_reshard: str = "after_forward"  # stock_tuned: FSDP2 resharding after forward, or "never"
     loss_chunk: int = 4096

@@ -39,6 +39,10 @@ PATH_ORDER = ("ours", "stock_tuned", "stock")
 TIME_LIMIT_S = 600.0  # the protocol's limit of a run from empty caches
 
 PROBLEM = "training_leaderboard"
+# [Note: trials] Runs of ours with a non-default plan are trials, never the headline. Ours with
+# `--keep-matmuls` (session 14): on the GPU its planned matmul-keeping blocks kept about one block's
+# worth of extra bytes in all and recomputed as much as before (LEADERBOARD_LOG), so it is off by default.
+TRIAL = "ours with --keep-matmuls"
 
 
 def with_world_size(df: pd.DataFrame) -> pd.DataFrame:
@@ -107,6 +111,7 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
             "batch": int(first.batch), "attention of ours": first.attention,
             "recompute": first.kept,
             "valid": first.attention == VALID_ATTENTION,
+            "trial": TRIAL if first.kept == "attention or matmuls kept" else "",
             "tuned_sac": first.tuned_sac,
             "tuned_reshard": first.tuned_reshard, "git": str(first.git_sha)[:10],
             "timestamp": g.timestamp.max(),
@@ -178,10 +183,13 @@ def components_table(df: pd.DataFrame, run: dict) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def latest_profiled(df: pd.DataFrame, mode: str | None = None, world_size: int | None = None) -> pd.DataFrame:
+def latest_profiled(
+    df: pd.DataFrame, mode: str | None = None, world_size: int | None = None, git: str | None = None
+) -> pd.DataFrame:
     """The comm rows (comm_ms, comm_exposed_ms) of the latest run of ours whose profiled step had GPU
-    events, in `mode` on `world_size` GPUs if given; empty if none. A run whose profiler recorded no
-    GPU activity has NaN comm rows and no trace, so an earlier profiled run stands in for it."""
+    events, in `mode` on `world_size` GPUs and at commit `git` (if it has such rows) if given; empty if
+    none. A run whose profiler recorded no GPU activity has NaN comm rows and no trace, so an earlier
+    profiled run stands in for it."""
     comm = with_world_size(df)
     comm = comm[
         comm.metric.isin(["comm_ms", "comm_exposed_ms"]) & (comm.impl == "ours") & comm["mean"].notna()
@@ -190,6 +198,8 @@ def latest_profiled(df: pd.DataFrame, mode: str | None = None, world_size: int |
         comm = comm[comm.dtype == mode]
     if world_size is not None:
         comm = comm[comm.world_size == float(world_size)]
+    if git is not None and (comm.git_sha.str[:10] == git[:10]).any():  # the headline run's commit
+        comm = comm[comm.git_sha.str[:10] == git[:10]]
     if comm.empty:
         return comm
     comm = comm.sort_values("timestamp")
@@ -197,11 +207,15 @@ def latest_profiled(df: pd.DataFrame, mode: str | None = None, world_size: int |
 
 
 def trace_path(
-    df: pd.DataFrame, results_dir, mode: str | None = None, world_size: int | None = None
+    df: pd.DataFrame,
+    results_dir,
+    mode: str | None = None,
+    world_size: int | None = None,
+    git: str | None = None,
 ) -> Path | None:
     """The saved trace of `latest_profiled`'s run (the headline configuration's when `mode` and
     `world_size` are given), if the file exists."""
-    comm = latest_profiled(df, mode, world_size)
+    comm = latest_profiled(df, mode, world_size, git)
     if comm.empty:
         return None
     row = comm.iloc[-1]
@@ -214,6 +228,26 @@ def trace_path(
 def plot_step_timeline(path: Path, title: str = ""):
     """One step of ours on rank 0: kernels per stream, communication in red, phases on top."""
     return trace_plot.plot_timeline(load_trace(path), title=title)
+
+
+def tuned_variants(runs: pd.DataFrame, headline: dict | None) -> list[dict]:
+    """Every measured stock_tuned recipe (tuned_sac, tuned_reshard) on two GPUs in bf16, runs of ours
+    or not, with the minutes since the headline run on the same device and commit (a run right after
+    it is the same machine: the device tool keeps one machine for consecutive calls), and ours' headline
+    step over it."""
+    sel = runs[(runs.GPUs == 2) & (runs["mode"] == "bf16") & runs.stock_tuned_ms.notna()]
+    out = []
+    for r in sel.itertuples():
+        rec = {"device": r.device, "git": r.git, "tuned_sac": r.tuned_sac, "tuned_reshard": r.tuned_reshard,
+               "stock_tuned_ms": r.stock_tuned_ms, "with_ours": r.ours_ms == r.ours_ms}  # fmt: skip
+        if headline is not None and r.device == headline["device"] and r.git == headline["git"]:
+            minutes = (pd.Timestamp(r.timestamp) - pd.Timestamp(headline["timestamp"])).total_seconds() / 60
+            rec |= {
+                "minutes_after_headline": minutes,
+                "headline_ours_over": headline["ours_ms"] / r.stock_tuned_ms,
+            }
+        out.append(rec)
+    return out
 
 
 def _goals(rec: dict) -> dict:
@@ -236,7 +270,7 @@ def facts(df: pd.DataFrame) -> dict:
     out: dict = {"status": "measured" if on_gpu else "quick CPU run", "provenance": provenance(df)}
     out["devices"] = sorted(df.gpu_name.dropna().unique())
     out["runs"] = runs.to_dict("records")
-    entries = runs[runs.valid & runs.stock_tuned_ms.notna() & (runs["mode"] == "bf16")]
+    entries = runs[runs.valid & (runs.trial == "") & runs.stock_tuned_ms.notna() & (runs["mode"] == "bf16")]
     protocol_runs = entries[(entries.GPUs == 2) & entries.stock_ms.notna()]
     out["entries"] = {}  # per GPU kind: every valid two-GPU run and the latest as the headline
     for device, g in protocol_runs.groupby("device", sort=True):
@@ -254,8 +288,9 @@ def facts(df: pd.DataFrame) -> dict:
         device = "NVIDIA H200" if "NVIDIA H200" in out["entries"] else sorted(out["entries"])[0]
         out["headline"] = out["entries"][device]["latest"]
     out["not_run_kinds"] = [k for k in GOALS if k not in out["entries"]]
-    experiments = runs[~runs.valid]
+    experiments = runs[(~runs.valid | (runs.trial != "")) & runs.ours_ms.notna()]
     out["experiments"] = experiments.to_dict("records")
+    out["tuned_variants"] = tuned_variants(runs, out.get("headline"))
     cold = df[(df.metric == "wall_s") & (df.note == "cold caches")]
     if len(cold):
         out["cold_wall_s"] = float(cold["mean"].iloc[-1])
