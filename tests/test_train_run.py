@@ -19,6 +19,7 @@ def _lb_rows(
     git: str = "abcdef0123",
     day: int = 0,
     gpu: str = "NVIDIA H100",
+    trial: bool = False,
 ) -> pd.DataFrame:
     rows = []
     for n, ms in step_ms.items():
@@ -27,7 +28,8 @@ def _lb_rows(
                 dict(problem="training_leaderboard", name="8B_leaderboard:34L", impl="ours", mode="train",
                      dtype="bf16", x_name="world_size", x_value=float(n), metric=metric, unit="", mean=value,
                      p50=value, n=3, note="",
-                     config_json=json.dumps({"world_size": n, "attention": attention, "rep_ms": 10000.0}),
+                     config_json=json.dumps({"world_size": n, "attention": attention, "rep_ms": 10000.0,
+                                         "keep_matmuls": trial}),
                      gpu_name=gpu, num_gpus=n, git_sha=git, timestamp=f"2026-01-{day + n:02d}T00:00:00+00:00")
             )  # fmt: skip
     return pd.DataFrame(rows)
@@ -83,7 +85,8 @@ def test_checks_use_our_attention_on_the_calibration_gpu_kind():
     other_gpu = _lb_rows(
         {4: 4500.0}, {4: 11}, attention="flash_triton", git="4444444", day=20, gpu="NVIDIA H200"
     )
-    lb = pd.concat([one, ours, newer_sdpa, other_gpu], ignore_index=True)
+    trial = _lb_rows({2: 5100.0}, {2: 34}, attention="flash_triton", git="5555555", day=30, trial=True)
+    lb = pd.concat([one, ours, newer_sdpa, other_gpu, trial], ignore_index=True)
     m = train_scaling.measured(lb).set_index("world_size")
     assert m.loc[1, "attention"] == "sdpa_cudnn" and m.loc[1, "git"] == "1111111"  # the calibration run
     assert (m.loc[[2, 4], "attention"] == "flash_triton").all() and (m.loc[[2, 4], "git"] == "2222222").all()

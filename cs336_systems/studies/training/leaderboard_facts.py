@@ -56,6 +56,11 @@ def _config(row) -> dict:
     return json.loads(row.config_json) if isinstance(row.config_json, str) and row.config_json else {}
 
 
+def is_trial(config: dict) -> bool:
+    """Is a run with this configuration a trial ([Note: trials]): never a headline or a reference?"""
+    return bool(config.get("keep_matmuls", False))
+
+
 def _ours_recompute(config: dict) -> str:
     """What ours' recomputed blocks recompute, in words, from a run's configuration."""
     if not config.get("keep_attention", False):
@@ -72,6 +77,7 @@ def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
     ]
     steps["attention"] = [c.get("attention", "") for c in configs]
     steps["kept"] = [_ours_recompute(c) for c in configs]
+    steps["trial"] = [is_trial(c) for c in configs]
     steps["tuned_sac"] = [c.get("tuned_sac", "every_second") for c in configs]  # runs before the options
     steps["tuned_reshard"] = [
         c.get("tuned_reshard", "after_forward") for c in configs
@@ -111,7 +117,7 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
             "batch": int(first.batch), "attention of ours": first.attention,
             "recompute": first.kept,
             "valid": first.attention == VALID_ATTENTION,
-            "trial": TRIAL if first.kept == "attention or matmuls kept" else "",
+            "trial": TRIAL if first.trial else "",
             "tuned_sac": first.tuned_sac,
             "tuned_reshard": first.tuned_reshard, "git": str(first.git_sha)[:10],
             "timestamp": g.timestamp.max(),

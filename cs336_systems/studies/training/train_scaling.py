@@ -91,7 +91,8 @@ def measured(
     """One run of ours (8B, `mode`) per world size: step_ms, checkpoint_blocks, comm_exposed_ms, n (timed
     steps behind step_ms), rep_s (do_bench's time budget), attention, gpu, git, timestamp.
 
-    One GPU is the calibration point: its latest run, whatever its attention (the one the leaderboard
+    Trial runs of ours ([Note: trials] in leaderboard_facts) are left out. One GPU is the calibration
+    point: its latest run, whatever its attention (the one the leaderboard
     reports). At more GPUs: the latest run whose config attention is `attention` (our own Triton
     FlashAttention by default) on the one-GPU run's GPU kind, falling back to the latest run of that kind,
     then to the latest of any; the attention and gpu columns say what was taken. A run's metrics are the
@@ -104,6 +105,9 @@ def measured(
     d = d[(d.impl == "ours") & (d.dtype == mode) & d.name.astype(str).str.startswith(CONFIG)]
     d = d[d.x_name == "world_size"].sort_values("timestamp", kind="stable")
     steps = d[(d.metric == "step_ms") & d["mean"].notna()]
+    steps = steps[
+        [not leaderboard_facts.is_trial(_config(r)) for r in steps.itertuples()]
+    ]  # trials: no reference
     steps = steps.assign(attention=[_config(r).get("attention", "") for r in steps.itertuples()])
     calibration_gpu = None
     out = []
