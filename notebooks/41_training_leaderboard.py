@@ -145,12 +145,20 @@ if variants:
             + ("at parity with the best stock recipe, not at the 0.95x goal." if best["headline_ours_over"] > 0.95
                else "within the 0.95x goal.")
         )  # fmt: skip
-    default = f", so it is stock_tuned's default from git {first_all} on" if first_all else ""
+    fastest = min(variants, key=lambda v: v["stock_tuned_ms"])
+    default = f"; it is stock_tuned's default from git {first_all} on" if first_all else ""
+    never = [v for v in same if v["tuned_reshard"] == "never"]
+    base = [v for v in variants if v["git"] == head["git"] and v["with_ours"]]
+    reshard = (
+        f" Not resharding after forward took {never[0]['stock_tuned_ms'] / base[0]['stock_tuned_ms']:.3f}x the "
+        "time of the same recipe resharding in the headline run just before it."
+        if never and base and never[0]["tuned_sac"] == base[0]["tuned_sac"]
+        else ""
+    )
     nb.md(
         f"""**How hard stock_tuned is tuned.** Its recipes measured on two {head["device"].removeprefix("NVIDIA ")}s:
-{listed}. Keeping every matmul's output in the selectively checkpointed blocks (only elementwise work is
-recomputed) is the fastest{default}; not resharding after forward
-gained nothing.{after}"""
+{listed}. The fastest: {recipe[fastest["tuned_sac"]]}, resharding {fastest["tuned_reshard"].replace("_", " ")}
+(with every matmul kept only elementwise work is recomputed){default}.{reshard}{after}"""
     )
 
 # %% tags=["remove-input"]

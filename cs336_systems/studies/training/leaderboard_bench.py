@@ -95,9 +95,9 @@ class ProtocolStep:
 
 
 def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, Any]:
-    """Plan k and m for "auto" and set them on `step` ([Note: choosing the checkpointed blocks]); returns {"checkpoint_blocks",
-    "matmul_blocks", "peak_all_checkpointed", "block_saved", "matmuls_saved", and the plan steps'
-    backward times for [Note: the recompute estimate]}."""
+    """Plan k and m for "auto" and set them on `step` ([Note: choosing the checkpointed blocks]).
+    Returns {"checkpoint_blocks", "matmul_blocks", "peak_all_checkpointed", "block_saved",
+    "matmuls_saved", and the plan steps' backward times for [Note: the recompute estimate]}."""
     layers = len(step.model.layers)
     step.set_checkpoint_blocks(layers)
     protocol()
