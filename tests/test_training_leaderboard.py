@@ -154,6 +154,34 @@ def test_leaderboard_step_on_two_gpus_matches_the_reference_gpu():
     spawn(_compare, 2, "bf16", "sdpa_cudnn", True, backend="nccl", timeout_s=500)
 
 
+def _plan_is_applied(rank, world_size, device) -> None:
+    from cs336_systems.studies.training import leaderboard as study
+    from cs336_systems.studies.training import leaderboard_bench as bench
+
+    for keep_matmuls in (False, True):
+        cfg = study.LeaderboardRunConfig(
+            size="small", layers=(4,), context_length=256, keep_matmuls=keep_matmuls
+        )
+        step, mcfg = study.build_path(cfg, "ours-bf16-L4", device)
+        protocol = bench.ProtocolStep(
+            step, *study.protocol_batch(cfg, mcfg.vocab_size, device, rank, world_size)
+        )
+        if keep_matmuls:  # a mixed plan: one block attention-only, one keeping its matmuls, two unchecked
+            bench.recompute_plan = lambda layers, *memory: ["full", "selective", "none", "none"]
+        plan = bench.plan_checkpointing(step, protocol, cfg, device)
+        planned = (plan["checkpoint_blocks"], plan["matmul_blocks"])
+        assert planned == ((2, 1) if keep_matmuls else (0, 0))  # a small model fits unchecked on any GPU
+        assert (step.checkpoint_blocks, step.matmul_blocks) == planned  # the plan is what the step runs
+        protocol()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_the_checkpointing_plan_is_set_on_the_step_gpu():
+    """plan_checkpointing leaves ours' step at the counts it planned (not at its last plan step's)."""
+    spawn(_plan_is_applied, 1, backend="nccl", timeout_s=500)
+
+
 # --------------------------------------------------------------------------------------------------
 # The study: timing protocol, memory plan, facts, the quick run
 # --------------------------------------------------------------------------------------------------

@@ -102,8 +102,8 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
     step.set_checkpoint_blocks(layers)
     protocol()
     synchronize(device)
-    if device.type != "cuda":
-        return {"checkpoint_blocks": layers, "matmul_blocks": 0}
+    if device.type != "cuda":  # no memory to plan from: every block stays recomputed
+        return {"checkpoint_blocks": step.checkpoint_blocks, "matmul_blocks": step.matmul_blocks}
     torch.cuda.reset_peak_memory_stats(device)
     protocol()
     synchronize(device)
@@ -139,6 +139,7 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
         k, m = layers - policies.count("none"), policies.count("selective")
     else:
         k, m = layers - min(layers, max(0, int(room // max(saved, 1)))), 0
+    step.set_checkpoint_blocks(k, m)
     return plan | {
         "checkpoint_blocks": k,
         "matmul_blocks": m,
