@@ -292,8 +292,8 @@ if len(runs):
         provenance_from=df,
         font="footnotesize",
         note="entry: valid when ours ran our own attention (flash_triton); runs with SDPA or cuDNN in ours are "
-        "experiments and not valid entries; trial: ours with a non-default plan (--keep-matmuls, which did not "
-        "take effect on the GPU), never the headline; recompute: what ours' recomputed blocks recompute",
+        "experiments and not valid entries; trial: a run whose planned recompute was not applied to ours' step (a "
+        "study bug of two commits), never the headline; recompute: what ours' recomputed blocks recompute",
     )
 
 # %% tags=["remove-input"]

@@ -85,7 +85,7 @@ def test_checks_use_our_attention_on_the_calibration_gpu_kind():
     other_gpu = _lb_rows(
         {4: 4500.0}, {4: 11}, attention="flash_triton", git="4444444", day=20, gpu="NVIDIA H200"
     )
-    trial = _lb_rows({2: 5100.0}, {2: 34}, attention="flash_triton", git="5555555", day=30, trial=True)
+    trial = _lb_rows({2: 5100.0}, {2: 34}, attention="flash_triton", git="3772a0d2d1", day=30, trial=True)
     lb = pd.concat([one, ours, newer_sdpa, other_gpu, trial], ignore_index=True)
     m = train_scaling.measured(lb).set_index("world_size")
     assert m.loc[1, "attention"] == "sdpa_cudnn" and m.loc[1, "git"] == "1111111"  # the calibration run

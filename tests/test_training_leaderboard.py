@@ -342,7 +342,7 @@ def test_small_gpu_run_measures_ours_and_stock_in_both_modes_gpu(tmp_path):
 def test_facts_on_the_committed_runs():
     """The committed rows: the headline is the latest two-GPU run of ours on our own attention with both
     stock steps from the same invocation and ours' default plan; runs with ours on cuDNN are experiments,
-    runs with --keep-matmuls trials; the 4-GPU run is reported beside; per path the components of one run;
+    runs whose plan was not applied trials; the 4-GPU run is reported beside; per path the components of one run;
     stock_tuned's recipes with the one measured right after the headline on the same machine."""
     from cs336_systems.report import load_results
     from cs336_systems.studies.training import leaderboard_facts as results
@@ -356,7 +356,8 @@ def test_facts_on_the_committed_runs():
     steps = steps[
         steps.config_json.str.contains('"attention": "flash_triton"') & (steps.gpu_name == head["device"])
     ]
-    steps = steps[~steps.config_json.str.contains('"keep_matmuls": true')]  # trials are never the headline
+    trials = [results.is_trial(json.loads(c), g) for c, g in zip(steps.config_json, steps.git_sha)]
+    steps = steps[[not t for t in trials]]  # trials are never the headline
     steps = steps.assign(run=steps.config_json.str.extract(r'"run_id": "(\w+)"')[0])
     complete = steps.groupby("run").impl.nunique() == 3  # ours, stock and stock_tuned in one invocation
     steps = steps[steps.run.isin(complete[complete].index)].sort_values("timestamp")

@@ -123,7 +123,7 @@ class LeaderboardRunConfig:
     attention: str = "flash_triton"  # ours; "sdpa_cudnn" / "sdpa" are experiments, not valid entries
     checkpoint_blocks: str = "auto"
     keep_attention: bool = True
-    keep_matmuls: bool = False  # ours: plan blocks that keep every matmul's output too (LEADERBOARD_LOG)
+    keep_matmuls: bool = True  # ours: plan blocks that keep every matmul's output too (LEADERBOARD_LOG)
     tuned_sac: str = "all"  # stock_tuned: which matmul outputs a selective block keeps
     tuned_reshard: str = "after_forward"  # stock_tuned: FSDP2 resharding after forward, or "never"
     loss_chunk: int = 4096
@@ -393,8 +393,9 @@ def _parser():
         help="ours: recomputed blocks keep the attention's outputs (selective checkpointing)",
     )
     p.add_argument(
-        "--keep-matmuls", type=cli.boolean, default=d.keep_matmuls,
-        help="ours: recomputed blocks also keep every matmul's output (only elementwise work recomputed)",
+        "--keep-matmuls", type=cli.boolean, default=None,
+        help="ours: recomputed blocks may also keep every matmul's output, only elementwise work recomputed"
+        " (planned per block; default: as --keep-attention)",
     )  # fmt: skip
     p.add_argument(
         "--tuned-sac", choices=list(SAC_MATMULS), default=d.tuned_sac,
@@ -452,7 +453,8 @@ def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.D
             size=args.size, layers=tuple(args.layers), context_length=args.context_length,
             batch_per_rank=args.batch_per_rank, param_modes=tuple(args.param_modes), paths=tuple(args.paths),
             attention=args.attention, checkpoint_blocks=args.checkpoint_blocks,
-            keep_attention=args.keep_attention, keep_matmuls=args.keep_matmuls, loss_chunk=args.loss_chunk,
+            keep_attention=args.keep_attention, loss_chunk=args.loss_chunk,
+            keep_matmuls=args.keep_attention if args.keep_matmuls is None else args.keep_matmuls,
             tuned_sac=args.tuned_sac, tuned_reshard=args.tuned_reshard,
             compile=args.compile, overlap=args.overlap, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
             estimate_calls=args.estimate_calls, trace=args.trace, margin_gib=args.margin_gib, cold=args.cold,

@@ -39,10 +39,13 @@ PATH_ORDER = ("ours", "stock_tuned", "stock")
 TIME_LIMIT_S = 600.0  # the protocol's limit of a run from empty caches
 
 PROBLEM = "training_leaderboard"
-# [Note: trials] Runs of ours with a non-default plan are trials, never the headline. Ours with
-# `--keep-matmuls` (session 14): on the GPU its planned matmul-keeping blocks kept about one block's
-# worth of extra bytes in all and recomputed as much as before (LEADERBOARD_LOG), so it is off by default.
-TRIAL = "ours with --keep-matmuls"
+# [Note: trials] Runs of ours whose plan did not take effect are trials, never the headline or a
+# reference. Two runs with `--keep-matmuls` (session 14, commits c8f80c2 and 3772a0d): the study did not
+# set the planned counts on the step (c8f80c2 set only k; 3772a0d set nothing, so the timed step ran
+# the last plan step's counts: every block recomputed, the last keeping its matmuls), while their rows
+# recorded the plan's. Fixed in c3eb460, from which the rows record what the timed step ran.
+TRIAL = "ours' plan not applied"
+PLAN_NOT_APPLIED = ("c8f80c2", "3772a0d")
 
 
 def with_world_size(df: pd.DataFrame) -> pd.DataFrame:
@@ -56,9 +59,9 @@ def _config(row) -> dict:
     return json.loads(row.config_json) if isinstance(row.config_json, str) and row.config_json else {}
 
 
-def is_trial(config: dict) -> bool:
-    """Is a run with this configuration a trial ([Note: trials]): never a headline or a reference?"""
-    return bool(config.get("keep_matmuls", False))
+def is_trial(config: dict, git_sha: str) -> bool:
+    """Is a run with this configuration, at this commit, a trial ([Note: trials])?"""
+    return bool(config.get("keep_matmuls", False)) and str(git_sha).startswith(PLAN_NOT_APPLIED)
 
 
 def _ours_recompute(config: dict) -> str:
@@ -77,7 +80,7 @@ def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
     ]
     steps["attention"] = [c.get("attention", "") for c in configs]
     steps["kept"] = [_ours_recompute(c) for c in configs]
-    steps["trial"] = [is_trial(c) for c in configs]
+    steps["trial"] = [is_trial(c, r.git_sha) for c, r in zip(configs, steps.itertuples())]
     steps["tuned_sac"] = [c.get("tuned_sac", "every_second") for c in configs]  # runs before the options
     steps["tuned_reshard"] = [
         c.get("tuned_reshard", "after_forward") for c in configs

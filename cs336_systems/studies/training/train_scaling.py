@@ -106,7 +106,7 @@ def measured(
     d = d[d.x_name == "world_size"].sort_values("timestamp", kind="stable")
     steps = d[(d.metric == "step_ms") & d["mean"].notna()]
     steps = steps[
-        [not leaderboard_facts.is_trial(_config(r)) for r in steps.itertuples()]
+        [not leaderboard_facts.is_trial(_config(r), r.git_sha) for r in steps.itertuples()]
     ]  # trials: no reference
     steps = steps.assign(attention=[_config(r).get("attention", "") for r in steps.itertuples()])
     calibration_gpu = None
