@@ -75,6 +75,7 @@ class LeaderboardConfig:
     fused_loss: bool = True
     loss_chunk: int | None = None  # tokens per LM-head chunk (None: the kernel's default)
     overlap: bool = True  # reduce-scatter / update / all-gather of a unit from inside backward
+    high_priority_comm: bool = True  # NCCL collectives on high-priority streams (module docstring, "Streams")
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -210,7 +211,8 @@ def build_leaderboard_step(
 ) -> LeaderboardStep:
     """Shard `model`'s training state over the process group (or one rank), compile, checkpoint."""
     model.set_attention(cfg.attention)
-    process_group = high_priority_group(process_group)
+    if cfg.high_priority_comm:
+        process_group = high_priority_group(process_group)
     optimizer = ZeroAdamW(
         transformer_units(model),
         param_mode=cfg.param_mode,
