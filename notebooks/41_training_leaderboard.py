@@ -19,7 +19,8 @@
 # (`python -m cs336_systems.studies.training.leaderboard --nproc 2 --cold`) runs, in one invocation,
 # **ours** (ZeRO-2 over flat per-unit buffers with the updates inside backward, our fused AdamW, our
 # chunked LM-head + loss, **our FlashAttention**, compiled blocks, as few recomputed blocks as memory
-# needs, each keeping its attention's outputs), **stock_tuned** (torchtitan's recipe: FSDP2, selective
+# needs, each keeping its attention's outputs and, as far as memory allows, its matmuls' too, so that
+# only elementwise work is recomputed), **stock_tuned** (torchtitan's recipe: FSDP2, selective
 # activation checkpointing on as few blocks as measured memory needs, compiled blocks, fused
 # `torch.optim.AdamW`, chunked loss, SDPA) and **stock** (the first attempt: FSDP2 with every block
 # recomputed; kept unchanged so results stay comparable across commits).
@@ -53,7 +54,7 @@ facts = leaderboard_facts.facts(df)
 
 
 def ms(x: float) -> str:
-    return f"{x:.0f} ms"
+    return "not estimated" if x != x else f"{x:.0f} ms"
 
 
 def listing(values, fmt="{:.3f}") -> str:
@@ -84,7 +85,7 @@ else:
     )
     runs = len(entry["ratios"])
     spread = (
-        f" Over the {runs} valid two-GPU runs on this kind (git {', '.join(sorted(set(entry['gits'])))}), ours took "
+        f" Over the {runs} valid two-GPU runs on this kind (git {', '.join(g[:7] for g in entry['gits'])}, in run order), ours took "
         f"{listing(entry['ratios'])}x stock's step and {listing(entry['ratios_tuned'])}x stock_tuned's, each "
         "ratio within one invocation."
         if runs > 1

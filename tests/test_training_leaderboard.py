@@ -376,12 +376,19 @@ def test_facts_on_the_committed_runs():
     assert [r["GPUs"] for r in facts["other_world_sizes"]] == [4]
     parts = pd.DataFrame(facts["entries"][head["device"]]["components"]).set_index("path")
     assert list(parts.index) == ["ours", "stock_tuned", "stock"]
-    assert (parts.recompute_ms > 0).all() and (parts.backward_ms > parts.recompute_ms).all()
+    stock_paths = parts.drop(index="ours")  # ours' estimate may be below its plan steps' noise: then NaN
+    assert (stock_paths.recompute_ms > 0).all() and (stock_paths.backward_ms > stock_paths.recompute_ms).all()
+    assert (
+        not parts.loc["ours", "recompute_ms"] <= 0
+        and not parts.loc["ours", "recompute_ms"] >= parts.loc["ours", "backward_ms"]
+    )
     assert facts["cold_wall_s"] <= results.TIME_LIMIT_S
     variants = facts["tuned_variants"]
     assert {v["tuned_sac"] for v in variants} == {"every_second", "all"}
-    same = [v for v in variants if 0 < v.get("minutes_after_headline", -1) < 30]
-    assert same and all(v["headline_ours_over"] == head["ours_ms"] / v["stock_tuned_ms"] for v in same)
+    own = [v for v in variants if v.get("minutes_after_headline") == 0]  # the headline run's own recipe
+    assert len(own) == 1 and own[0]["headline_ours_over"] == pytest.approx(head["ratio_tuned"])
+    same = [v for v in variants if "minutes_after_headline" in v]
+    assert all(v["headline_ours_over"] == head["ours_ms"] / v["stock_tuned_ms"] for v in same)
 
 
 def test_a_profile_without_gpu_events_is_not_measured_and_an_earlier_profile_stands_in(tmp_path):

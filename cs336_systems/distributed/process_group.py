@@ -129,23 +129,6 @@ def _spawn_entry(
     cleanup_process_group()
 
 
-def high_priority_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
-    """A new NCCL group over the ranks of `group` (default: every rank) whose collectives run on
-    high-priority CUDA streams; `group` itself where the backend is not NCCL. Collective: every rank of
-    `group` calls it.
-
-    A collective on NCCL's default (lowest-priority) stream beside compute on a high-priority stream
-    gets SMs only as compute CTAs retire: its kernel starts on a few SMs and spins there until the rest
-    of its blocks, and the peer's, are scheduled (FSDP2 issues its collectives on high-priority streams
-    for the same reason).
-    """
-    if not dist.is_initialized() or dist.get_backend(group) != "nccl":
-        return group
-    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    ranks = None if group is None else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="nccl", pg_options=options)
-
-
 def spawn(
     fn: Callable,
     world_size: int,

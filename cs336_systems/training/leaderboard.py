@@ -25,9 +25,8 @@ calling it runs the protocol's step on this rank's batch:
   matmuls too]); without `keep_attention` the whole compiled block is recomputed.
   `set_checkpoint_blocks(k, m)` changes the counts (a policy's compiled graph is made at its first use).
 * Streams: forward and backward run on a stream of the highest priority, the unit updates on
-  ZeroAdamW's side stream ([Note: stream priorities] in training/step.py), and with NCCL the
-  collectives on high-priority streams (`high_priority_group`; on NCCL's default stream an all-gather
-  beside the backward took 21 ms instead of about 1.5, holding the SMs it had while it waited).
+  ZeroAdamW's side stream ([Note: stream priorities] in training/step.py); the collectives on NCCL's
+  own streams (on high-priority ones the step measured the same: LEADERBOARD_LOG, session 15).
 
 [Note: why ZeRO-2 and not FSDP here]
 Per parameter and rank, ZeRO-2 keeps the full compute weights plus 1/N of the optimizer state
@@ -54,7 +53,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from cs336_systems.distributed.process_group import high_priority_group
 from cs336_systems.distributed.zero import PARAM_MODES, ZeroAdamW
 from cs336_systems.kernels.linear_cross_entropy import linear_cross_entropy
 from cs336_systems.model import BasicsTransformerLM, cross_entropy
@@ -75,7 +73,6 @@ class LeaderboardConfig:
     fused_loss: bool = True
     loss_chunk: int | None = None  # tokens per LM-head chunk (None: the kernel's default)
     overlap: bool = True  # reduce-scatter / update / all-gather of a unit from inside backward
-    high_priority_comm: bool = True  # NCCL collectives on high-priority streams (module docstring, "Streams")
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -211,8 +208,6 @@ def build_leaderboard_step(
 ) -> LeaderboardStep:
     """Shard `model`'s training state over the process group (or one rank), compile, checkpoint."""
     model.set_attention(cfg.attention)
-    if cfg.high_priority_comm:
-        process_group = high_priority_group(process_group)
     optimizer = ZeroAdamW(
         transformer_units(model),
         param_mode=cfg.param_mode,

@@ -129,7 +129,6 @@ class LeaderboardRunConfig:
     loss_chunk: int = 4096
     compile: bool = True
     overlap: bool = True
-    high_priority_comm: bool = True
     rep_ms: float = 30_000.0
     warmup_ms: float = 10_000.0
     estimate_calls: int = 5
@@ -202,7 +201,6 @@ def build_path(cfg: LeaderboardRunConfig, label: str, device: torch.device):
         keep_attention=cfg.keep_attention,
         loss_chunk=cfg.loss_chunk,
         overlap=cfg.overlap,
-        high_priority_comm=cfg.high_priority_comm,
     )
     return build_leaderboard_step(model, ours), mcfg
 
@@ -412,10 +410,6 @@ def _parser():
     p.add_argument(
         "--overlap", type=cli.boolean, default=d.overlap, help="ours: update units inside backward"
     )
-    p.add_argument(
-        "--high-priority-comm", type=cli.boolean, default=d.high_priority_comm,
-        help="ours: NCCL collectives on high-priority streams",
-    )  # fmt: skip
     p.add_argument("--rep-ms", type=float, default=d.rep_ms, help="do_bench rep (ms of timed calls)")
     p.add_argument("--warmup-ms", type=float, default=d.warmup_ms, help="do_bench warmup (ms)")
     p.add_argument(
@@ -462,7 +456,7 @@ def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.D
             keep_attention=args.keep_attention, loss_chunk=args.loss_chunk,
             keep_matmuls=args.keep_attention if args.keep_matmuls is None else args.keep_matmuls,
             tuned_sac=args.tuned_sac, tuned_reshard=args.tuned_reshard,
-            compile=args.compile, overlap=args.overlap, high_priority_comm=args.high_priority_comm, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
+            compile=args.compile, overlap=args.overlap, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
             estimate_calls=args.estimate_calls, trace=args.trace, margin_gib=args.margin_gib, cold=args.cold,
             backend=args.backend,
         )  # fmt: skip
