@@ -52,6 +52,51 @@ def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, defa
     assert hopper.preferred(d, "bwd") is default_bwd
 
 
+@pytest.mark.parametrize(("kind", "d", "kernels"), [
+    ("fwd", 80, ["flash_fwd_hopper_kernel"]),
+    ("fwd", 128, ["flash_fwd_ws_kernel"]),
+    ("bwd", 128, ["flash_bwd_preprocess_kernel", "zero_kernel", "flash_bwd_dkdv_ws_kernel", "cast_rows_kernel"]),
+])  # fmt: skip
+def test_the_launchers_launches_are_recorded_on_meta_tensors(kind, d, kernels):
+    """offline.hopper_launches runs a Hopper launcher on "meta" tensors and records its launches (Delta,
+    the zeroed float32 dQ, the one-pass kernel and dQ's cast in the backward) without making them."""
+    from cs336_systems.attention.flash_triton import offline
+
+    recorded = offline.hopper_launches(kind, d, True)
+    assert [r.name for r in recorded] == kernels
+    main = recorded[0] if kind == "fwd" else recorded[2]
+    assert main.kwargs["IS_CAUSAL"] is True and main.kwargs["D"] == d
+    assert all(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in main.args[:3])
+
+
+@pytest.mark.timeout(900)
+def test_every_default_hopper_path_compiles_for_sm90_without_a_gpu():
+    """The Gluon kernels do not run under the interpreter; compiled offline for sm_90a with the installed
+    Triton (3.6 on the GPU hosts, 3.7 here in CI; their Gluon APIs differ) every default path's kernel
+    must compile and fit a block's shared memory, and below d = 128 none may spill (offline.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cs336_systems.attention.flash_triton import offline
+
+    command = [sys.executable, "-m", "cs336_systems.attention.flash_triton.offline", "--json"]
+    out = subprocess.run(command, env=os.environ | {"TRITON_INTERPRET": "0"}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = json.loads(out.stdout)["rows"]
+    assert sorted((r["kind"], r["d"]) for r in rows) == sorted(
+        (k, d) for k in ("fwd", "bwd") for d in (64, 80, 128)
+    )
+    assert all(0 < r["shared_bytes"] <= offline.SM90_SHARED_BYTES and r["registers"] > 0 for r in rows), rows
+    assert all(
+        r["spill_stores"] == r["spill_loads"] == 0 for r in rows if r["d"] < 128 or r["kind"] == "fwd"
+    ), rows
+    # d = 128 backward: two consumers at 240 registers hold 128-wide dK and dV accumulators; ptxas spills
+    # a few loop-invariant scalars (OPTIMIZATION_LOG, "Session 12"), never an accumulator (kilobytes)
+    assert all(r["spill_stores"] < 512 for r in rows), rows
+
+
 @pytest.mark.parametrize(("d", "in_consumers"), [(64, False), (80, False), (128, True)])
 def test_the_one_pass_backward_is_the_default_where_it_was_measured_faster(d, in_consumers):
     """A dQ warpgroup at d = 64, 80; at d = 128 (no registers for a third warpgroup) the consumers."""

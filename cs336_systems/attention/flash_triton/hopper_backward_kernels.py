@@ -16,7 +16,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor
+from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor, thread_barrier
 
 
 @gluon.jit
@@ -270,7 +270,7 @@ def flash_bwd_dkdv_hopper_kernel(
         s_t, dst_a0, dst_a1 = warpgroup_mma_wait(G, deps=(st_tok, dst_a0, dst_a1))
         if it > 0:
             # The previous step's stage is free once its dK product is done (waited for just now).
-            gl.thread_barrier()
+            thread_barrier()
             _load_qdo(
                 q0,
                 q1,
@@ -303,7 +303,7 @@ def flash_bwd_dkdv_hopper_kernel(
     # dK, dV through K's and V's shared memory (no longer read) and TMA stores that drop rows >= N_KEYS.
     dk0_d = head_descriptor(DK_ptr, dk_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
     dv0_d = head_descriptor(DV_ptr, dv_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    gl.thread_barrier()
+    thread_barrier()
     k0_s.store((dk0 * scale).to(dtype))
     v0_s.store(dv0.to(dtype))
     if SPLIT:
@@ -312,7 +312,7 @@ def flash_bwd_dkdv_hopper_kernel(
         k1_s.store((dk1 * scale).to(dtype))
         v1_s.store(dv1.to(dtype))
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
     tma.async_copy_shared_to_global(dk0_d, [start_n, 0], k0_s)
     tma.async_copy_shared_to_global(dv0_d, [start_n, 0], v0_s)
     if SPLIT:

@@ -38,6 +38,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+# A barrier of every thread of the CTA (or of the calling warp-specialised partition): Triton 3.6's
+# Gluon calls it `thread_barrier`, 3.7's `barrier` (the project admits both; the kernels call this name).
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
@@ -293,7 +296,7 @@ def flash_fwd_hopper_kernel(
             acc0, p0 = warpgroup_mma_wait(0, deps=(acc0, p0))
         acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
         # Every warp is done with stage `prev` (K_{t-1} and V_{t-1}): refill it with tile t-1+STAGES.
-        gl.thread_barrier()
+        thread_barrier()
         _load_kv(
             k0,
             k1,
@@ -330,7 +333,7 @@ def flash_fwd_hopper_kernel(
     lse = (m_i + gl.log2(l_i)) * LN2  # natural log
     gl.store(L_ptr + off_bh.to(gl.int64) * N_QUERIES + offs_m, lse, mask=offs_m < N_QUERIES)
     # O through shared memory (Q's buffers, no longer read) and a TMA store that drops rows >= N.
-    gl.thread_barrier()
+    thread_barrier()
     inv_l = 1.0 / l_i
     q0_s.store((acc0 * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o0_layout)), 1)).to(dtype))
     if SPLIT:
@@ -338,7 +341,7 @@ def flash_fwd_hopper_kernel(
             (acc1 * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout)), 1)).to(dtype)
         )
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
     tma.async_copy_shared_to_global(o0, [start_m, 0], q0_s)
     if SPLIT:
         tma.async_copy_shared_to_global(o1, [start_m, 0], q1_s)

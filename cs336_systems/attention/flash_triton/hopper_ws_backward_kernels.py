@@ -39,7 +39,12 @@ from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
     dkdv_after_scores,
     transposed_product,
 )
-from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor, program_tile
+from cs336_systems.attention.flash_triton.hopper_kernels import (
+    LOG2E,
+    head_descriptor,
+    program_tile,
+    thread_barrier,
+)
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
     dq_warpgroup,
     issue_consumer_dq,
@@ -83,7 +88,7 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
         mbarrier.wait(empty_bar.index(s), ((it // STAGES) & 1) ^ 1)
         l_s.index(s).store(l2)
         delta_s.index(s).store(delta)
-        gl.thread_barrier()  # the whole warp's stores before the arrive below (release)
+        thread_barrier()  # the whole warp's stores before the arrive below (release)
         mbarrier.expect(ready_bar.index(s), qdo_bytes)
         tma.async_copy_global_to_shared(q0, [start_m, 0], ready_bar.index(s), q0_s.index(s))
         tma.async_copy_global_to_shared(do0, [start_m, 0], ready_bar.index(s), do0_s.index(s))

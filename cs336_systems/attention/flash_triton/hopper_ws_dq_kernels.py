@@ -25,6 +25,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from cs336_systems.attention.flash_triton.hopper_kernels import thread_barrier
+
 DQ_WARPS: gl.constexpr = gl.constexpr(4)  # the dQ partition: one warpgroup
 
 
@@ -50,7 +52,7 @@ def publish_ds(dst, ds_s, ds_ready, ds_empty, it, w: gl.constexpr):
     mbarrier.wait(ds_empty.index(slot), ((it // SLOTS) & 1) ^ 1)
     ds_s.index(slot * C + w).store(dst)
     fence_async_shared()  # generic-proxy stores before the dQ warpgroup's wgmma reads them
-    gl.thread_barrier()  # the whole warpgroup's stores before the arrive below
+    thread_barrier()  # the whole warpgroup's stores before the arrive below
     mbarrier.arrive(ds_ready.index(slot), count=1)
 
 
@@ -131,7 +133,7 @@ def reduce_dq(acc0, acc1, start_m, it, dq0_d, dq1_d, dq0_s, dq1_s, scale, TWO: g
     if TWO:
         dq1_s.index(b).store(acc1 * scale)
     fence_async_shared()
-    gl.thread_barrier()  # every thread's staging stores before the TMA engine reads the tile
+    thread_barrier()  # every thread's staging stores before the TMA engine reads the tile
     tma_reduce_add(dq0_d, [start_m, 0], dq0_s.index(b))
     if TWO:
         tma_reduce_add(dq1_d, [start_m, 0], dq1_s.index(b))
