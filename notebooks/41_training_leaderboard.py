@@ -194,8 +194,9 @@ if head is not None:
         provenance_from=df[df.git_sha.str[:10] == head["git"]],
         note=(
             "do_bench mean of the step and CUDA-event phases of the timed calls; bwd includes the recompute, "
-            "estimated from the run's own steps with other recompute plans ([Note: the recompute estimate] in "
-            "leaderboard_bench); exp. comm: NCCL kernel time not under compute in one profiled step on rank 0; "
+            "estimated per block and summed over the recomputed blocks ([Note: the recompute estimate] in "
+            "leaderboard_bench: up to session 15 from whole steps that differ in one block, a few ms of noise "
+            "per block; since then from one block timed alone under each policy); exp. comm: NCCL kernel time not under compute in one profiled step on rank 0; "
             "opt: what is left after backward (ours updates inside backward). Peak memory per GPU: "
             + ", ".join(f"{r.path} {r.peak_gib:.1f} GiB" for r in parts.itertuples())
         ),

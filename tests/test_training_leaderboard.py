@@ -203,6 +203,58 @@ def test_do_bench_all_ranks_makes_do_bench_calls():
         do_bench_all_ranks(lambda: None, warmup_ms=1, rep_ms=0)
 
 
+def test_recompute_estimate_sums_the_per_block_costs_of_the_plan():
+    from cs336_systems.studies.training.leaderboard_bench import recompute_ms
+
+    ours = {
+        "checkpoint_blocks": 34,
+        "matmul_blocks": 32,
+        "recompute_block_ms": {"attention": 16.0, "matmuls": 3.0},
+    }
+    assert recompute_ms("ours", ours, 34) == 2 * 16.0 + 32 * 3.0
+    only_attention = {"checkpoint_blocks": 14, "matmul_blocks": 0, "recompute_block_ms": {"attention": 16.0}}
+    assert recompute_ms("ours", only_attention, 34) == 14 * 16.0
+    tuned = {
+        "policies": ["full", "selective", "none"],
+        "recompute_block_ms": {"full": 50.0, "selective": 4.0},
+    }
+    assert recompute_ms("stock_tuned", tuned, 3) == 54.0
+    assert math.isnan(recompute_ms("ours", {"checkpoint_blocks": 34, "matmul_blocks": 0}, 34))  # not measured
+    assert math.isnan(recompute_ms("stock", tuned, 3))  # from stock_tuned's rows instead
+    noisy = {"policies": ["selective"], "recompute_block_ms": {"full": 50.0, "selective": -2.0}}
+    assert math.isnan(recompute_ms("stock_tuned", noisy, 1))  # below zero: not reported
+
+
+@pytest.mark.parametrize(
+    "path,policies", [("ours", {"attention", "matmuls"}), ("stock_tuned", {"full", "selective"})]
+)
+def test_one_block_is_timed_alone_under_each_recompute_policy(path, policies):
+    """[Note: the recompute estimate]: a fresh block of the config under the path's policies."""
+    from cs336_systems.model import get_config
+    from cs336_systems.studies.training import leaderboard as study
+    from cs336_systems.studies.training import leaderboard_bench as bench
+
+    cfg = study.LeaderboardRunConfig(size="small", context_length=256, attention="sdpa", compile=False)
+    mcfg = get_config("small", context_length=256)
+    per_block = bench.path_block_recompute_ms(path, cfg, mcfg, torch.device("cpu"))
+    assert set(per_block) == policies and all(math.isfinite(v) for v in per_block.values())
+    if path == "stock_tuned":
+        assert per_block["full"] > 0  # the whole forward again: a third of forward + backward
+
+
+def test_a_timed_block_backward_returns_its_gradients_without_accumulating_them():
+    """The timed backward must not reach a parameter's .grad (ours' optimizer hooks fire there)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from cs336_systems.studies.training import leaderboard_bench as bench
+
+    block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    runners = {"none": block, "full": lambda x: checkpoint(block, x, use_reentrant=False)}
+    per_block = bench.block_recompute_ms(runners, block, (4, 64), torch.device("cpu"), reps=3)
+    assert set(per_block) == {"full"} and math.isfinite(per_block["full"])
+    assert all(p.grad is None for p in block.parameters())
+
+
 def test_memory_plan_of_the_8b_config():
     from cs336_systems.model import get_config
     from cs336_systems.studies.training import leaderboard_memory as memory

@@ -2,19 +2,19 @@
 phases marked, the "auto" choice of checkpointed blocks, do_bench with OOM retries, one profiled step.
 
 [Note: the recompute estimate]
-Recomputation runs inside backward, fused into its kernels, so it is estimated from backward times
-of the same run. Ours with `keep_matmuls`: its plan steps have every block recomputed keeping its
-attention (backward B_all), then the last block unchecked (B_n), then the last block keeping its
-matmuls too (B_m); a block recomputed keeping only its attention costs B_all - B_n, one keeping its
-matmuls B_m - B_n, and recompute = (k - m)(B_all - B_n) + m (B_m - B_n). Without it: the plan step
-B_all and the timed steps with k blocks recomputed (B_k): each recomputed block costs
-(B_all - B_k) / (L - k), so recompute = k (B_all - B_k) / (L - k). stock_tuned's plan steps differ
-only in block 0's policy ("full", "selective", "none"): a policy's per-block cost is its step's
-backward minus the "none" step's, and recompute sums it over the blocks. The stock step recomputes
-every block in full: L times the "full" per-block cost of stock_tuned from the same run (the same
-compiled, FSDP-sharded block under the same checkpoint), when that ran. One step per estimate:
-expect a few ms of noise per block; an estimate below zero (recompute cheaper than that noise, e.g.
-elementwise work only) is not reported.
+Recomputation runs inside backward, fused into its kernels, so it cannot be read off a trace; and
+differences of whole protocol steps (a 3-4 s backward) that differ in one block are as noisy as the
+few ms a block's recompute may cost (session 15: a block keeping its matmuls measured faster than an
+unchecked one). So one block is timed alone (`block_recompute_ms`): a fresh block of the model's
+shape and precision, under each recompute policy of the path, compiled as in the step, its backward
+(gradients of the input and of every parameter, returned rather than accumulated, so no optimizer
+hook runs) timed over several calls; a policy's per-block cost is its median backward minus the
+unchecked block's. Ours: "attention" (recomputed keeping the attention's outputs) and "matmuls"
+(keeping the matmuls' too); recompute = (k - m) attention + m matmuls. stock_tuned: "full" and
+"selective" (its recipe's matmuls); recompute sums its blocks' policies. The stock step recomputes
+every block in full: L times stock_tuned's "full" from the same run (the same compiled block under
+the same checkpoint), when that ran. Collectives are not part of it (FSDP2's gathers run whether or
+not a block is recomputed). An estimate below zero is not reported.
 
 [Note: choosing the checkpointed blocks]
 Only as many blocks are recomputed, and as cheaply, as memory needs. One step with every block
@@ -38,18 +38,22 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 
 from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import capture_failure
 from cs336_systems.measure.timing import do_bench_all_ranks, synchronize
 from cs336_systems.measure.traces import load_trace, save_trace
+from cs336_systems.model import BasicsTransformerLM
 from cs336_systems.studies.distributed import trace_plot
-from cs336_systems.studies.training.leaderboard_stock import recompute_plan
+from cs336_systems.studies.training.leaderboard_stock import SAC_MATMULS, PolicyBlock, recompute_plan
+from cs336_systems.training.leaderboard import LeaderboardConfig, checkpointed_regions
 
 PHASES = ("forward", "backward", "optimizer_step")  # the range names trace_plot.compact_trace keeps
 
@@ -111,16 +115,6 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
     backward_all = protocol.phase_ms(1)["backward"][0]  # every block recomputed
     plan: dict[str, Any] = {"peak_all_checkpointed": peak, "backward_all_checkpointed_ms": backward_all}
     matmuls = cfg.keep_matmuls and bool(step.matmul_regions)
-    if matmuls:  # the last block unchecked, then keeping its matmuls: per-block recompute costs
-        for name, (k, m) in {
-            "backward_last_none_ms": (layers - 1, 0),
-            "backward_last_matmuls_ms": (layers, 1),
-        }.items():
-            step.set_checkpoint_blocks(k, m)
-            protocol()  # compiles the policy's graph at its first use
-            protocol()
-            synchronize(device)
-            plan[name] = protocol.phase_ms(1)["backward"][0]
     block = step.model.layers[-1]
     shape = (cfg.batch_per_rank, cfg.context_length, block.ln1.weight.shape[0])
     with step.on_stream():
@@ -148,23 +142,80 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
     }
 
 
-def recompute_ms(path: str, plan: dict, backward_ms: float, layers: int) -> float:
+def recompute_ms(path: str, plan: dict, layers: int) -> float:
     """The estimated time backward spends recomputing forward work ([Note: the recompute estimate]);
     NaN where the run gives no estimate."""
-    estimate = math.nan
-    if path == "ours" and "backward_last_none_ms" in plan:  # per-block costs from the plan steps
-        per_attention = plan["backward_all_checkpointed_ms"] - plan["backward_last_none_ms"]
-        per_matmuls = plan["backward_last_matmuls_ms"] - plan["backward_last_none_ms"]
+    per_block = plan.get("recompute_block_ms", {})
+    if path == "ours" and per_block:
         k, m = plan["checkpoint_blocks"], plan["matmul_blocks"]
-        estimate = (k - m) * per_attention + m * per_matmuls
-    elif path == "ours" and "backward_all_checkpointed_ms" in plan:
-        k = plan["checkpoint_blocks"]
-        if k < layers:
-            estimate = k * (plan["backward_all_checkpointed_ms"] - backward_ms) / (layers - k)
-    elif "recompute_block_ms" in plan:  # stock_tuned's plan
-        per_block = plan["recompute_block_ms"]
+        estimate = (k - m) * per_block["attention"] + m * per_block.get("matmuls", 0.0)
+    elif path == "stock_tuned" and per_block:
         estimate = sum(per_block.get(p, 0.0) for p in plan["policies"])
+    else:
+        estimate = math.nan
     return estimate if estimate >= 0 else math.nan
+
+
+def backward_ms(fn: Callable[[Tensor], Tensor], x: Tensor, params: list[Tensor], reps: int, device) -> float:
+    """Median time (ms) of the backward of fn(x) for x and `params` (returned, not accumulated) over
+    `reps` calls after two untimed ones."""
+    grad = torch.randn_like(x)
+    times = []
+    for i in range(reps + 2):
+        y = fn(x)
+        synchronize(device)
+        start = time.perf_counter()
+        torch.autograd.grad(y, [x, *params], grad)
+        synchronize(device)
+        if i >= 2:
+            times.append((time.perf_counter() - start) * 1e3)
+        del y
+    return sorted(times)[len(times) // 2]
+
+
+def block_recompute_ms(
+    runners: dict[str, Callable[[Tensor], Tensor]], block: nn.Module, shape: tuple, device, reps: int = 8
+) -> dict[str, float]:
+    """Per recompute policy, what it adds to one block's backward (ms): runners[policy](x) runs `block`
+    under it, runners["none"] unchecked ([Note: the recompute estimate])."""
+    dtype = next(block.parameters()).dtype
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    params = [p for p in block.parameters() if p.requires_grad]
+    base = backward_ms(runners["none"], x, params, reps, device)
+    return {
+        name: backward_ms(fn, x, params, reps, device) - base
+        for name, fn in runners.items()
+        if name != "none"
+    }
+
+
+def path_block_recompute_ms(path: str, cfg, mcfg, device) -> dict[str, float]:
+    """`block_recompute_ms` of a fresh bf16 block of `mcfg` under `path`'s policies ("ours":
+    "attention", "matmuls"; "stock_tuned": "full", "selective" with `cfg.tuned_sac`'s matmuls), compiled
+    as `cfg.compile` says; the block is dropped afterwards."""
+    small = mcfg.replace(num_layers=1, vocab_size=256)  # the block does not depend on the vocabulary
+    attention = cfg.attention if path == "ours" else "sdpa"
+    lm = BasicsTransformerLM.from_config(small, attention_impl=attention, device=device, dtype=torch.bfloat16)
+    block = lm.layers[0]
+    if path == "ours":
+        ours = LeaderboardConfig(attention=attention, compile=cfg.compile)
+        one = nn.ModuleList([block])
+        runners = {
+            "attention": checkpointed_regions(one, ours)[0],
+            "matmuls": checkpointed_regions(one, ours, matmuls=True)[0],
+        }
+        if cfg.compile:
+            block.compile()
+        runners["none"] = block
+    else:
+        stride = SAC_MATMULS[cfg.tuned_sac]
+        wrap = torch.compile if cfg.compile else (lambda m: m)
+        runners = {p: wrap(PolicyBlock(block, p, stride)) for p in ("none", "full", "selective")}
+    shape = (cfg.batch_per_rank, cfg.context_length, small.d_model)
+    try:
+        return block_recompute_ms(runners, block, shape, device)
+    finally:
+        del lm, block, runners
 
 
 def _kept_bytes(fn, x, device) -> int:

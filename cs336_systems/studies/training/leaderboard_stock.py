@@ -243,10 +243,8 @@ class StockTunedStep(StockFsdp2Step):
             block.policy = policy
 
     def plan(self, protocol, device: torch.device, margin_gib: float) -> dict:
-        """Measure P, a_s and a_n with `protocol()` (one protocol step whose phases it records, a
-        `leaderboard_bench.ProtocolStep`) and set the plan; on a CPU every block runs "selective".
-        Returns the plan's numbers for the rows, with the backward time (ms) of each measured step:
-        `recompute_ms` ([Note: the recompute estimate] in leaderboard_bench) uses them."""
+        """Measure P, a_s and a_n with `protocol()` (one protocol step, a `leaderboard_bench.ProtocolStep`)
+        and set the plan; on a CPU every block runs "selective". Returns the plan's numbers for the rows."""
         import torch.distributed as dist
 
         layers = len(self.blocks)
@@ -254,7 +252,6 @@ class StockTunedStep(StockFsdp2Step):
             self.set_policies(["selective"] * layers)
             protocol()
             return {"policies": self.policies}
-        backward: dict[str, float] = {}
 
         def peak(policies: list[str]) -> float:
             self.set_policies(policies)
@@ -263,7 +260,6 @@ class StockTunedStep(StockFsdp2Step):
             torch.cuda.reset_peak_memory_stats(device)
             protocol()
             torch.cuda.synchronize(device)
-            backward[policies[0]] = protocol.phase_ms(1)["backward"][0]
             value = torch.tensor([float(torch.cuda.max_memory_allocated(device))], device=device)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -279,9 +275,4 @@ class StockTunedStep(StockFsdp2Step):
             "peak_all_full": full,
             "kept_selective": kept_selective,
             "kept_none": kept_none,
-            # per block, what its policy adds to backward (ms): the steps differ in block 0 only
-            "recompute_block_ms": {
-                "full": backward["full"] - backward["none"],
-                "selective": backward["selective"] - backward["none"],
-            },
         }
