@@ -22,7 +22,6 @@ launch's; the resource numbers are the same kernel's, not necessarily the same b
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -40,6 +39,7 @@ from triton.backends.compiler import GPUTarget
 
 from cs336_systems.attention.flash_triton import hopper, launch, plans
 from cs336_systems.attention.flash_triton.tiles import interpreting
+from cs336_systems.measure import cli
 
 SM90 = GPUTarget("cuda", 90, 32)
 SM90_SHARED_BYTES = 232_448  # the most dynamic shared memory one sm_90 block may use (227 KB)
@@ -196,8 +196,8 @@ def resource_table(is_causal: bool = True) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = cli.make_parser(
+        __doc__, "TRITON_INTERPRET=0 python -m cs336_systems.attention.flash_triton.offline --json"
     )
     p.add_argument("--non-causal", action="store_true", help="compile the non-causal kernels")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
