@@ -60,7 +60,7 @@ def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, defa
 def test_the_launchers_launches_are_recorded_on_meta_tensors(kind, d, kernels):
     """offline.hopper_launches runs a Hopper launcher on "meta" tensors and records its launches (Delta,
     the zeroed float32 dQ, the one-pass kernel and dQ's cast in the backward) without making them."""
-    from cs336_systems.attention.flash_triton import offline
+    from cs336_systems.studies.attention import flash_offline as offline
 
     recorded = offline.hopper_launches(kind, d, True)
     assert [r.name for r in recorded] == kernels
@@ -73,15 +73,15 @@ def test_the_launchers_launches_are_recorded_on_meta_tensors(kind, d, kernels):
 def test_every_default_hopper_path_compiles_for_sm90_without_a_gpu():
     """The Gluon kernels do not run under the interpreter; compiled offline for sm_90a with the installed
     Triton (3.6 on the GPU hosts, 3.7 here in CI; their Gluon APIs differ) every default path's kernel
-    must compile and fit a block's shared memory, and below d = 128 none may spill (offline.py)."""
+    must compile and fit a block's shared memory, and below d = 128 none may spill (studies/attention/flash_offline.py)."""
     import json
     import os
     import subprocess
     import sys
 
-    from cs336_systems.attention.flash_triton import offline
+    from cs336_systems.studies.attention import flash_offline as offline
 
-    command = [sys.executable, "-m", "cs336_systems.attention.flash_triton.offline", "--json"]
+    command = [sys.executable, "-m", "cs336_systems.studies.attention.flash_offline", "--json"]
     out = subprocess.run(command, env=os.environ | {"TRITON_INTERPRET": "0"}, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = json.loads(out.stdout)["rows"]

@@ -48,7 +48,7 @@ NOT_MEASURING = {
     "cs336_systems.studies.distributed.ddp_check",
     "cs336_systems.studies.profiling.accumulation",
     "cs336_systems.studies.overview.readme_summary",
-    "cs336_systems.attention.flash_triton.offline",
+    "cs336_systems.studies.attention.flash_offline",
 }
 MEASURING = [m for m in CLIS if ".report." not in m and m not in NOT_MEASURING]
 

@@ -4,7 +4,7 @@ launch) -> function.py (the autograd.Function and its operators).
 
 Without a CUDA device the kernels run under the Triton interpreter: `cs336_systems/__init__.py` sets
 TRITON_INTERPRET=1 when the package is imported, before Triton can be ([Note: Triton interpreter]).
-The Hopper kernels (hopper*.py, Gluon) do not run there; offline.py compiles them for sm_90a on any
+The Hopper kernels (hopper*.py, Gluon) do not run there; studies/attention/flash_offline.py compiles them for sm_90a on any
 host and reads their registers, spills and shared memory.
 """
 

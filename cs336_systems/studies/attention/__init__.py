@@ -21,6 +21,8 @@ other modules are the family's helpers.
 * `flash_hopper` (study): the Gluon kernels' tuning, protocol and model-shape runs, tables and facts.
 * `flash_overhead` (study): the host overhead of the flash_benchmarking calls (CUDA graph replays).
 * `flash_model` (study): our kernel inside the model (equivalence and training steps).
+* `flash_offline`: the Hopper (Gluon) kernels compiled for sm_90a without a GPU, their registers,
+  spills and shared memory (a CPU test and the optimisation log's offline evidence).
 * `python -m cs336_systems.studies.attention` (this folder's `__main__`): the naive-attention and
   compile measurements on the host it is on (a time budget only with `--budget-s`).
 """

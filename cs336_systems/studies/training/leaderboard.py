@@ -74,7 +74,6 @@ from cs336_systems.distributed.zero import PARAM_MODES
 from cs336_systems.measure import cli
 from cs336_systems.measure.results import append_rows, capture_failure, device_name, make_row
 from cs336_systems.measure.results import results_dir as default_results_dir
-from cs336_systems.measure.timing import synchronize
 from cs336_systems.model import BasicsTransformerLM, get_config
 from cs336_systems.studies.distributed import runner
 from cs336_systems.studies.training import leaderboard_memory as memory
@@ -83,7 +82,7 @@ from cs336_systems.studies.training.leaderboard_bench import (
     bench,
     bench_ours_fitting,
     path_block_recompute_ms,
-    plan_checkpointing,
+    plan_path,
     profile_step,
     recompute_ms,
 )
@@ -133,6 +132,7 @@ class LeaderboardRunConfig:
     warmup_ms: float = 10_000.0
     estimate_calls: int = 5
     trace: bool = True
+    estimate_recompute: bool = True  # ours, stock_tuned: one block timed alone per policy
     margin_gib: float = 6.0
     backend: str = "nccl"
     cold: bool = False
@@ -244,22 +244,14 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     step, mcfg = build_path(cfg, label, device)
     tokens, targets = protocol_batch(cfg, mcfg.vocab_size, device, rank, world)
     protocol = ProtocolStep(step, tokens, targets)
-    plan: dict = {}
-    if path == "ours" and cfg.checkpoint_blocks == "auto":
-        plan = plan_checkpointing(step, protocol, cfg, device)  # its first step compiles; sets the plan
-    elif path == "stock_tuned" and cfg.checkpoint_blocks == "auto":
-        plan = step.plan(protocol, device, cfg.margin_gib)
-    elif path == "stock_tuned":
-        k = min(int(cfg.checkpoint_blocks), len(step.blocks))
-        step.set_policies(["selective"] * k + ["none"] * (len(step.blocks) - k))
-        plan = {"policies": step.policies}
-        protocol()
-        synchronize(device)
-    else:
-        protocol()  # the first step: compilation
-        synchronize(device)
+    plan = plan_path(path, step, protocol, cfg, device)  # the first steps compile; setup_s counts them
     setup_s = time.perf_counter() - start
-    if device.type == "cuda" and mode == "bf16" and path in ("ours", "stock_tuned"):
+    if (
+        cfg.estimate_recompute
+        and device.type == "cuda"
+        and mode == "bf16"
+        and path in ("ours", "stock_tuned")
+    ):
         outcome: dict = {}
         with capture_failure(outcome):  # an estimate only: a failure (OOM) leaves it out, not the run
             plan["recompute_block_ms"] = path_block_recompute_ms(path, cfg, mcfg, device)
@@ -422,6 +414,10 @@ def _parser():
         "--trace", type=cli.boolean, default=d.trace, help="profile one step of every path on rank 0"
     )
     p.add_argument(
+        "--estimate-recompute", type=cli.boolean, default=d.estimate_recompute,
+        help="time one block alone under each recompute policy (the recompute estimate; bf16, GPU)",
+    )  # fmt: skip
+    p.add_argument(
         "--margin-gib",
         type=float,
         default=d.margin_gib,
@@ -461,6 +457,7 @@ def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.D
             tuned_sac=args.tuned_sac, tuned_reshard=args.tuned_reshard,
             compile=args.compile, overlap=args.overlap, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
             estimate_calls=args.estimate_calls, trace=args.trace, margin_gib=args.margin_gib, cold=args.cold,
+            estimate_recompute=args.estimate_recompute,
             backend=args.backend,
         )  # fmt: skip
         return given | (QUICK if args.quick else {})

@@ -142,6 +142,24 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
     }
 
 
+def plan_path(path: str, step, protocol: ProtocolStep, cfg, device) -> dict[str, Any]:
+    """Run `path`'s first steps (they compile) and, with `cfg.checkpoint_blocks == "auto"`, its plan:
+    ours by `plan_checkpointing`, stock_tuned by its own `plan`; a fixed count checkpoints that many
+    blocks (stock_tuned's selectively). Returns the plan's numbers ({} for stock)."""
+    plan: dict[str, Any] = {}
+    if path == "ours" and cfg.checkpoint_blocks == "auto":
+        return plan_checkpointing(step, protocol, cfg, device)
+    if path == "stock_tuned" and cfg.checkpoint_blocks == "auto":
+        return step.plan(protocol, device, cfg.margin_gib)
+    if path == "stock_tuned":
+        k = min(int(cfg.checkpoint_blocks), len(step.blocks))
+        step.set_policies(["selective"] * k + ["none"] * (len(step.blocks) - k))
+        plan = {"policies": step.policies}
+    protocol()  # the first step: compilation
+    synchronize(device)
+    return plan
+
+
 def recompute_ms(path: str, plan: dict, layers: int) -> float:
     """The estimated time backward spends recomputing forward work ([Note: the recompute estimate]);
     NaN where the run gives no estimate."""

@@ -11,9 +11,9 @@ arrays), spill stores and loads, and the kernel's shared memory.
 What it is for: a CPU test that every default Hopper path compiles with the Triton the project
 admits (Triton 3.6 and 3.7 differ in Gluon's API) and fits the 227 KB of shared memory an sm_90 block
 may use, and the optimisation log's offline evidence (register budgets, spills) before a GPU session:
-`TRITON_INTERPRET=0 python -m cs336_systems.attention.flash_triton.offline` prints the table (the
-package sets the interpreter on import when no GPU is visible, and interpreted kernels cannot be
-compiled). It shows that the kernels compile with Triton 3.7 too; they have run on GPUs with 3.6 only.
+`python -m cs336_systems.studies.attention.flash_offline` prints the table (run as a module on a host
+without a GPU it restarts itself with TRITON_INTERPRET=0: the package sets the interpreter on import
+when no GPU is visible, and interpreted kernels cannot be compiled). It shows that the kernels compile with Triton 3.7 too; they have run on GPUs with 3.6 only.
 
 Caveat: the signature gives integers their plain type (i32 or i64), with none of the JIT's
 specialisations (divisibility by 16, the value 1), so the code ptxas sees can differ slightly from a
@@ -28,6 +28,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -197,7 +198,7 @@ def resource_table(is_causal: bool = True) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     p = cli.make_parser(
-        __doc__, "TRITON_INTERPRET=0 python -m cs336_systems.attention.flash_triton.offline --json"
+        __doc__, "TRITON_INTERPRET=0 python -m cs336_systems.studies.attention.flash_offline --json"
     )
     p.add_argument("--non-causal", action="store_true", help="compile the non-causal kernels")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
@@ -221,4 +222,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    if interpreting() and os.environ.get("TRITON_INTERPRET") != "0":  # set by cs336_systems on a CPU host
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "cs336_systems.studies.attention.flash_offline", *sys.argv[1:]],
+            {**os.environ, "TRITON_INTERPRET": "0"},
+        )
     main()
