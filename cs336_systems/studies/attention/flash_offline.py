@@ -78,6 +78,7 @@ class Resources:
     spill_stores: int
     spill_loads: int
     shared_bytes: int
+    loop_local_accesses: int  # LDL/STL inside the loops that issue HGMMA (`loop_local_accesses`)
 
 
 @contextlib.contextmanager
@@ -144,8 +145,9 @@ def source(rec: Recorded):
     return triton.compiler.ASTSource(fn, signature, constexprs), options
 
 
-def ptxas_path() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+def _tool(name: str) -> str:
+    """A CUDA tool bundled with Triton (ptxas, cuobjdump)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
 def compile_sm90(rec: Recorded) -> Resources:
@@ -156,10 +158,16 @@ def compile_sm90(rec: Recorded) -> Resources:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
+        cubin = os.path.join(tmp, "kernel.cubin")
         report = subprocess.run(
-            [ptxas_path(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "kernel.cubin")],
-            capture_output=True, text=True, check=True,
-        ).stderr  # fmt: skip
+            [_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
 
     def number(pattern: str) -> int:
         match = re.search(pattern, report)
@@ -172,7 +180,30 @@ def compile_sm90(rec: Recorded) -> Resources:
         spill_stores=number(r"(\d+) bytes spill stores"),
         spill_loads=number(r"(\d+) bytes spill loads"),
         shared_bytes=int(compiled.metadata.shared),
+        loop_local_accesses=loop_local_accesses(sass),
     )
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def loop_local_accesses(sass: str) -> int:
+    """Local-memory loads and stores (LDL/STL: spills) inside the innermost loops that issue tensor-core
+    products (HGMMA), per iteration summed over those loops: the spills a kernel pays every step, not
+    once. A loop is the span of a predicated backward branch (an unpredicated one returns from
+    out-of-line code, such as a barrier's retry, into the body)."""
+    code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
+    loops = []
+    for address, ins in code:
+        back = re.match(r"@!?P\d+\s+BRA\s+0x([0-9a-f]+)", ins)
+        if back and int(back.group(1), 16) < address:
+            loops.append((int(back.group(1), 16), address))
+    products = [(a, b) for a, b in loops if any(a <= x <= b and "HGMMA" in ins for x, ins in code)]
+    innermost = [
+        (a, b) for a, b in products if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in products)
+    ]
+    local = [x for x, ins in code if re.match(r"(@!?P\d+\s+)?(LDL|STL)\b", ins)]
+    return sum(a <= x <= b for a, b in innermost for x in local)
 
 
 def default_paths() -> list[tuple[str, int, Callable[[], Any]]]:
@@ -217,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{row['kind']} d={row['d']:<4} {row['kernel']:<32} {row['registers']:>4} regs  "
             f"stack {row['stack_bytes']:>4} B  spills {row['spill_stores']}/{row['spill_loads']} B  "
-            f"shared {row['shared_bytes']:>6} B"
+            f"shared {row['shared_bytes']:>6} B  LDL/STL in product loops {row['loop_local_accesses']}"
         )
 
 
