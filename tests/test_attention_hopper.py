@@ -69,6 +69,19 @@ def test_the_launchers_launches_are_recorded_on_meta_tensors(kind, d, kernels):
     assert all(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in main.args[:3])
 
 
+def test_warp_specialised_configs_must_fit_the_register_file():
+    """setmaxnreg budgets are multiples of 8 in 24..256, and the launch (every warpgroup, the producer's
+    too, at the launch cap) fits an SM's 65,536 registers: checked when the configuration is made."""
+    hopper.WarpSpecializedBwdConfig(consumer_regs=240, dq_in_consumers=True)  # 3 x 128 x 168 = 64,512
+    hopper.WarpSpecializedFwdConfig(consumers=3, consumer_regs=160)
+    with pytest.raises(ValueError, match="3 warpgroups need 67584 registers"):  # the cap 176 at 248
+        hopper.WarpSpecializedBwdConfig(consumer_regs=248, dq_in_consumers=True)
+    with pytest.raises(ValueError, match="4 warpgroups need 73728 registers"):
+        hopper.WarpSpecializedBwdConfig(consumer_regs=208, dq_regs=120)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        hopper.WarpSpecializedFwdConfig(consumer_regs=244)
+
+
 def test_spills_are_counted_inside_the_loops_that_issue_products():
     """Only LDL/STL in the innermost predicated back-edge spans that contain an HGMMA count; a barrier
     retry's unpredicated jump back into the body is not a loop."""

@@ -56,6 +56,24 @@ PRODUCER_REGS = 24  # the producer warp's registers a thread (the least setmaxnr
 HEAD_MAJOR_MIN_TILES = 8  # query tiles a head needs before a forward's grid goes head-major
 
 
+REGISTER_FILE = 65_536  # 32-bit registers of one SM, all of them for the one program it runs
+
+
+def check_register_budget(cfg, consumers: int, consumer_regs: int, dq_regs: int = 0) -> None:
+    """Raise a ValueError naming `cfg` unless its setmaxnreg budgets are multiples of 8 in 24..256 and
+    its launch fits one SM's register file: every warpgroup (the consumers, the producer's, a dQ
+    warpgroup; setmaxnreg moves registers a warpgroup at a time) at `warp_specialized_maxnreg`."""
+    budgets = [consumer_regs] + ([dq_regs] if dq_regs else [])
+    if any(r % 8 or not 24 <= r <= 256 for r in budgets):
+        raise ValueError(f"{cfg}: register budgets must be multiples of 8 in 24..256, got {budgets}")
+    warpgroups = consumers + 1 + (dq_regs > 0)
+    need = warpgroups * 128 * warp_specialized_maxnreg(consumers, consumer_regs, dq_regs)
+    if need > REGISTER_FILE:
+        raise ValueError(
+            f"{cfg}: its {warpgroups} warpgroups need {need} registers, an SM has {REGISTER_FILE}"
+        )
+
+
 def warp_specialized_maxnreg(consumers: int, consumer_regs: int, dq_regs: int = 0) -> int:
     """Registers a thread at launch of a warp-specialised kernel: the consumers' share plus the
     producer's (and a one-pass backward's dQ warpgroup's), spread over the program's warpgroups,
@@ -77,6 +95,9 @@ class WarpSpecializedFwdConfig:
     pingpong: bool = False  # slower on an H100 in every configuration measured (session 10)
     consumer_regs: int = 240
     head_major: bool = True  # one-dimensional grid, a head's query tiles consecutive (program_tile)
+
+    def __post_init__(self) -> None:
+        check_register_budget(self, self.consumers, self.consumer_regs)
 
     @property
     def block_m(self) -> int:
@@ -273,6 +294,7 @@ class WarpSpecializedBwdConfig:
             raise ValueError(f"{self}: the one-pass backward takes two consumers and 64-query steps")
         if self.dq_regs and self.dq_in_consumers:
             raise ValueError(f"{self}: dQ either in a warpgroup of its own (dq_regs) or in the consumers")
+        check_register_budget(self, self.consumers, self.consumer_regs, self.dq_regs)
 
     @property
     def one_pass(self) -> bool:
