@@ -234,8 +234,8 @@ def test_one_block_is_timed_alone_under_each_recompute_policy(path, policies):
     from cs336_systems.studies.training import leaderboard as study
     from cs336_systems.studies.training import leaderboard_bench as bench
 
-    cfg = study.LeaderboardRunConfig(size="small", context_length=256, attention="sdpa", compile=False)
-    mcfg = get_config("small", context_length=256)
+    cfg = study.LeaderboardRunConfig(size="small", context_length=128, attention="sdpa", compile=False)
+    mcfg = get_config("small", context_length=128)
     per_block = bench.path_block_recompute_ms(path, cfg, mcfg, torch.device("cpu"))
     assert set(per_block) == policies and all(math.isfinite(v) for v in per_block.values())
     if path == "stock_tuned":
