@@ -6,14 +6,17 @@ runs a launcher (`hopper.flash_fwd_hopper` / `hopper.flash_bwd_hopper`) on "meta
 `plans.launch` intercepted, which records each launch (kernel, arguments, options) instead of making
 it; `compile_sm90` compiles one recorded launch with the installed Triton for an sm_90a target and
 reads ptxas's report of the cubin: registers a thread, stack (local memory: spills and scratch
-arrays), spill stores and loads, and the kernel's shared memory.
+arrays), spill stores and loads, the kernel's shared memory, and from the SASS the local loads and
+stores inside the loops that issue tensor-core products (`loop_local_accesses`).
 
 What it is for: a CPU test that every default Hopper path compiles with the Triton the project
 admits (Triton 3.6 and 3.7 differ in Gluon's API) and fits the 227 KB of shared memory an sm_90 block
 may use, and the optimisation log's offline evidence (register budgets, spills) before a GPU session:
 `python -m cs336_systems.studies.attention.flash_offline` prints the table (run as a module on a host
 without a GPU it restarts itself with TRITON_INTERPRET=0: the package sets the interpreter on import
-when no GPU is visible, and interpreted kernels cannot be compiled). It shows that the kernels compile with Triton 3.7 too; they have run on GPUs with 3.6 only.
+when no GPU is visible, and interpreted kernels cannot be compiled). It shows that the kernels
+compile with Triton 3.7 too; they have run on GPUs with 3.6 only. ptxas does not check that
+setmaxnreg's budgets fit the register file: the configurations do (`hopper.check_register_budget`).
 
 Caveat: the signature gives integers their plain type (i32 or i64), with none of the JIT's
 specialisations (divisibility by 16, the value 1), so the code ptxas sees can differ slightly from a
@@ -228,9 +231,7 @@ def resource_table(is_causal: bool = True) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = cli.make_parser(
-        __doc__, "TRITON_INTERPRET=0 python -m cs336_systems.studies.attention.flash_offline --json"
-    )
+    p = cli.make_parser(__doc__, "python -m cs336_systems.studies.attention.flash_offline --json")
     p.add_argument("--non-causal", action="store_true", help="compile the non-causal kernels")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     args = p.parse_args(argv)
