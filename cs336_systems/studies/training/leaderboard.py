@@ -255,6 +255,8 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
         outcome: dict = {}
         with capture_failure(outcome):  # an estimate only: a failure (OOM) leaves it out, not the run
             plan["recompute_block_ms"] = path_block_recompute_ms(path, cfg, mcfg, device)
+        if outcome and rank == 0:
+            print(f"[{PROBLEM}] {label}: no recompute estimate ({outcome['note']})", flush=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if path == "ours":
