@@ -270,9 +270,7 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
         comm = profile_step(protocol, device, trace)
     peaks = runner.gather_to_rank0(peak)
     layers = len(step.model.layers)
-    counts = (
-        (step.checkpoint_blocks, step.matmul_blocks) if path == "ours" else None
-    )  # what the timed step ran
+    counts = (step.checkpoint_blocks, step.matmul_blocks) if path == "ours" else None  # what was timed
     del step, protocol
     if rank != 0:
         return []

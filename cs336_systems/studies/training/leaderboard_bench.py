@@ -100,8 +100,7 @@ class ProtocolStep:
 
 def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, Any]:
     """Plan k and m for "auto" and set them on `step` ([Note: choosing the checkpointed blocks]).
-    Returns {"checkpoint_blocks", "matmul_blocks", "peak_all_checkpointed", "block_saved",
-    "matmuls_saved", and the plan steps' backward times for [Note: the recompute estimate]}."""
+    Returns {"checkpoint_blocks", "matmul_blocks", "peak_all_checkpointed", "block_saved", "matmuls_saved"}."""
     layers = len(step.model.layers)
     step.set_checkpoint_blocks(layers)
     protocol()
@@ -112,8 +111,6 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
     protocol()
     synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    backward_all = protocol.phase_ms(1)["backward"][0]  # every block recomputed
-    plan: dict[str, Any] = {"peak_all_checkpointed": peak, "backward_all_checkpointed_ms": backward_all}
     matmuls = cfg.keep_matmuls and bool(step.matmul_regions)
     block = step.model.layers[-1]
     shape = (cfg.batch_per_rank, cfg.context_length, block.ln1.weight.shape[0])
@@ -134,7 +131,8 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
     else:
         k, m = layers - min(layers, max(0, int(room // max(saved, 1)))), 0
     step.set_checkpoint_blocks(k, m)
-    return plan | {
+    return {
+        "peak_all_checkpointed": peak,
         "checkpoint_blocks": k,
         "matmul_blocks": m,
         "block_saved": saved,
@@ -210,7 +208,7 @@ def block_recompute_ms(
 def path_block_recompute_ms(path: str, cfg, mcfg, device) -> dict[str, float]:
     """`block_recompute_ms` of a fresh bf16 block of `mcfg` under `path`'s policies ("ours":
     "attention", "matmuls"; "stock_tuned": "full", "selective" with `cfg.tuned_sac`'s matmuls), compiled
-    as `cfg.compile` says; the block is dropped afterwards."""
+    as `cfg.compile` says."""
     small = mcfg.replace(num_layers=1, vocab_size=256)  # the block does not depend on the vocabulary
     attention = cfg.attention if path == "ours" else "sdpa"
     lm = BasicsTransformerLM.from_config(small, attention_impl=attention, device=device, dtype=torch.bfloat16)
@@ -229,11 +227,7 @@ def path_block_recompute_ms(path: str, cfg, mcfg, device) -> dict[str, float]:
         stride = SAC_MATMULS[cfg.tuned_sac]
         wrap = torch.compile if cfg.compile else (lambda m: m)
         runners = {p: wrap(PolicyBlock(block, p, stride)) for p in ("none", "full", "selective")}
-    shape = (cfg.batch_per_rank, cfg.context_length, small.d_model)
-    try:
-        return block_recompute_ms(runners, block, shape, device)
-    finally:
-        del lm, block, runners
+    return block_recompute_ms(runners, block, (cfg.batch_per_rank, cfg.context_length, small.d_model), device)
 
 
 def _kept_bytes(fn, x, device) -> int:
