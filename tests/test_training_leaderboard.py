@@ -464,3 +464,44 @@ def test_a_profile_without_gpu_events_is_not_measured_and_an_earlier_profile_sta
     (tmp_path / f"training_leaderboard__trace_{variant}_ws2.json.gz").write_bytes(b"")
     assert results.trace_path(df, tmp_path, "bf16", 2) is not None  # the earlier, profiled run's trace
     assert results.latest_profiled(df).git_sha.unique().tolist() == ["a" * 40]
+
+
+class _CyclesStep:
+    """A protocol stand-in whose calls leave reference cycles behind, enough for several automatic
+    garbage collections per timed window."""
+
+    def __init__(self):
+        self.marks = []
+
+    def __call__(self):
+        for _ in range(3000):
+            a, b = [], []
+            a.append(b)
+            b.append(a)
+        self.marks.append([0.0, 0.0, 0.0, 0.0])
+
+    def phase_ms(self, last):
+        return {"forward": [0.0] * last}
+
+
+@pytest.mark.parametrize("policy", ["auto", "manual"])
+def test_the_timed_steps_count_garbage_collections_and_manual_collection_stops_them(policy):
+    import gc
+
+    from cs336_systems.studies.training import leaderboard as study
+    from cs336_systems.studies.training import leaderboard_bench
+
+    cfg = study.LeaderboardRunConfig(gc=policy, rep_ms=50.0, warmup_ms=10.0, estimate_calls=2)
+    assert gc.isenabled()
+    result = leaderboard_bench.bench(_CyclesStep(), cfg, torch.device("cpu"))
+    unit, collections = result["extra"]["gc_collections"]
+    assert unit == "count" and result["extra"]["alloc_retries"] == ("count", 0)
+    assert (collections == 0) if policy == "manual" else (collections > 0)
+    assert gc.isenabled()  # re-enabled after the timed steps
+
+
+def test_the_gc_policy_is_checked():
+    from cs336_systems.studies.training import leaderboard as study
+
+    with pytest.raises(ValueError, match="--gc must be 'auto' or 'manual'"):
+        study.LeaderboardRunConfig(gc="never")

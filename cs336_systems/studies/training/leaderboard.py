@@ -134,6 +134,9 @@ class LeaderboardRunConfig:
     trace: bool = True
     estimate_recompute: bool = True  # ours, stock_tuned: one block timed alone per policy
     margin_gib: float = 6.0
+    gc: str = (
+        "auto"  # "manual": no garbage collection during the timed steps ([Note: garbage collection ...])
+    )
     backend: str = "nccl"
     cold: bool = False
     variants: tuple[str, ...] = ()  # "<path>-<mode>-L<layers>", in run order
@@ -157,6 +160,8 @@ class LeaderboardRunConfig:
             raise ValueError(
                 f"--tuned-sac must be one of {tuple(SAC_MATMULS)}, --tuned-reshard one of {RESHARD}"
             )
+        if self.gc not in ("auto", "manual"):
+            raise ValueError(f"--gc must be 'auto' or 'manual', got {self.gc!r}")
         if self.rep_ms <= 0 or self.warmup_ms < 0 or self.estimate_calls < 1:
             raise ValueError("--rep-ms must be > 0, --warmup-ms >= 0, --estimate-calls >= 1")
         if not self.variants:
@@ -274,7 +279,7 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     del step, protocol
     if rank != 0:
         return []
-    extra = {"setup_s": ("s", setup_s)} | {m: ("ms", v) for m, v in comm.items()}
+    extra = {"setup_s": ("s", setup_s)} | {m: ("ms", v) for m, v in comm.items()} | result.pop("extra")
     if counts is not None:
         extra["checkpoint_blocks"], extra["matmul_blocks"] = ("blocks", counts[0]), ("blocks", counts[1])
     if "block_saved" in plan:
@@ -423,6 +428,7 @@ def _parser():
         default=d.margin_gib,
         help="ours and stock_tuned, planning: memory left free",
     )
+    p.add_argument("--gc", choices=["auto", "manual"], default=d.gc, help="manual: no GC in timed steps")
     p.add_argument("--cold", action="store_true", help="fresh Triton and Inductor cache directories")
     p.add_argument(
         "--backend", default="nccl" if torch.cuda.is_available() else "gloo", choices=["nccl", "gloo"]
@@ -457,7 +463,7 @@ def main(argv: Sequence[str] | None = None, *, from_shell: bool = False) -> pd.D
             tuned_sac=args.tuned_sac, tuned_reshard=args.tuned_reshard,
             compile=args.compile, overlap=args.overlap, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
             estimate_calls=args.estimate_calls, trace=args.trace, margin_gib=args.margin_gib, cold=args.cold,
-            estimate_recompute=args.estimate_recompute,
+            estimate_recompute=args.estimate_recompute, gc=args.gc,
             backend=args.backend,
         )  # fmt: skip
         return given | (QUICK if args.quick else {})

@@ -35,6 +35,7 @@ alive at the end of forward); recomputed blocks come first.
 
 from __future__ import annotations
 
+import gc
 import math
 import tempfile
 import time
@@ -242,10 +243,37 @@ def _kept_bytes(fn, x, device) -> int:
 
 
 def bench(protocol: ProtocolStep, cfg, device) -> dict[str, Any]:
-    result = do_bench_all_ranks(
-        protocol, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms, estimate_calls=cfg.estimate_calls, device=device
-    )
+    """do_bench of the protocol's step, with the phases of the timed calls and, in "extra", the
+    garbage collections and the allocator's retries (cudaFree of its cache, then again) they saw.
+
+    [Note: garbage collection during the timed steps]
+    Python's collector runs when allocations pass its thresholds; a full collection of a process
+    holding compiled graphs and autograd state can hold the host long enough for the GPU's queue to
+    drain (the step's trace then shows the compute stream idle). cfg.gc "manual" does what torchtitan
+    does (automatic collection off, a collection between steps every so many steps; every timed window
+    here is shorter than its default period of 50 steps): one collection before the warm-up, none
+    during the timed calls. "auto" leaves Python's default."""
+    manual = cfg.gc == "manual"
+    if manual:
+        gc.collect()
+        gc.disable()
+    collections = sum(s["collections"] for s in gc.get_stats())
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    try:
+        result = do_bench_all_ranks(
+            protocol,
+            warmup_ms=cfg.warmup_ms,
+            rep_ms=cfg.rep_ms,
+            estimate_calls=cfg.estimate_calls,
+            device=device,
+        )
+        collections = sum(s["collections"] for s in gc.get_stats()) - collections  # before gc.enable()
+    finally:
+        if manual:
+            gc.enable()
     result["phases"] = protocol.phase_ms(result["n_repeat"])
+    after = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    result["extra"] = {"gc_collections": ("count", collections), "alloc_retries": ("count", after - retries)}
     return result
 
 
