@@ -60,6 +60,69 @@ def transposed_product(a0_s, a1_s, b0_t, b1_t, zero, SPLIT: gl.constexpr):
 
 
 @gluon.jit
+def scores_to_ds(
+    s_t,
+    dpt_tok,
+    l2,
+    delta,
+    start_m,
+    key0,
+    do0_t,
+    do1_t,
+    dv0,
+    dv1,
+    qk_scale,
+    s_layout: gl.constexpr,
+    a0_layout: gl.constexpr,
+    a1_layout: gl.constexpr,
+    SPLIT: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    N_KEYS=None,
+):
+    """A query step once S^T (keys key0.. on rows) is ready, up to dS^T: P^T = exp2(S^T c - L) (masked
+    on steps that straddle or precede the diagonal), dV += P^T dO issued, dP^T waited for,
+    dS^T = P^T (dP^T - Delta). Returns (dv0, dv1) with the dV product still in flight and its register
+    operands (pt_a0, pt_a1: pass them to the wait that completes dV, so that their registers are not
+    reused while the tensor cores still read them), dS^T (16-bit, S^T's layout; zero for keys >= N_KEYS
+    when N_KEYS is given) and dS^T as the dK product's register operands (dst_a0, dst_a1). l2 (L * log2 e)
+    and delta: the step's queries, laid out along S^T's columns."""
+    G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
+    KEYS: gl.constexpr = s_t.type.shape[0]
+    BLOCK_M: gl.constexpr = s_t.type.shape[1]
+    dtype: gl.constexpr = do0_t.dtype
+    pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
+    if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
+        if start_m < key0 + KEYS - 1:
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            offs_n = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+            keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
+            pt = gl.where(keep, pt, 0.0)
+    if N_KEYS is not None:  # noqa: SIM102 - a constexpr test, then a run-time one
+        # Keys past N_KEYS (K's rows there are TMA's zero fill, so P^T = exp2(-L), which may overflow)
+        # get P^T = dS^T = 0, before any product reads them from registers (a one-pass backward's dQ
+        # sums dS over these rows).
+        if key0 + KEYS > N_KEYS:
+            offs_k = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+            pt = gl.where(gl.expand_dims(offs_k < N_KEYS, 1), pt, 0.0)
+    pt_b = pt.to(dtype)
+    pt_a0 = gl.convert_layout(pt_b, a0_layout)
+    dv0 = warpgroup_mma(pt_a0, do0_t, dv0, is_async=True)
+    if SPLIT:
+        pt_a1 = gl.convert_layout(pt_b, a1_layout)
+        dv1 = warpgroup_mma(pt_a1, do1_t, dv1, is_async=True)
+    else:
+        pt_a1 = pt_a0
+    dpt = warpgroup_mma_wait(G, deps=(dpt_tok,))
+    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    dst_a0 = gl.convert_layout(dst, a0_layout)
+    if SPLIT:
+        dst_a1 = gl.convert_layout(dst, a1_layout)
+    else:
+        dst_a1 = dst_a0
+    return dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1
+
+
+@gluon.jit
 def dkdv_after_scores(
     s_t,
     dpt_tok,
@@ -83,43 +146,16 @@ def dkdv_after_scores(
     IS_CAUSAL: gl.constexpr,
     N_KEYS=None,
 ):
-    """The rest of a query step once S^T (keys key0.. on rows) is ready: P^T = exp2(S^T c - L) (masked
-    on steps that straddle or precede the diagonal), dV += P^T dO issued, dP^T waited for,
-    dS^T = P^T (dP^T - Delta), dK += dS^T Q issued. Returns (dk0, dk1, dv0, dv1) with the dK product
-    still in flight, dS^T (16-bit, S^T's layout; zero for keys >= N_KEYS when N_KEYS is given) for
-    a one-pass backward's dQ, and the dK product's
-    register operands (dst_a0, dst_a1): the caller passes them to the wait that completes dK, so
-    that their registers are not reused while the tensor cores still read them. l2 (L * log2 e) and delta: the step's queries, laid out along S^T's columns."""
+    """`scores_to_ds`, then dK += dS^T Q issued and dV waited for. Returns (dk0, dk1, dv0, dv1) with the
+    dK product still in flight, dS^T, and the dK product's register operands (dst_a0, dst_a1): the
+    caller passes them to the wait that completes dK."""
     G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
-    KEYS: gl.constexpr = s_t.type.shape[0]
-    BLOCK_M: gl.constexpr = s_t.type.shape[1]
-    dtype: gl.constexpr = q0_t.dtype
-    pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
-    if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
-        if start_m < key0 + KEYS - 1:
-            offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            offs_n = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-            keep = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
-            pt = gl.where(keep, pt, 0.0)
-    if N_KEYS is not None:  # noqa: SIM102 - a constexpr test, then a run-time one
-        # Keys past N_KEYS (K's rows there are TMA's zero fill, so P^T = exp2(-L), which may overflow)
-        # get P^T = dS^T = 0, before any product reads them from registers (a one-pass backward's dQ
-        # sums dS over these rows).
-        if key0 + KEYS > N_KEYS:
-            offs_k = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-            pt = gl.where(gl.expand_dims(offs_k < N_KEYS, 1), pt, 0.0)
-    pt_b = pt.to(dtype)
-    pt_a0 = gl.convert_layout(pt_b, a0_layout)
-    dv0 = warpgroup_mma(pt_a0, do0_t, dv0, is_async=True)
-    if SPLIT:
-        pt_a1 = gl.convert_layout(pt_b, a1_layout)
-        dv1 = warpgroup_mma(pt_a1, do1_t, dv1, is_async=True)
-    dpt = warpgroup_mma_wait(G, deps=(dpt_tok,))
-    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-    dst_a0 = gl.convert_layout(dst, a0_layout)
+    dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
+        s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout, a0_layout,
+        a1_layout, SPLIT, IS_CAUSAL, N_KEYS,
+    )  # fmt: skip
     dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
     if SPLIT:
-        dst_a1 = gl.convert_layout(dst, a1_layout)
         dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
         dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1 = warpgroup_mma_wait(
             G, deps=(dv0, dv1, dk0, dk1, pt_a0, pt_a1, dst_a0, dst_a1)

@@ -32,11 +32,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
+    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
     dkdv_after_scores,
+    scores_to_ds,
     transposed_product,
 )
 from cs336_systems.attention.flash_triton.hopper_kernels import (
@@ -48,6 +50,7 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
     dq_warpgroup,
     issue_consumer_dq,
+    issue_consumer_dq_own_first,
     publish_ds,
     reduce_dq,
 )
@@ -101,6 +104,48 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
 
 
 @gluon.jit
+def _step_dq_before_dk(
+    args, w: gl.constexpr, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
+    dv0, dv1, qk_scale, s_layout: gl.constexpr, acc_layout: gl.constexpr, a0_layout: gl.constexpr,
+    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, ORDER: gl.constexpr,
+):  # fmt: skip
+    """The rest of consumer w's query step `it` (DQ_IN_CONSUMERS) once S^T is in, with dQ's products
+    issued before dK's ([Note: dQ before dK]). Returns (dk0, dk1, dv0, dv1), every product done."""
+    descs, smem, bars, _off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _DQ, scale = args
+    k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
+    _kv, _ready, _empty, ds_ready, ds_empty = bars
+    dq_k_s = k0_s if w == 0 else k1_s
+    dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
+        s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout, a0_layout,
+        a1_layout, True, IS_CAUSAL, N_KEYS,
+    )  # fmt: skip
+    if ORDER == 1:  # dQ, then dK
+        publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)  # while dV runs
+        dq = issue_consumer_dq(ds_s, ds_ready, dq_k_s, it, acc_layout)
+        dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
+        dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
+        LEFT: gl.constexpr = 2
+    else:  # dK's first column block, dQ, dK's second: dK0 runs during the hand-off, dK1 during the staging
+        dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
+        publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
+        if ORDER == 2:
+            dq = issue_consumer_dq(ds_s, ds_ready, dq_k_s, it, acc_layout)
+        else:
+            dq = issue_consumer_dq_own_first(ds_s, ds_ready, dq_k_s, it, w, acc_layout)
+        dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
+        LEFT: gl.constexpr = 1
+    # All but dK's last groups: dV and dQ done.
+    dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(
+        LEFT, deps=(dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1)
+    )
+    mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
+    dq_w_d, dq_w_s = descs[12 + w], smem[11 + w]
+    reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)  # while dK runs
+    dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dk0, dk1, dst_a0, dst_a1))
+    return dk0, dk1, dv0, dv1
+
+
+@gluon.jit
 def _bwd_consumer(
     args,
     w: gl.constexpr,
@@ -108,6 +153,7 @@ def _bwd_consumer(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
+    DQ_BEFORE_DK: gl.constexpr,
 ):
     """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step
     (with ONE_PASS also publishing each step's dS^T tile for dQ, and with DQ_IN_CONSUMERS computing and
@@ -166,30 +212,37 @@ def _bwd_consumer(
         delta = delta_s.index(st).load(col_layout)
         # In flight: S^T, dP^T. Wait for all but dP^T.
         s_t = warpgroup_mma_wait(G, deps=(st_tok,))
-        dk0, dk1, dv0, dv1, dst, dst_a0, dst_a1 = dkdv_after_scores(
-            s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
-            s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL, N_KEYS if ONE_PASS else None,
-        )  # fmt: skip
-        if ONE_PASS:  # while the dK product runs
-            publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
-        # The step ends with its products done: a product left in flight across the loop's back edge
-        # makes ptxas serialise every wgmma of a warp-specialised kernel ("insufficient register
-        # resources"), which the one-warpgroup kernel's compile does not do (OPTIMIZATION_LOG.md, "Session 11").
-        if DQ_IN_CONSUMERS:  # dQ's product queued behind dK's, once the other consumer's dS^T is in
-            dq = issue_consumer_dq(ds_s, ds_ready, dq_k_s, it, acc0_layout)
-            dv0, dv1, dk0, dk1, dst_a0, dst_a1, dq = warpgroup_mma_wait(
-                0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1, dq)
-            )
-            mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
-        elif SPLIT:
-            dv0, dv1, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(
-                0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1)
-            )
+        if DQ_BEFORE_DK:  # [Note: dQ before dK]
+            dk0, dk1, dv0, dv1 = _step_dq_before_dk(
+                args, w, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
+                dv0, dv1, qk_scale, s_layout, acc0_layout, a0_layout, a1_layout, IS_CAUSAL, DQ_BEFORE_DK,
+            )  # fmt: skip
+            mbarrier.arrive(empty_bar.index(st), count=1)  # this step's Q/dO stage back to the producer
         else:
-            dv0, dk0, dst_a0 = warpgroup_mma_wait(0, deps=(dv0, dk0, dst_a0))
-        mbarrier.arrive(empty_bar.index(st), count=1)  # this step's Q/dO stage back to the producer
-        if DQ_IN_CONSUMERS:
-            reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
+            dk0, dk1, dv0, dv1, dst, dst_a0, dst_a1 = dkdv_after_scores(
+                s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
+                s_layout, a0_layout, a1_layout, SPLIT, IS_CAUSAL, N_KEYS if ONE_PASS else None,
+            )  # fmt: skip
+            if ONE_PASS:  # while the dK product runs
+                publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
+            # The step ends with its products done: a product left in flight across the loop's back edge
+            # makes ptxas serialise every wgmma of a warp-specialised kernel ("insufficient register
+            # resources"), which the one-warpgroup kernel's compile does not do (OPTIMIZATION_LOG.md, "Session 11").
+            if DQ_IN_CONSUMERS:  # dQ's product queued behind dK's, once the other consumer's dS^T is in
+                dq = issue_consumer_dq(ds_s, ds_ready, dq_k_s, it, acc0_layout)
+                dv0, dv1, dk0, dk1, dst_a0, dst_a1, dq = warpgroup_mma_wait(
+                    0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1, dq)
+                )
+                mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
+            elif SPLIT:
+                dv0, dv1, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(
+                    0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1)
+                )
+            else:
+                dv0, dk0, dst_a0 = warpgroup_mma_wait(0, deps=(dv0, dk0, dst_a0))
+            mbarrier.arrive(empty_bar.index(st), count=1)  # this step's Q/dO stage back to the producer
+            if DQ_IN_CONSUMERS:
+                reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
     if ONE_PASS:  # noqa: SIM102 - a constexpr test, then a run-time one
         # dQ's products read every consumer's K tile: wait for the last ones before reusing K's buffer.
         if n_iters > 0:
@@ -219,8 +272,9 @@ def _bwd_consumer0(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
+    DQ_BEFORE_DK: gl.constexpr,
 ):
-    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
+    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)
 
 
 @gluon.jit
@@ -232,6 +286,7 @@ def _bwd_worker(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
+    DQ_BEFORE_DK: gl.constexpr,
 ):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C, the dQ warpgroup for
     w == C + 1."""
@@ -240,7 +295,7 @@ def _bwd_worker(
     elif w == C + 1:
         dq_warpgroup(args, C, SPLIT)
     else:
-        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
+        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
@@ -277,6 +332,7 @@ def flash_bwd_dkdv_ws_kernel(
     DS_SLOTS: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
+    DQ_BEFORE_DK: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H * cdiv(N_KEYS, CONSUMERS * 64),); num_warps 4
@@ -381,13 +437,14 @@ def flash_bwd_dkdv_ws_kernel(
     gl.static_assert(
         not DQ_IN_CONSUMERS or (ONE_PASS and SPLIT and D1 == D0), "dQ in the consumers: one pass, D = 2 * D0"
     )
+    gl.static_assert(not DQ_BEFORE_DK or DQ_IN_CONSUMERS, "dQ before dK: dQ in the consumers")
     if ONE_PASS and not DQ_IN_CONSUMERS:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, DQ_REGS, PRODUCER_REGS],
@@ -395,9 +452,9 @@ def flash_bwd_dkdv_ws_kernel(
     elif C == 2:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -405,10 +462,10 @@ def flash_bwd_dkdv_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],

@@ -121,6 +121,26 @@ def issue_consumer_dq(ds_s, ds_ready, k_s, it, acc_layout: gl.constexpr):
 
 
 @gluon.jit
+def issue_consumer_dq_own_first(ds_s, ds_ready, k_s, it, w: gl.constexpr, acc_layout: gl.constexpr):
+    """As `issue_consumer_dq`, but consumer w's own product (its dS^T tile, published and fenced) is
+    issued before waiting for the other consumers' tiles."""
+    SLOTS: gl.constexpr = ds_ready.type.shape[0]
+    C: gl.constexpr = ds_s.type.shape[0] // SLOTS
+    BLOCK_M: gl.constexpr = ds_s.type.shape[2]
+    W: gl.constexpr = k_s.type.shape[2]
+    slot = it % SLOTS
+    acc = gl.zeros([BLOCK_M, W], gl.float32, acc_layout)
+    acc = warpgroup_mma(
+        ds_s.index(slot * C + w).permute((1, 0)), k_s.index(w), acc, use_acc=False, is_async=True
+    )
+    mbarrier.wait(ds_ready.index(slot), (it // SLOTS) & 1)
+    for c in gl.static_range(C):
+        if c != w:
+            acc = warpgroup_mma(ds_s.index(slot * C + c).permute((1, 0)), k_s.index(c), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
 def reduce_dq(acc0, acc1, start_m, it, dq0_d, dq1_d, dq0_s, dq1_s, scale, TWO: gl.constexpr):
     """Stage scale * acc0 (and acc1 when TWO: a second column block), the dQ rows [start_m, start_m + 64)
     of query step `it`, in float32 shared memory (buffer it % BUFFERS) and add it into the dQ buffer
