@@ -318,8 +318,6 @@ ONE_PASS_CONFIGS = [
 DQ_IN_CONSUMERS_CONFIGS = [
     hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1),
     hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=1, dq_buffers=2),
-    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, dq_before_dk=2, ds_slots=2, dq_buffers=1),
-    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, dq_before_dk=3, ds_slots=2, dq_buffers=1),
 ]
 # (config, head dim): the dQ warpgroup at any split head dim; dQ in the consumers at two equal halves
 ONE_PASS_CASES = [(cfg, d) for cfg in ONE_PASS_CONFIGS for d in (16, 64, 80)] + [
@@ -345,11 +343,6 @@ def test_a_head_dim_the_consumers_cannot_halve_is_refused_with_a_clear_error():
 def test_dq_either_in_a_warpgroup_of_its_own_or_in_the_consumers():
     with pytest.raises(ValueError, match="either in a warpgroup of its own"):
         hopper.WarpSpecializedBwdConfig(dq_regs=88, dq_in_consumers=True)
-
-
-def test_the_order_of_dq_and_dk_is_a_choice_only_for_the_consumers_own_dq():
-    with pytest.raises(ValueError, match="dq_before_dk orders the consumers' own dQ"):
-        hopper.WarpSpecializedBwdConfig(dq_regs=88, dq_before_dk=True)
 
 
 @pytest.mark.gpu

@@ -288,17 +288,12 @@ class WarpSpecializedBwdConfig:
     ds_slots: int = 2  # one pass: depth of the consumers' dS^T ring that the dQ warpgroup reads
     dq_buffers: int = 2  # one pass: float32 dQ staging tiles in flight to the TMA reductions
     dq_in_consumers: bool = False  # one pass, dQ computed by the two consumers (no dQ warpgroup)
-    dq_before_dk: int = (
-        0  # dq_in_consumers: dQ's products before dK's ([Note: dQ before dK]); 1, 2, 3: orders
-    )
 
     def __post_init__(self) -> None:
         if (self.dq_regs or self.dq_in_consumers) and (self.consumers != 2 or self.block_m != 64):
             raise ValueError(f"{self}: the one-pass backward takes two consumers and 64-query steps")
         if self.dq_regs and self.dq_in_consumers:
             raise ValueError(f"{self}: dQ either in a warpgroup of its own (dq_regs) or in the consumers")
-        if self.dq_before_dk and not self.dq_in_consumers:
-            raise ValueError(f"{self}: dq_before_dk orders the consumers' own dQ products (dq_in_consumers)")
         check_register_budget(self, self.consumers, self.consumer_regs, self.dq_regs)
 
     @property
@@ -360,7 +355,6 @@ def flash_bwd_hopper(
             DS_SLOTS=cfg.ds_slots,
             DQ_BUFFERS=cfg.dq_buffers,
             DQ_IN_CONSUMERS=cfg.dq_in_consumers,
-            DQ_BEFORE_DK=int(cfg.dq_before_dk),
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )

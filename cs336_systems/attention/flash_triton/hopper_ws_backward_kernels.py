@@ -20,6 +20,16 @@ warpgroup: consumer w computes column block w of dQ_i from both consumers' dS^T 
 itself, so the two consumers keep 240 registers each (the d = 128 layout of FlashAttention-3's
 backward: 2 x 64 keys, 64-query steps, dQ by the consumers and bulk reductions).
 
+[Note: dQ between dK's halves]
+The two consumers exchange their dS^T tiles every step, which keeps them in step with each other, so
+whatever one does outside its products the other does at about the same time, with the tensor cores
+idle unless products are queued. Each step therefore issues, after dV and dS^T: dK's first column
+block (it runs while dS^T is stored and handed over), dQ's product over the consumer's own tile, the
+wait for the other tile, dQ's product over it, dK's second column block; once dQ is done it is
+staged in shared memory and reduced while that last block runs. (dQ behind the whole of dK, the
+first layout, left the staging with nothing queued; dQ ahead of the whole of dK left the hand-off
+with nothing queued and was slower still: OPTIMIZATION_LOG.md, session 16.)
+
 Without ONE_PASS dQ is the tl kernel's pass (`backward_dq_kernels.py`): seven products per tile
 pair in the two passes, against five in one.
 """
@@ -50,7 +60,6 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
     dq_warpgroup,
     issue_consumer_dq,
-    issue_consumer_dq_own_first,
     publish_ds,
     reduce_dq,
 )
@@ -104,43 +113,32 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _step_dq_before_dk(
+def _consumer_step_with_dq(
     args, w: gl.constexpr, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
     dv0, dv1, qk_scale, s_layout: gl.constexpr, acc_layout: gl.constexpr, a0_layout: gl.constexpr,
-    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, ORDER: gl.constexpr,
+    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr,
 ):  # fmt: skip
-    """The rest of consumer w's query step `it` (DQ_IN_CONSUMERS) once S^T is in, with dQ's products
-    issued before dK's ([Note: dQ before dK]). Returns (dk0, dk1, dv0, dv1), every product done."""
+    """The rest of consumer w's query step `it` once S^T is in (DQ_IN_CONSUMERS): dV, dS^T, then dK's
+    first column block, the dS^T hand-off, dQ's products (this consumer's own tile first), dK's second
+    column block, and dQ staged and reduced while that block runs ([Note: dQ between dK's halves]).
+    Returns (dk0, dk1, dv0, dv1), every product done."""
     descs, smem, bars, _off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _DQ, scale = args
     k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
     _kv, _ready, _empty, ds_ready, ds_empty = bars
-    dq_k_s = k0_s if w == 0 else k1_s
     dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
         s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout, a0_layout,
         a1_layout, True, IS_CAUSAL, N_KEYS,
     )  # fmt: skip
-    if ORDER == 1:  # dQ, then dK
-        publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)  # while dV runs
-        dq = issue_consumer_dq(ds_s, ds_ready, dq_k_s, it, acc_layout)
-        dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
-        dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
-        LEFT: gl.constexpr = 2
-    else:  # dK's first column block, dQ, dK's second: dK0 runs during the hand-off, dK1 during the staging
-        dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)
-        publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
-        if ORDER == 2:
-            dq = issue_consumer_dq(ds_s, ds_ready, dq_k_s, it, acc_layout)
-        else:
-            dq = issue_consumer_dq_own_first(ds_s, ds_ready, dq_k_s, it, w, acc_layout)
-        dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)
-        LEFT: gl.constexpr = 1
-    # All but dK's last groups: dV and dQ done.
+    dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)  # runs during the hand-off
+    publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
+    dq = issue_consumer_dq(ds_s, ds_ready, k0_s if w == 0 else k1_s, it, w, acc_layout)
+    dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)  # runs during the staging
     dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(
-        LEFT, deps=(dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1)
-    )
+        1, deps=(dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1)
+    )  # all but dK's second block: dV, dK's first and dQ done
     mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
     dq_w_d, dq_w_s = descs[12 + w], smem[11 + w]
-    reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)  # while dK runs
+    reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
     dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dk0, dk1, dst_a0, dst_a1))
     return dk0, dk1, dv0, dv1
 
@@ -153,7 +151,6 @@ def _bwd_consumer(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
-    DQ_BEFORE_DK: gl.constexpr,
 ):
     """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step
     (with ONE_PASS also publishing each step's dS^T tile for dQ, and with DQ_IN_CONSUMERS computing and
@@ -182,11 +179,8 @@ def _bwd_consumer(
     a0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc0_layout, k_width=2)
     a1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    if DQ_IN_CONSUMERS:  # column block w of dQ: from every consumer's K tile, reduced through dq{w}
+    if DQ_IN_CONSUMERS:  # column block w of dQ reads every consumer's K tile
         C: gl.constexpr = k0_s.type.shape[0]
-        dq_k_s = k0_s if w == 0 else k1_s
-        dq_w_d = descs[12 + w]
-        dq_w_s = smem[11 + w]
         for c in gl.static_range(C):
             mbarrier.wait(kv_bar.index(c), 0)
 
@@ -212,12 +206,11 @@ def _bwd_consumer(
         delta = delta_s.index(st).load(col_layout)
         # In flight: S^T, dP^T. Wait for all but dP^T.
         s_t = warpgroup_mma_wait(G, deps=(st_tok,))
-        if DQ_BEFORE_DK:  # [Note: dQ before dK]
-            dk0, dk1, dv0, dv1 = _step_dq_before_dk(
+        if DQ_IN_CONSUMERS:
+            dk0, dk1, dv0, dv1 = _consumer_step_with_dq(
                 args, w, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
-                dv0, dv1, qk_scale, s_layout, acc0_layout, a0_layout, a1_layout, IS_CAUSAL, DQ_BEFORE_DK,
+                dv0, dv1, qk_scale, s_layout, acc0_layout, a0_layout, a1_layout, IS_CAUSAL,
             )  # fmt: skip
-            mbarrier.arrive(empty_bar.index(st), count=1)  # this step's Q/dO stage back to the producer
         else:
             dk0, dk1, dv0, dv1, dst, dst_a0, dst_a1 = dkdv_after_scores(
                 s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
@@ -228,21 +221,13 @@ def _bwd_consumer(
             # The step ends with its products done: a product left in flight across the loop's back edge
             # makes ptxas serialise every wgmma of a warp-specialised kernel ("insufficient register
             # resources"), which the one-warpgroup kernel's compile does not do (OPTIMIZATION_LOG.md, "Session 11").
-            if DQ_IN_CONSUMERS:  # dQ's product queued behind dK's, once the other consumer's dS^T is in
-                dq = issue_consumer_dq(ds_s, ds_ready, dq_k_s, it, acc0_layout)
-                dv0, dv1, dk0, dk1, dst_a0, dst_a1, dq = warpgroup_mma_wait(
-                    0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1, dq)
-                )
-                mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
-            elif SPLIT:
+            if SPLIT:
                 dv0, dv1, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(
                     0, deps=(dv0, dv1, dk0, dk1, dst_a0, dst_a1)
                 )
             else:
                 dv0, dk0, dst_a0 = warpgroup_mma_wait(0, deps=(dv0, dk0, dst_a0))
-            mbarrier.arrive(empty_bar.index(st), count=1)  # this step's Q/dO stage back to the producer
-            if DQ_IN_CONSUMERS:
-                reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
+        mbarrier.arrive(empty_bar.index(st), count=1)  # this step's Q/dO stage back to the producer
     if ONE_PASS:  # noqa: SIM102 - a constexpr test, then a run-time one
         # dQ's products read every consumer's K tile: wait for the last ones before reusing K's buffer.
         if n_iters > 0:
@@ -272,9 +257,8 @@ def _bwd_consumer0(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
-    DQ_BEFORE_DK: gl.constexpr,
 ):
-    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)
+    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
 
 
 @gluon.jit
@@ -286,7 +270,6 @@ def _bwd_worker(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
-    DQ_BEFORE_DK: gl.constexpr,
 ):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C, the dQ warpgroup for
     w == C + 1."""
@@ -295,7 +278,7 @@ def _bwd_worker(
     elif w == C + 1:
         dq_warpgroup(args, C, SPLIT)
     else:
-        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)
+        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
@@ -332,7 +315,6 @@ def flash_bwd_dkdv_ws_kernel(
     DS_SLOTS: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
-    DQ_BEFORE_DK: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H * cdiv(N_KEYS, CONSUMERS * 64),); num_warps 4
@@ -437,14 +419,13 @@ def flash_bwd_dkdv_ws_kernel(
     gl.static_assert(
         not DQ_IN_CONSUMERS or (ONE_PASS and SPLIT and D1 == D0), "dQ in the consumers: one pass, D = 2 * D0"
     )
-    gl.static_assert(not DQ_BEFORE_DK or DQ_IN_CONSUMERS, "dQ before dK: dQ in the consumers")
     if ONE_PASS and not DQ_IN_CONSUMERS:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
-                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
-                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, DQ_REGS, PRODUCER_REGS],
@@ -452,9 +433,9 @@ def flash_bwd_dkdv_ws_kernel(
     elif C == 2:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -462,10 +443,10 @@ def flash_bwd_dkdv_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
-                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BEFORE_DK)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],

@@ -102,28 +102,12 @@ def dq_warpgroup(args, C: gl.constexpr, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def issue_consumer_dq(ds_s, ds_ready, k_s, it, acc_layout: gl.constexpr):
-    """Consumer w's column block of dQ_i = dS_i K (DQ_IN_CONSUMERS): once every consumer's dS^T tile of
-    query step `it` is in the ring, issue the products dS_c K_c[:, block w] over the consumers c
-    (k_s: column block w of every consumer's K tile). Returns the accumulator, in flight; the caller
-    waits for it with the step's other products, then releases the slot (ds_empty, count C)."""
-    SLOTS: gl.constexpr = ds_ready.type.shape[0]
-    C: gl.constexpr = ds_s.type.shape[0] // SLOTS
-    BLOCK_M: gl.constexpr = ds_s.type.shape[2]
-    W: gl.constexpr = k_s.type.shape[2]
-    slot = it % SLOTS
-    mbarrier.wait(ds_ready.index(slot), (it // SLOTS) & 1)
-    acc = gl.zeros([BLOCK_M, W], gl.float32, acc_layout)
-    for c in gl.static_range(C):
-        ds_t = ds_s.index(slot * C + c).permute((1, 0))  # dS of this step's queries x consumer c's keys
-        acc = warpgroup_mma(ds_t, k_s.index(c), acc, use_acc=c > 0, is_async=True)
-    return acc
-
-
-@gluon.jit
-def issue_consumer_dq_own_first(ds_s, ds_ready, k_s, it, w: gl.constexpr, acc_layout: gl.constexpr):
-    """As `issue_consumer_dq`, but consumer w's own product (its dS^T tile, published and fenced) is
-    issued before waiting for the other consumers' tiles."""
+def issue_consumer_dq(ds_s, ds_ready, k_s, it, w: gl.constexpr, acc_layout: gl.constexpr):
+    """Consumer w's column block of dQ_i = dS_i K (DQ_IN_CONSUMERS): the product over its own dS^T tile
+    (published and fenced by `publish_ds`) at once, then, once every other consumer's tile of query
+    step `it` is in the ring, the products over theirs (k_s: column block w of every consumer's K tile).
+    Returns the accumulator, in flight; the caller waits for it, then releases the slot (ds_empty,
+    count C)."""
     SLOTS: gl.constexpr = ds_ready.type.shape[0]
     C: gl.constexpr = ds_s.type.shape[0] // SLOTS
     BLOCK_M: gl.constexpr = ds_s.type.shape[2]
@@ -135,7 +119,7 @@ def issue_consumer_dq_own_first(ds_s, ds_ready, k_s, it, w: gl.constexpr, acc_la
     )
     mbarrier.wait(ds_ready.index(slot), (it // SLOTS) & 1)
     for c in gl.static_range(C):
-        if c != w:
+        if c != w:  # dS of this step's queries x consumer c's keys
             acc = warpgroup_mma(ds_s.index(slot * C + c).permute((1, 0)), k_s.index(c), acc, is_async=True)
     return acc
 
