@@ -493,15 +493,21 @@ def test_the_timed_steps_count_garbage_collections_and_manual_collection_stops_t
 
     cfg = study.LeaderboardRunConfig(gc=policy, rep_ms=50.0, warmup_ms=10.0, estimate_calls=2)
     assert gc.isenabled()
-    result = leaderboard_bench.bench(_CyclesStep(), cfg, torch.device("cpu"))
+    result = leaderboard_bench.bench(
+        _CyclesStep(), cfg, torch.device("cpu"), leaderboard_bench.gc_policy("ours", cfg)
+    )
     unit, collections = result["extra"]["gc_collections"]
     assert unit == "count" and result["extra"]["alloc_retries"] == ("count", 0)
     assert (collections == 0) if policy == "manual" else (collections > 0)
     assert gc.isenabled()  # re-enabled after the timed steps
 
 
-def test_the_gc_policy_is_checked():
+def test_the_gc_policy_is_checked_and_the_first_attempt_keeps_pythons_default():
     from cs336_systems.studies.training import leaderboard as study
+    from cs336_systems.studies.training.leaderboard_bench import gc_policy
 
     with pytest.raises(ValueError, match="--gc must be 'auto' or 'manual'"):
         study.LeaderboardRunConfig(gc="never")
+    cfg = study.LeaderboardRunConfig()
+    assert cfg.gc == "manual"
+    assert [gc_policy(p, cfg) for p in ("ours", "stock", "stock_tuned")] == ["manual", "auto", "manual"]

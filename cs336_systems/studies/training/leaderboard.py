@@ -81,6 +81,7 @@ from cs336_systems.studies.training.leaderboard_bench import (
     ProtocolStep,
     bench,
     bench_ours_fitting,
+    gc_policy,
     path_block_recompute_ms,
     plan_path,
     profile_step,
@@ -134,9 +135,7 @@ class LeaderboardRunConfig:
     trace: bool = True
     estimate_recompute: bool = True  # ours, stock_tuned: one block timed alone per policy
     margin_gib: float = 6.0
-    gc: str = (
-        "auto"  # "manual": no garbage collection during the timed steps ([Note: garbage collection ...])
-    )
+    gc: str = "manual"  # ours, stock_tuned: no collection while timing (leaderboard_bench.bench)
     backend: str = "nccl"
     cold: bool = False
     variants: tuple[str, ...] = ()  # "<path>-<mode>-L<layers>", in run order
@@ -267,7 +266,7 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     if path == "ours":
         result, note = bench_ours_fitting(step, protocol, cfg, device, plan)
     else:
-        result, note = bench(protocol, cfg, device), ""
+        result, note = bench(protocol, cfg, device, gc_policy(path, cfg)), ""
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else math.nan
     comm: dict[str, float] = {}
     if cfg.trace:
@@ -428,7 +427,9 @@ def _parser():
         default=d.margin_gib,
         help="ours and stock_tuned, planning: memory left free",
     )
-    p.add_argument("--gc", choices=["auto", "manual"], default=d.gc, help="manual: no GC in timed steps")
+    p.add_argument(
+        "--gc", choices=["auto", "manual"], default=d.gc, help="ours, stock_tuned: manual: no GC while timing"
+    )
     p.add_argument("--cold", action="store_true", help="fresh Triton and Inductor cache directories")
     p.add_argument(
         "--backend", default="nccl" if torch.cuda.is_available() else "gloo", choices=["nccl", "gloo"]
