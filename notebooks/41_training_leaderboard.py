@@ -206,19 +206,40 @@ if head is not None:
 if head is not None:
     parts = {r["path"]: r for r in facts["entries"][head["device"]]["components"]}
     o, t, s = parts["ours"], parts["stock_tuned"], parts["stock"]
+    head_trace = leaderboard_facts.trace_path(
+        df, results_dir, head.get("mode"), head.get("GPUs"), head.get("git")
+    )
+    streams = {
+        path: leaderboard_facts.compute_stream_ms(tr)
+        for path, tr in leaderboard_facts.path_traces(head_trace).items()
+    }
+    idle = ""
+    if "ours" in streams and "stock_tuned" in streams:
+        so, st = streams["ours"], streams["stock_tuned"]
+        lead, kernels = t["step_ms"] - o["step_ms"], st["busy_ms"] - so["busy_ms"]
+        idle = f"""
+
+In the profiled steps the stream that runs forward and backward holds {so["busy_ms"]:.0f} ms of kernels
+in ours' step and {st["busy_ms"]:.0f} ms in stock_tuned's, and stands idle (the GPU waiting for the host)
+for {so["idle_ms"]:.0f} and {st["idle_ms"]:.0f} ms. stock_tuned's step is {lead:.0f} ms longer than ours, its
+kernels {abs(kernels):.0f} ms {"longer" if kernels > 0 else "shorter"}: {
+            "ours' lead is mostly stock_tuned's idle time, not faster kernels"
+            if kernels < lead / 2
+            else "ours' lead is mostly in its kernels"
+        } (`cs336_systems/training/LEADERBOARD_LOG.md`, session 16: garbage collection and allocator retries
+in the timed steps)."""
     nb.md(
-        f"""Where ours gains on stock_tuned: **recompute** ({ms(o["recompute_ms"])} vs {
-            ms(t["recompute_ms"])
-        }:
-ours recomputes {o["recomputed"]}; stock_tuned {t["recomputed"]}, its selective policy keeping the attention's
-and {
+        f"""Per component, ours against stock_tuned: forward {ms(o["forward_ms"])} vs {ms(t["forward_ms"])}
+(the fused loss computes the head's gradients in forward, and our attention forward is at cuDNN's speed
+at this shape), backward {ms(o["backward_ms"])} vs {ms(t["backward_ms"])}, of which **recompute**
+{ms(o["recompute_ms"])} vs {ms(t["recompute_ms"])} (ours recomputes {o["recomputed"]}; stock_tuned {
+            t["recomputed"]
+        }, its selective policy keeping the attention's and {
             "every second" if head["tuned_sac"] == "every_second" else "every"
-        } matmul's outputs), the **optimizer** ({ms(o["optimizer_step_ms"])} left after backward vs
-{ms(t["optimizer_step_ms"])}) and **exposed communication** ({ms(o["comm_exposed_ms"])} vs
-{ms(t["comm_exposed_ms"])}). Forward is {ms(o["forward_ms"])} vs {ms(t["forward_ms"])}: the fused loss
-computes the head's gradients in forward, and our attention forward is at cuDNN's speed at this shape;
-what is left of the backward difference is our attention backward, still slower than cuDNN's at d = 128
-(the FlashAttention section). stock_tuned, as tuned here: FSDP2 per block ({
+        } matmul's outputs), the **optimizer** left after backward {ms(o["optimizer_step_ms"])} vs
+{ms(t["optimizer_step_ms"])} and **exposed communication** {ms(o["comm_exposed_ms"])} vs
+{ms(t["comm_exposed_ms"])}. Our attention backward is still slower than cuDNN's at d = 128 (the
+FlashAttention section).{idle} stock_tuned, as tuned here: FSDP2 per block ({
             "the last block not resharded"
             if head["tuned_reshard"] == "after_forward"
             else "no block resharded"
@@ -227,7 +248,11 @@ what is left of the backward difference is our attention backward, still slower 
 recompute planned from three measured steps (every block full; block 0 selective; block 0 unchecked) so
 that the peak fits with {leaderboard.LeaderboardRunConfig().margin_gib:.0f} GiB to spare, fused AdamW,
 the chunked loss, and SDPA with the backend PyTorch picks ({facts.get("stock_sdpa_backend", "not recorded")}
-here). Stock recomputes every block whole ({ms(s["recompute_ms"])} of its backward)."""
+here); in this run Python's garbage collector {
+            "was off while timing ours and stock_tuned (torchtitan's policy)"
+            if head.get("gc") == "manual"
+            else "ran at its default in every path (the run predates the study's manual policy)"
+        }. Stock recomputes every block whole ({ms(s["recompute_ms"])} of its backward)."""
     )
 
 # %% [markdown]

@@ -511,3 +511,25 @@ def test_the_gc_policy_is_checked_and_the_first_attempt_keeps_pythons_default():
     cfg = study.LeaderboardRunConfig()
     assert cfg.gc == "manual"
     assert [gc_policy(p, cfg) for p in ("ours", "stock", "stock_tuned")] == ["manual", "auto", "manual"]
+
+
+def test_the_compute_stream_of_a_saved_trace_is_its_busiest_stream_with_its_idle_time(tmp_path):
+    from cs336_systems.measure.traces import save_trace
+    from cs336_systems.studies.training import leaderboard_facts as lf
+
+    def kernel(stream, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    # stream 7: 3 ms of kernels over a 5 ms span; stream 9 (NCCL): 2.5 ms in one kernel; an annotation
+    events = [kernel(7, 0, 1000), kernel(7, 1500, 1000), kernel(7, 4000, 1000), kernel(9, 0, 2500)]
+    events.append({"ph": "X", "cat": "user_annotation", "name": "forward", "ts": 0, "dur": 9000})
+    ours = save_trace(
+        {"traceEvents": events}, tmp_path / "training_leaderboard__trace_ours-bf16-L34_ws2.json.gz"
+    )
+    assert lf.compute_stream_ms(ours) == {"busy_ms": 3.0, "idle_ms": 2.0}
+    save_trace({"traceEvents": events}, tmp_path / "training_leaderboard__trace_stock-bf16-L34_ws2.json.gz")
+    assert lf.path_traces(ours) == {
+        "ours": ours,
+        "stock": tmp_path / "training_leaderboard__trace_stock-bf16-L34_ws2.json.gz",
+    }  # stock_tuned's trace is missing: left out
+    assert lf.path_traces(None) == {}

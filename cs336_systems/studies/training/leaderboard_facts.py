@@ -81,6 +81,7 @@ def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
     steps["attention"] = [c.get("attention", "") for c in configs]
     steps["kept"] = [_ours_recompute(c) for c in configs]
     steps["trial"] = [is_trial(c, r.git_sha) for c, r in zip(configs, steps.itertuples())]
+    steps["gc"] = [c.get("gc", "auto") for c in configs]  # runs before the option: Python's default
     steps["tuned_sac"] = [c.get("tuned_sac", "every_second") for c in configs]  # runs before the options
     steps["tuned_reshard"] = [
         c.get("tuned_reshard", "after_forward") for c in configs
@@ -122,7 +123,7 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
             "valid": first.attention == VALID_ATTENTION,
             "trial": TRIAL if first.trial else "",
             "tuned_sac": first.tuned_sac,
-            "tuned_reshard": first.tuned_reshard, "git": str(first.git_sha)[:10],
+            "tuned_reshard": first.tuned_reshard, "gc": first.gc, "git": str(first.git_sha)[:10],
             "timestamp": g.timestamp.max(),
         }  # fmt: skip
         for path in PATH_ORDER:
@@ -232,6 +233,32 @@ def trace_path(
         Path(results_dir) / f"{PROBLEM}__trace_{_config(row).get('variant')}_ws{int(row.world_size)}.json.gz"
     )
     return path if path.exists() else None
+
+
+def compute_stream_ms(trace: Path) -> dict[str, float]:
+    """In a saved one-step trace, the stream with the most kernel time (the one running forward and
+    backward): its kernels' summed time ("busy_ms") and the time it stood idle between its first and
+    last kernel ("idle_ms": the GPU waiting for the host, a collective or another stream)."""
+    events = [
+        e for e in load_trace(trace)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
+    if not events:
+        return {"busy_ms": math.nan, "idle_ms": math.nan}
+    busy: dict = {}
+    for e in events:
+        busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e["dur"]
+    stream = max(busy, key=busy.get)
+    mine = [e for e in events if e["args"].get("stream") == stream]
+    span = max(e["ts"] + e["dur"] for e in mine) - min(e["ts"] for e in mine)
+    return {"busy_ms": busy[stream] / 1e3, "idle_ms": (span - busy[stream]) / 1e3}
+
+
+def path_traces(trace: Path | None) -> dict[str, Path]:
+    """The saved traces of every path in the run of ours' `trace` (`trace_path`), those that exist."""
+    if trace is None or "__trace_ours-" not in trace.name:
+        return {}
+    found = {p: trace.with_name(trace.name.replace("__trace_ours-", f"__trace_{p}-")) for p in PATH_ORDER}
+    return {p: t for p, t in found.items() if t.exists()}
 
 
 def plot_step_timeline(path: Path, title: str = ""):
