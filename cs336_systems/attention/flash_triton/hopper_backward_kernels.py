@@ -61,24 +61,9 @@ def transposed_product(a0_s, a1_s, b0_t, b1_t, zero, SPLIT: gl.constexpr):
 
 @gluon.jit
 def scores_to_ds(
-    s_t,
-    dpt_tok,
-    l2,
-    delta,
-    start_m,
-    key0,
-    do0_t,
-    do1_t,
-    dv0,
-    dv1,
-    qk_scale,
-    s_layout: gl.constexpr,
-    a0_layout: gl.constexpr,
-    a1_layout: gl.constexpr,
-    SPLIT: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    N_KEYS=None,
-):
+    s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout: gl.constexpr,
+    a0_layout: gl.constexpr, a1_layout: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, N_KEYS=None,
+):  # fmt: skip
     """A query step once S^T (keys key0.. on rows) is ready, up to dS^T: P^T = exp2(S^T c - L) (masked
     on steps that straddle or precede the diagonal), dV += P^T dO issued, dP^T waited for,
     dS^T = P^T (dP^T - Delta). Returns (dv0, dv1) with the dV product still in flight and its register
@@ -124,28 +109,10 @@ def scores_to_ds(
 
 @gluon.jit
 def dkdv_after_scores(
-    s_t,
-    dpt_tok,
-    l2,
-    delta,
-    start_m,
-    key0,
-    q0_t,
-    q1_t,
-    do0_t,
-    do1_t,
-    dk0,
-    dk1,
-    dv0,
-    dv1,
-    qk_scale,
-    s_layout: gl.constexpr,
-    a0_layout: gl.constexpr,
-    a1_layout: gl.constexpr,
-    SPLIT: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    N_KEYS=None,
-):
+    s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1, dv0, dv1, qk_scale,
+    s_layout: gl.constexpr, a0_layout: gl.constexpr, a1_layout: gl.constexpr, SPLIT: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, N_KEYS=None,
+):  # fmt: skip
     """`scores_to_ds`, then dK += dS^T Q issued and dV waited for. Returns (dk0, dk1, dv0, dv1) with the
     dK product still in flight, dS^T, and the dK product's register operands (dst_a0, dst_a1): the
     caller passes them to the wait that completes dK."""
