@@ -206,25 +206,19 @@ if head is not None:
 if head is not None:
     parts = {r["path"]: r for r in facts["entries"][head["device"]]["components"]}
     o, t, s = parts["ours"], parts["stock_tuned"], parts["stock"]
-    head_trace = leaderboard_facts.trace_path(
-        df, results_dir, head.get("mode"), head.get("GPUs"), head.get("git")
-    )
-    streams = {
-        path: leaderboard_facts.compute_stream_ms(tr)
-        for path, tr in leaderboard_facts.path_traces(head_trace).items()
-    }
+    streams = leaderboard_facts.stream_comparison(df, results_dir, head)
     idle = ""
-    if "ours" in streams and "stock_tuned" in streams:
-        so, st = streams["ours"], streams["stock_tuned"]
-        lead, kernels = t["step_ms"] - o["step_ms"], st["busy_ms"] - so["busy_ms"]
+    if streams is not None:
+        so, st, kernels = streams["ours"], streams["stock_tuned"], streams["kernels_ms"]
         idle = f"""
 
 In the profiled steps the stream that runs forward and backward holds {so["busy_ms"]:.0f} ms of kernels
 in ours' step and {st["busy_ms"]:.0f} ms in stock_tuned's, and stands idle (the GPU waiting for the host)
-for {so["idle_ms"]:.0f} and {st["idle_ms"]:.0f} ms. stock_tuned's step is {lead:.0f} ms longer than ours, its
-kernels {abs(kernels):.0f} ms {"longer" if kernels > 0 else "shorter"}: {
+for {so["idle_ms"]:.0f} and {st["idle_ms"]:.0f} ms. stock_tuned's step is {
+            streams["lead_ms"]:.0f} ms longer than
+ours, its kernels {abs(kernels):.0f} ms {"longer" if kernels > 0 else "shorter"}: {
             "ours' lead is mostly stock_tuned's idle time, not faster kernels"
-            if kernels < lead / 2
+            if streams["lead_is_idle"]
             else "ours' lead is mostly in its kernels"
         } (`cs336_systems/training/LEADERBOARD_LOG.md`, session 16: garbage collection and allocator retries
 in the timed steps)."""

@@ -428,12 +428,7 @@ def test_facts_on_the_committed_runs():
     assert [r["GPUs"] for r in facts["other_world_sizes"]] == [4]
     parts = pd.DataFrame(facts["entries"][head["device"]]["components"]).set_index("path")
     assert list(parts.index) == ["ours", "stock_tuned", "stock"]
-    stock_paths = parts.drop(index="ours")  # ours' estimate may be below its plan steps' noise: then NaN
-    assert (stock_paths.recompute_ms > 0).all() and (stock_paths.backward_ms > stock_paths.recompute_ms).all()
-    assert (
-        not parts.loc["ours", "recompute_ms"] <= 0
-        and not parts.loc["ours", "recompute_ms"] >= parts.loc["ours", "backward_ms"]
-    )
+    assert (parts.recompute_ms > 0).all() and (parts.backward_ms > parts.recompute_ms).all()
     assert facts["cold_wall_s"] <= results.TIME_LIMIT_S
     variants = facts["tuned_variants"]
     assert {v["tuned_sac"] for v in variants} == {"every_second", "all"}
@@ -493,9 +488,7 @@ def test_the_timed_steps_count_garbage_collections_and_manual_collection_stops_t
 
     cfg = study.LeaderboardRunConfig(gc=policy, rep_ms=50.0, warmup_ms=10.0, estimate_calls=2)
     assert gc.isenabled()
-    result = leaderboard_bench.bench(
-        _CyclesStep(), cfg, torch.device("cpu"), leaderboard_bench.gc_policy("ours", cfg)
-    )
+    result = leaderboard_bench.bench(_CyclesStep(), cfg, torch.device("cpu"), "ours")
     unit, collections = result["extra"]["gc_collections"]
     assert unit == "count" and result["extra"]["alloc_retries"] == ("count", 0)
     assert (collections == 0) if policy == "manual" else (collections > 0)

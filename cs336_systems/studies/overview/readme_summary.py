@@ -191,18 +191,9 @@ def leaderboard_section() -> str:
         if best is not None and best["tuned_sac"] == "all"
         else ""
     )
-    streams = {
-        path: results.compute_stream_ms(trace)
-        for path, trace in results.path_traces(
-            results.trace_path(
-                load_results(results.PROBLEM), results_dir(), head["mode"], head["GPUs"], head["git"]
-            )
-        ).items()
-    }
+    streams = results.stream_comparison(load_results(results.PROBLEM), results_dir(), head)
     idle = ""
-    if {"ours", "stock_tuned"} <= set(streams) and streams["stock_tuned"]["busy_ms"] < streams["ours"][
-        "busy_ms"
-    ]:
+    if streams is not None and streams["lead_is_idle"]:
         idle = (
             f"; ours' lead is stock_tuned's idle time: in the profiled steps its kernels take "
             f"{streams['stock_tuned']['busy_ms']:.0f} ms against ours' {streams['ours']['busy_ms']:.0f}, and its "

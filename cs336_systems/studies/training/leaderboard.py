@@ -81,7 +81,6 @@ from cs336_systems.studies.training.leaderboard_bench import (
     ProtocolStep,
     bench,
     bench_ours_fitting,
-    gc_policy,
     path_block_recompute_ms,
     plan_path,
     profile_step,
@@ -266,7 +265,7 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     if path == "ours":
         result, note = bench_ours_fitting(step, protocol, cfg, device, plan)
     else:
-        result, note = bench(protocol, cfg, device, gc_policy(path, cfg)), ""
+        result, note = bench(protocol, cfg, device, path), ""
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else math.nan
     comm: dict[str, float] = {}
     if cfg.trace:

@@ -248,9 +248,14 @@ def gc_policy(path: str, cfg) -> str:
     return "auto" if path == "stock" else cfg.gc
 
 
-def bench(protocol: ProtocolStep, cfg, device, gc_mode: str = "auto") -> dict[str, Any]:
-    """do_bench of the protocol's step, with the phases of the timed calls and, in "extra", the
-    garbage collections and the allocator's retries (cudaFree of its cache, then again) they saw.
+def _alloc_retries(device) -> int:
+    """The caching allocator's retries so far (a cudaFree of its cache, then the allocation again)."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
+def bench(protocol: ProtocolStep, cfg, device, path: str) -> dict[str, Any]:
+    """do_bench of `path`'s protocol step, with the phases of the timed calls and, in "extra", the
+    garbage collections and the allocator's retries they saw.
 
     [Note: garbage collection during the timed steps]
     Python's collector runs when allocations pass its thresholds; a full collection of a process
@@ -259,15 +264,14 @@ def bench(protocol: ProtocolStep, cfg, device, gc_mode: str = "auto") -> dict[st
     does (automatic collection off, a collection between steps every so many steps; every timed window
     here is shorter than its default period of 50 steps): one collection before the warm-up, none
     during the timed calls. "auto" leaves Python's default. The study's default is "manual" for ours
-    and stock_tuned (what a skilled user runs); stock, the first attempt, keeps "auto". On two H200s
-    (session 16) stock_tuned's timed window saw 57 collections with "auto", and ours' timed steps were
-    as long as its profiled step's GPU work only with "manual" (LEADERBOARD_LOG.md)."""
-    manual = gc_mode == "manual"
+    and stock_tuned (what a skilled user runs); stock, the first attempt, keeps "auto" (`gc_policy`).
+    What it changed on two H200s: LEADERBOARD_LOG.md, session 16."""
+    manual = gc_policy(path, cfg) == "manual"
     if manual:
         gc.collect()
         gc.disable()
     collections = sum(s["collections"] for s in gc.get_stats())
-    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    retries = _alloc_retries(device)
     try:
         result = do_bench_all_ranks(
             protocol,
@@ -281,8 +285,10 @@ def bench(protocol: ProtocolStep, cfg, device, gc_mode: str = "auto") -> dict[st
         if manual:
             gc.enable()
     result["phases"] = protocol.phase_ms(result["n_repeat"])
-    after = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
-    result["extra"] = {"gc_collections": ("count", collections), "alloc_retries": ("count", after - retries)}
+    result["extra"] = {
+        "gc_collections": ("count", collections),
+        "alloc_retries": ("count", _alloc_retries(device) - retries),
+    }
     return result
 
 
@@ -292,9 +298,9 @@ def bench_ours_fitting(step, protocol, cfg, device, plan: dict) -> tuple[dict, s
     for attempt in range(4):
         outcome: dict = {}
         if dist.get_world_size() > 1:  # a rank cannot leave a collective alone: no retries
-            return bench(protocol, cfg, device, gc_policy("ours", cfg)), note
+            return bench(protocol, cfg, device, "ours"), note
         with capture_failure(outcome):
-            return bench(protocol, cfg, device, gc_policy("ours", cfg)), note
+            return bench(protocol, cfg, device, "ours"), note
         if outcome["note"] != "OOM" or attempt == 3 or step.checkpoint_blocks >= len(step.model.layers):
             raise RuntimeError(outcome["note"])
         note += f"OOM with {step.checkpoint_blocks} checkpointed blocks; "

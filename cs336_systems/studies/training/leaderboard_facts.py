@@ -261,6 +261,26 @@ def path_traces(trace: Path | None) -> dict[str, Path]:
     return {p: t for p, t in found.items() if t.exists()}
 
 
+def stream_comparison(df: pd.DataFrame, results_dir, head: dict) -> dict | None:
+    """For the run `head` (a `runs_table` record), ours' and stock_tuned's compute streams in their saved
+    traces (`compute_stream_ms`), stock_tuned's step minus ours ("lead_ms"), stock_tuned's kernels minus
+    ours' ("kernels_ms") and whether the lead is mostly stock_tuned's idle time ("lead_is_idle": its
+    kernels account for less than half of it); None without both traces."""
+    trace = trace_path(df, results_dir, head.get("mode"), head.get("GPUs"), head.get("git"))
+    streams = {p: compute_stream_ms(t) for p, t in path_traces(trace).items()}
+    if not {"ours", "stock_tuned"} <= set(streams):
+        return None
+    lead = head["stock_tuned_ms"] - head["ours_ms"]
+    kernels = streams["stock_tuned"]["busy_ms"] - streams["ours"]["busy_ms"]
+    return {
+        "ours": streams["ours"],
+        "stock_tuned": streams["stock_tuned"],
+        "lead_ms": lead,
+        "kernels_ms": kernels,
+        "lead_is_idle": kernels < lead / 2,
+    }
+
+
 def plot_step_timeline(path: Path, title: str = ""):
     """One step of ours on rank 0: kernels per stream, communication in red, phases on top."""
     return trace_plot.plot_timeline(load_trace(path), title=title)
