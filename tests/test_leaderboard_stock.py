@@ -22,6 +22,7 @@ from cs336_systems.studies.training.leaderboard_stock import (
     PolicyBlock,
     StockFsdp2Step,
     StockTunedStep,
+    allocator_usable_bytes,
     recompute_plan,
 )
 
@@ -128,6 +129,25 @@ def test_recompute_plan_fills_the_room_selective_first():
     assert recompute_plan(4, 100 * gib, 1 * gib, 4 * gib) == ["none"] * 4
     with pytest.raises(ValueError, match="selective bytes"):
         recompute_plan(4, gib, 2 * gib, 1 * gib)
+
+
+@pytest.mark.gpu
+def test_the_plans_count_only_memory_the_allocator_can_reach():
+    """The recompute plans start from `allocator_usable_bytes`: the free memory plus the allocator's
+    own, below the device's total by the CUDA context at least, and not changed by the allocator's
+    caching (bytes it holds count as usable whether in use or cached)."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    before = allocator_usable_bytes(device)
+    total = torch.cuda.mem_get_info(device)[1]
+    assert torch.cuda.memory_reserved(device) < before < total
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)  # 1 GiB held by the allocator
+    held = allocator_usable_bytes(device)
+    del x  # cached now, still the allocator's
+    cached = allocator_usable_bytes(device)
+    torch.cuda.empty_cache()
+    tolerance = 64 * 2**20  # the driver's bookkeeping and other processes' small allocations
+    assert abs(held - before) < tolerance and abs(cached - before) < tolerance
 
 
 # --------------------------------------------------------------------------------------------------

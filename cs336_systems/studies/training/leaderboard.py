@@ -280,6 +280,8 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     extra = {"setup_s": ("s", setup_s)} | {m: ("ms", v) for m, v in comm.items()} | result.pop("extra")
     if counts is not None:
         extra["checkpoint_blocks"], extra["matmul_blocks"] = ("blocks", counts[0]), ("blocks", counts[1])
+    if "outside_allocator" in plan:  # the device memory the recompute plan could not count on
+        extra["memory_outside_allocator_gib"] = ("GiB", plan["outside_allocator"] / 2**30)
     if "block_saved" in plan:
         extra["block_saved_gib"] = ("GiB", plan["block_saved"] / 2**30)
     for policy in ("full", "selective", "none"):  # stock_tuned: blocks per recompute policy

@@ -22,7 +22,8 @@ checkpointed keeping its attention is run (it also compiles), then a second one 
 P is read. The last block's forward on a random input, run plainly, as its recomputed region and as
 its region keeping the matmuls, gives A_n and A_m: the bytes an unchecked block, and one keeping its
 matmuls, keeps beyond the recomputed region (allocated after minus before minus the output). With M
-the device memory and `margin_gib` left for fragmentation and the allocator's workspace,
+the bytes the allocator can reach (`allocator_usable_bytes`: the device less the CUDA context, NCCL's
+buffers and other allocations outside it) and `margin_gib` left for fragmentation,
 R = M - margin - P (the least of all ranks; the largest A of all ranks). With `keep_matmuls` the
 blocks are planned like stock_tuned's ([Note: the tuned stock recompute plan] in leaderboard_stock,
 "selective" = keeping the matmuls, "full" = keeping only the attention): if every block fits keeping
@@ -53,7 +54,12 @@ from cs336_systems.measure.timing import do_bench_all_ranks, synchronize
 from cs336_systems.measure.traces import load_trace, save_trace
 from cs336_systems.model import BasicsTransformerLM
 from cs336_systems.studies.distributed import trace_plot
-from cs336_systems.studies.training.leaderboard_stock import SAC_MATMULS, PolicyBlock, recompute_plan
+from cs336_systems.studies.training.leaderboard_stock import (
+    SAC_MATMULS,
+    PolicyBlock,
+    allocator_usable_bytes,
+    recompute_plan,
+)
 from cs336_systems.training.leaderboard import LeaderboardConfig, checkpointed_regions
 
 PHASES = ("forward", "backward", "optimizer_step")  # the range names trace_plot.compact_trace keeps
@@ -121,7 +127,8 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
         saved = _kept_bytes(block, x, device) - region
         saved_mm = _kept_bytes(step.matmul_regions[-1], x, device) - region if matmuls else 0
         del x
-    room = torch.cuda.mem_get_info(device)[1] - cfg.margin_gib * 2**30 - peak
+    usable = allocator_usable_bytes(device)
+    room = usable - cfg.margin_gib * 2**30 - peak
     agreed = torch.tensor([-room, saved, saved_mm], device=device, dtype=torch.float64)
     if dist.get_world_size() > 1:  # the ranks plan from the least room and the most bytes
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -138,6 +145,7 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
         "matmul_blocks": m,
         "block_saved": saved,
         "matmuls_saved": saved_mm,
+        "outside_allocator": torch.cuda.mem_get_info(device)[1] - usable,
     }
 
 

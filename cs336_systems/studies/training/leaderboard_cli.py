@@ -77,7 +77,7 @@ def parser(doc: str, d, paths: tuple[str, ...]) -> argparse.ArgumentParser:
         "--margin-gib",
         type=float,
         default=d.margin_gib,
-        help="ours and stock_tuned, planning: memory left free",
+        help="ours and stock_tuned, planning: memory left free for fragmentation, beyond what the allocator cannot reach",
     )
     p.add_argument(
         "--gc", choices=["auto", "manual"], default=d.gc, help="ours, stock_tuned: manual: no GC while timing"

@@ -33,7 +33,7 @@ Precision, in the same mode as ours (`PARAM_MODES` of cs336_systems.distributed.
 [Note: the tuned stock recompute plan]
 One step with every block "full" gives the peak P; one with block 0 "selective" and one with block 0
 "none" give a_s and a_n, the bytes those policies keep beyond "full" (peaks minus P, the largest over
-the ranks). With R = device memory - margin - P: if every block fits "selective" (L a_s <= R), the
+the ranks). With R = U - margin - P, U the bytes the allocator can reach (`allocator_usable_bytes`): if every block fits "selective" (L a_s <= R), the
 last floor((R - L a_s) / (a_n - a_s)) blocks run "none" and the others "selective"; otherwise the
 first L - floor(R / a_s) blocks run "full" and the rest "selective". Selective first: per byte kept
 it removes the most recompute (the matmuls), "none" then removes the cheap elementwise rest.
@@ -51,6 +51,16 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from cs336_systems.model import BasicsTransformerLM
 from cs336_systems.model.checkpointing import MATMUL_OPS, is_kept_attention
+
+
+def allocator_usable_bytes(device: torch.device) -> int:
+    """The most bytes PyTorch's caching allocator can hold on `device` now: the free memory plus what
+    it holds already. The rest of the device (the CUDA context, NCCL's buffers, libraries' own
+    allocations) is out of its reach, so the recompute plans start from this rather than from the
+    device's total, and their margin is left for fragmentation only (session 17: with the total,
+    both planned steps hit the allocator's free-and-retry path 7 and 28 times per timed window)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
 
 
 def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
@@ -268,11 +278,13 @@ class StockTunedStep(StockFsdp2Step):
         full = peak(["full"] * layers)
         kept_selective = max(peak(["selective"] + ["full"] * (layers - 1)) - full, 1.0)
         kept_none = max(peak(["none"] + ["full"] * (layers - 1)) - full, kept_selective + 1.0)
-        room = torch.cuda.mem_get_info(device)[1] - margin_gib * 2**30 - full
+        usable = allocator_usable_bytes(device)
+        room = usable - margin_gib * 2**30 - full
         self.set_policies(recompute_plan(layers, room, kept_selective, kept_none))
         return {
             "policies": self.policies,
             "peak_all_full": full,
             "kept_selective": kept_selective,
             "kept_none": kept_none,
+            "outside_allocator": torch.cuda.mem_get_info(device)[1] - usable,
         }
