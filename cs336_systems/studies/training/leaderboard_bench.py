@@ -32,6 +32,18 @@ their matmuls; otherwise floor(R / A_m) keep their matmuls and the rest only the
 Without it floor(R / A_n) blocks keep their activations and the first k = L - that many are
 recomputed. Which blocks get which policy does not change the peak (every block's activations are
 alive at the end of forward); recomputed blocks come first.
+
+[Note: the planning margin]
+The plans leave `margin_gib` of the memory the allocator can reach unplanned. With 6 GiB (to session
+16) the timed steps of both paths peaked about 7 GiB below the device's 139.8 GiB on two H200s and
+still hit the caching allocator's free-and-retry path (cached blocks released, a device synchronisation,
+the allocation tried again): stock_tuned 28 times and ours 10 times per timed window, stock_tuned's
+compute stream idling 400-440 ms of a profiled step while the host waited. With 12 GiB neither retried
+and both were faster (ours 4558 -> 4528 ms, stock_tuned 4918 -> 4566 ms, with 3 of its 34 blocks
+recomputed in full); with 20 GiB neither retried and both were slower again (more recompute):
+figures/data/training_leaderboard__margin_trial.csv (git 4a0bad8). A likely reason, not verified:
+the allocator pools memory per stream (FSDP2's and our all-gathers run on their own streams), so bytes
+cached by one stream were not free for another. The rows count the retries, so a run that still hits them says so.
 """
 
 from __future__ import annotations
