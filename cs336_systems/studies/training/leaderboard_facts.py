@@ -82,6 +82,7 @@ def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
     steps["kept"] = [_ours_recompute(c) for c in configs]
     steps["trial"] = [is_trial(c, r.git_sha) for c, r in zip(configs, steps.itertuples())]
     steps["gc"] = [c.get("gc", "auto") for c in configs]  # runs before the option: Python's default
+    steps["margin_gib"] = [c.get("margin_gib", math.nan) for c in configs]  # not recorded before
     steps["tuned_sac"] = [c.get("tuned_sac", "every_second") for c in configs]  # runs before the options
     steps["tuned_reshard"] = [
         c.get("tuned_reshard", "after_forward") for c in configs
@@ -123,7 +124,8 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
             "valid": first.attention == VALID_ATTENTION,
             "trial": TRIAL if first.trial else "",
             "tuned_sac": first.tuned_sac,
-            "tuned_reshard": first.tuned_reshard, "gc": first.gc, "git": str(first.git_sha)[:10],
+            "tuned_reshard": first.tuned_reshard, "gc": first.gc, "margin_gib": first.margin_gib,
+            "git": str(first.git_sha)[:10],
             "timestamp": g.timestamp.max(),
         }  # fmt: skip
         for path in PATH_ORDER:
@@ -138,6 +140,7 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
                 ("mfu", "mfu_datasheet"),
                 ("mfu_mm", "mfu_measured_peak"),
                 ("peak_gib", "peak_memory_gib"),
+                ("retries", "alloc_retries"),  # NaN: not counted before session 16
             ):
                 rec[f"{path}_{key}"] = _run_metric(df, g, path, metric) if last is not None else math.nan
         rec["ratio"] = rec["ours_ms"] / rec["stock_ms"]  # to stock
@@ -184,6 +187,7 @@ def components_table(df: pd.DataFrame, run: dict) -> pd.DataFrame:
         rec = {"path": path, "step_ms": float(g[g.impl == path]["mean"].iloc[-1])}
         rec |= {m: _run_metric(df, g, path, m) for m in COMPONENTS}
         rec["comm_ms"] = _run_metric(df, g, path, "comm_ms")
+        rec["alloc_retries"] = _run_metric(df, g, path, "alloc_retries")  # NaN: not counted then
         if path == "stock":
             rec["recompute_ms"] = layers * _run_metric(df, g, "stock_tuned", "recompute_block_full_ms")
         rec["recomputed"] = _recomputed(df, g, path, layers)
@@ -295,7 +299,8 @@ def tuned_variants(runs: pd.DataFrame, headline: dict | None) -> list[dict]:
     out = []
     for r in sel.itertuples():
         rec = {"device": r.device, "git": r.git, "tuned_sac": r.tuned_sac, "tuned_reshard": r.tuned_reshard,
-               "stock_tuned_ms": r.stock_tuned_ms, "with_ours": r.ours_ms == r.ours_ms}  # fmt: skip
+               "stock_tuned_ms": r.stock_tuned_ms, "with_ours": r.ours_ms == r.ours_ms,
+               "margin_gib": r.margin_gib}  # fmt: skip
         if headline is not None and r.device == headline["device"] and r.git == headline["git"]:
             minutes = (pd.Timestamp(r.timestamp) - pd.Timestamp(headline["timestamp"])).total_seconds() / 60
             rec |= {
@@ -336,6 +341,9 @@ def facts(df: pd.DataFrame) -> dict:
             "ratios": g.ratio.tolist(),
             "ratios_tuned": g.ratio_tuned.tolist(),
             "gits": g.git.tolist(),
+            # stock_tuned ran without the caching allocator's free-and-retry stalls ([Note: the planning
+            # margin] in leaderboard_bench): False where it retried, None where not counted
+            "tuned_clean": [None if r != r else bool(r == 0) for r in g.stock_tuned_retries],
             "components": components_table(df, latest_run).to_dict("records"),
         }
     other = entries[entries.GPUs != 2]
