@@ -110,6 +110,7 @@ USAGE_ERRORS = [
     ("studies.attention.flash_bench", ["--impls", "flash_triton,warp"], "unknown impls ['warp']"),
     ("studies.attention.flash_bench", ["--dtypes", "float33"], "unknown dtypes ['float33']"),
     ("studies.attention.flash_bench", ["--tune", "64:bfloat:16384"], "--tune"),
+    ("studies.attention.flash_bench", ["--once", "--device", "cpu"], "--once is a GPU profiler's workload"),
     ("studies.attention.flash_model", ["--quick", "--impls", "naive", "fast"], "--impls"),
     ("studies.attention", ["--quick", "--compile-sizes", "huge"], "--compile-sizes"),
     ("studies.attention", ["--quick", "--attn-reps", "0"], "--attn-reps"),

@@ -38,7 +38,6 @@ from collections.abc import Sequence
 
 import torch
 
-from cs336_systems.attention import FlashAttentionTriton
 from cs336_systems.measure import cli
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.studies.attention.flash_backward_tuning import run_backward_tuning
@@ -47,7 +46,7 @@ from cs336_systems.studies.attention.flash_leaderboard import measure as run_lea
 from cs336_systems.studies.attention.flash_sweep import IMPLS, SweepConfig, quick_config
 from cs336_systems.studies.attention.flash_sweep import measure as run_sweep
 from cs336_systems.studies.attention.flash_tuning import run_hopper_tuning, run_tuning
-from cs336_systems.studies.attention.impls import LEADERBOARD_IMPLS
+from cs336_systems.studies.attention.impls import LEADERBOARD_IMPLS, leaderboard_step
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -191,8 +190,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--once",
         action="store_true",
-        help="one forward+backward at the leaderboard shape with the current tiles, nothing timed or saved "
-        "(the workload to wrap in `ncu`/`nsys`)",
+        help="the protocol's step (forward + backward) twice per --lb-impls at the first --lb-shapes shape, "
+        "nothing timed or saved (the workload to wrap in `ncu`: skip the first call's kernels)",
     )
     p.add_argument(
         "--host-profile",
@@ -251,14 +250,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     results_dir = None if args.once else cli.results_dir_for(args.results_dir, quick=args.quick)
 
-    if args.once:
-        cfg = LeaderboardConfig(device=args.device)
-        x = torch.randn(
-            3, cfg.heads, cfg.seq_len, cfg.d, device=args.device, dtype=torch.bfloat16, requires_grad=True
-        )
-        q, k, v = x.unbind(0)
-        FlashAttentionTriton.apply(q, k, v, True).sum().backward()
-        synchronize(args.device)
+    if args.once and args.device != "cuda":
+        p.error("--once is a GPU profiler's workload (bf16 on the GPU kernels): it needs --device cuda")
+    if args.once:  # e.g. ncu -k regex:bwd -s 1 -c 1 python -m ... --once --lb-impls flash_triton
+        heads, n, d = lb_shapes[0]
+        for impl in args.lb_impls:
+            torch.manual_seed(0)
+            x = torch.randn(3, heads, n, d, device=args.device, dtype=torch.bfloat16, requires_grad=True)
+            step = leaderboard_step(impl, x)
+            for _ in range(2):  # the first compiles and picks tiles: skip its kernels in a profiler (-s)
+                step()
+            synchronize(args.device)
+            del x, step
         return
 
     for d, dtype, n in tune:
