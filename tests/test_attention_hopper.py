@@ -129,6 +129,32 @@ def test_every_default_hopper_path_compiles_for_sm90_without_a_gpu():
     assert all(r["spill_stores"] < 512 for r in rows), rows
 
 
+@pytest.mark.timeout(600)
+def test_the_backward_with_dq_reduced_by_the_producer_compiles_for_sm90_without_a_gpu():
+    """The d = 128 backward's variant whose producer warp issues dQ's reductions (not a default path,
+    so not in the test above) compiles offline with the installed Triton and fits shared memory."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cs336_systems.studies.attention import flash_offline as offline
+
+    code = (
+        "import dataclasses, json\n"
+        "from cs336_systems.attention.flash_triton import hopper\n"
+        "from cs336_systems.studies.attention import flash_offline as o\n"
+        "cfg = dataclasses.replace(hopper.heuristic_bwd(128), dq_by_producer=True)\n"
+        "rec = [r for r in o.hopper_launches('bwd', 128, True, cfg) if r.name == 'flash_bwd_dkdv_ws_kernel']\n"
+        "print(json.dumps(dataclasses.asdict(o.compile_sm90(rec[0]))))\n"
+    )
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0 < res["shared_bytes"] <= offline.SM90_SHARED_BYTES and res["spill_stores"] < 512, res
+
+
 @pytest.mark.parametrize(("d", "in_consumers"), [(64, False), (80, False), (128, True)])
 def test_the_one_pass_backward_is_the_default_where_it_was_measured_faster(d, in_consumers):
     """A dQ warpgroup at d = 64, 80; at d = 128 (no registers for a third warpgroup) the consumers."""
@@ -318,6 +344,9 @@ ONE_PASS_CONFIGS = [
 DQ_IN_CONSUMERS_CONFIGS = [
     hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1),
     hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=1, dq_buffers=2),
+    # the producer warp issues the reductions: one staging tile (the d = 128 default's) and two
+    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1, dq_by_producer=True),
+    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=1, dq_buffers=2, dq_by_producer=True),
 ]
 # (config, head dim): the dQ warpgroup at any split head dim; dQ in the consumers at two equal halves
 ONE_PASS_CASES = [(cfg, d) for cfg in ONE_PASS_CONFIGS for d in (16, 64, 80)] + [
@@ -343,6 +372,8 @@ def test_a_head_dim_the_consumers_cannot_halve_is_refused_with_a_clear_error():
 def test_dq_either_in_a_warpgroup_of_its_own_or_in_the_consumers():
     with pytest.raises(ValueError, match="either in a warpgroup of its own"):
         hopper.WarpSpecializedBwdConfig(dq_regs=88, dq_in_consumers=True)
+    with pytest.raises(ValueError, match="the producer reduces the dQ that the consumers compute"):
+        hopper.WarpSpecializedBwdConfig(dq_regs=88, dq_by_producer=True)
 
 
 @pytest.mark.gpu
@@ -462,3 +493,23 @@ def test_gpu_warp_specialized_backward_keeps_its_products_asynchronous():
         tensors, _ = launch.prepare_backward(do, q, k, v, o, lse)
         hopper.flash_bwd_hopper(tensors, True, cfg)
     assert _ptxas_serialization(hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel) == []
+
+
+def test_ab_variants_replace_fields_of_the_launchers_backward():
+    from cs336_systems.studies.attention.flash_backward_tuning import parse_variant
+
+    assert parse_variant("default", 128) == hopper.heuristic_bwd(128)
+    cfg = parse_variant("dq_by_producer=True+stages=3", 128)
+    assert cfg.dq_by_producer and cfg.stages == 3 and cfg.dq_in_consumers
+    with pytest.raises(ValueError, match="the producer reduces the dQ"):
+        parse_variant("dq_in_consumers=False+dq_by_producer=True", 128)  # the config's own check
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_ab_backward_times_every_variant_and_cudnn_in_each_round():
+    from cs336_systems.studies.attention.flash_backward_tuning import ab_hopper_backward
+
+    df = ab_hopper_backward(2, 512, 128, ["default", "dq_by_producer=True"], rounds=2, rep_ms=20.0)
+    assert sorted(df.variant.unique()) == ["cudnn", "default", "dq_by_producer=True"]
+    assert (df.groupby("variant").size() == 2).all() and (df.ms > 0).all()

@@ -278,7 +278,8 @@ class WarpSpecializedBwdConfig:
     their dS^T tiles through a `ds_slots`-deep shared-memory ring. `dq_in_consumers` makes it one
     pass without that warpgroup: each consumer computes one column half of dQ from both dS^T tiles
     (head dims of two equal power-of-two halves: 32, 64, 128, 256), keeping registers for 128-wide
-    dK/dV accumulators."""
+    dK/dV accumulators; with `dq_by_producer` they only stage it and the producer warp issues its
+    reductions ([Note: dQ reduced by the producer] in hopper_ws_dq_kernels)."""
 
     block_m: int = 64
     stages: int = 2
@@ -288,12 +289,17 @@ class WarpSpecializedBwdConfig:
     ds_slots: int = 2  # one pass: depth of the consumers' dS^T ring that the dQ warpgroup reads
     dq_buffers: int = 2  # one pass: float32 dQ staging tiles in flight to the TMA reductions
     dq_in_consumers: bool = False  # one pass, dQ computed by the two consumers (no dQ warpgroup)
+    dq_by_producer: bool = False  # dq_in_consumers: the producer warp issues dQ's reductions
 
     def __post_init__(self) -> None:
         if (self.dq_regs or self.dq_in_consumers) and (self.consumers != 2 or self.block_m != 64):
             raise ValueError(f"{self}: the one-pass backward takes two consumers and 64-query steps")
         if self.dq_regs and self.dq_in_consumers:
             raise ValueError(f"{self}: dQ either in a warpgroup of its own (dq_regs) or in the consumers")
+        if self.dq_by_producer and not self.dq_in_consumers:
+            raise ValueError(
+                f"{self}: the producer reduces the dQ that the consumers compute (dq_in_consumers)"
+            )
         check_register_budget(self, self.consumers, self.consumer_regs, self.dq_regs)
 
     @property
@@ -355,6 +361,7 @@ def flash_bwd_hopper(
             DS_SLOTS=cfg.ds_slots,
             DQ_BUFFERS=cfg.dq_buffers,
             DQ_IN_CONSUMERS=cfg.dq_in_consumers,
+            DQ_BY_PRODUCER=cfg.dq_by_producer,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )

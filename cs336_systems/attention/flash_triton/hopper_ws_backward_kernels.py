@@ -60,8 +60,10 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
     dq_warpgroup,
     issue_consumer_dq,
+    producer_reduce_dq,
     publish_ds,
     reduce_dq,
+    stage_dq,
 )
 
 WG_KEYS: gl.constexpr = gl.constexpr(64)  # key rows per consumer warpgroup (one wgmma M)
@@ -69,8 +71,9 @@ WG_WARPS: gl.constexpr = gl.constexpr(4)
 
 
 @gluon.jit
-def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
-    """TMA loads of every consumer's K/V, then the Q/dO/L/Delta ring."""
+def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr, DQ_BY_PRODUCER: gl.constexpr):
+    """TMA loads of every consumer's K/V, then the Q/dO/L/Delta ring (with DQ_BY_PRODUCER also the
+    dQ reductions of the steps whose stages it refills: [Note: dQ reduced by the producer])."""
     descs, smem, bars, off_bh, start_n, start_m0, n_iters, N_QUERIES, _N_KEYS, L_ptr, Delta_ptr = args[:11]
     q0, q1, do0, do1, k0, k1, v0, v1 = descs[:8]
     q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s = smem[:10]
@@ -110,13 +113,22 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
         offs_m += BLOCK_M
         l2 = gl.load(l_base + offs_m, mask=offs_m < N_QUERIES, other=float("inf")) * LOG2E
         delta = gl.load(delta_base + offs_m, mask=offs_m < N_QUERIES, other=0.0)
+        if DQ_BY_PRODUCER:  # noqa: SIM102 - a constexpr test, then a run-time one
+            if it >= STAGES:  # the step whose stage was just refilled is done
+                producer_reduce_dq(
+                    it - STAGES, start_m0, descs[12], descs[13], smem[11], smem[12], bars[5], bars[6]
+                )
+    if DQ_BY_PRODUCER:
+        for j in range(n_iters - STAGES, n_iters):  # the last steps
+            if j >= 0:
+                producer_reduce_dq(j, start_m0, descs[12], descs[13], smem[11], smem[12], bars[5], bars[6])
 
 
 @gluon.jit
 def _consumer_step_with_dq(
     args, w: gl.constexpr, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
     dv0, dv1, qk_scale, s_layout: gl.constexpr, acc_layout: gl.constexpr, a0_layout: gl.constexpr,
-    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_BY_PRODUCER: gl.constexpr,
 ):  # fmt: skip
     """The rest of consumer w's query step `it` once S^T is in (DQ_IN_CONSUMERS): dV, dS^T, then dK's
     first column block, the dS^T hand-off, dQ's products (this consumer's own tile first), dK's second
@@ -124,7 +136,7 @@ def _consumer_step_with_dq(
     Returns (dk0, dk1, dv0, dv1), every product done."""
     descs, smem, bars, _off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _DQ, scale = args
     k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
-    _kv, _ready, _empty, ds_ready, ds_empty = bars
+    ds_ready, ds_empty, dq_full, dq_free = bars[3:7]
     dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
         s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout, a0_layout,
         a1_layout, True, IS_CAUSAL, N_KEYS,
@@ -138,7 +150,10 @@ def _consumer_step_with_dq(
     )  # all but dK's second block: dV, dK's first and dQ done
     mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
     dq_w_d, dq_w_s = descs[12 + w], smem[11 + w]
-    reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
+    if DQ_BY_PRODUCER:
+        stage_dq(dq, it, dq_w_s, dq_full, dq_free, scale)
+    else:
+        reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
     dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dk0, dk1, dst_a0, dst_a1))
     return dk0, dk1, dv0, dv1
 
@@ -151,6 +166,7 @@ def _bwd_consumer(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
+    DQ_BY_PRODUCER: gl.constexpr,
 ):
     """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step
     (with ONE_PASS also publishing each step's dS^T tile for dQ, and with DQ_IN_CONSUMERS computing and
@@ -158,7 +174,7 @@ def _bwd_consumer(
     descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, N_KEYS, _L, _Delta, _DQ, scale = args
     dk0_d, dk1_d, dv0_d, dv1_d = descs[8:12]
     q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s = smem[:11]
-    kv_bar, ready_bar, empty_bar, ds_ready, ds_empty = bars
+    kv_bar, ready_bar, empty_bar, ds_ready, ds_empty = bars[:5]
     STAGES: gl.constexpr = q0_s.type.shape[0]
     BLOCK_M: gl.constexpr = q0_s.type.shape[1]
     D0: gl.constexpr = q0_s.type.shape[2]
@@ -209,7 +225,7 @@ def _bwd_consumer(
         if DQ_IN_CONSUMERS:
             dk0, dk1, dv0, dv1 = _consumer_step_with_dq(
                 args, w, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
-                dv0, dv1, qk_scale, s_layout, acc0_layout, a0_layout, a1_layout, IS_CAUSAL,
+                dv0, dv1, qk_scale, s_layout, acc0_layout, a0_layout, a1_layout, IS_CAUSAL, DQ_BY_PRODUCER,
             )  # fmt: skip
         else:
             dk0, dk1, dv0, dv1, dst, dst_a0, dst_a1 = dkdv_after_scores(
@@ -257,8 +273,9 @@ def _bwd_consumer0(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
+    DQ_BY_PRODUCER: gl.constexpr,
 ):
-    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
+    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)
 
 
 @gluon.jit
@@ -270,15 +287,16 @@ def _bwd_worker(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
+    DQ_BY_PRODUCER: gl.constexpr,
 ):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C, the dQ warpgroup for
     w == C + 1."""
     if w == C:
-        _bwd_producer(args, C, SPLIT)
+        _bwd_producer(args, C, SPLIT, DQ_BY_PRODUCER)
     elif w == C + 1:
         dq_warpgroup(args, C, SPLIT)
     else:
-        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
+        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
@@ -315,13 +333,15 @@ def flash_bwd_dkdv_ws_kernel(
     DS_SLOTS: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
+    DQ_BY_PRODUCER: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H * cdiv(N_KEYS, CONSUMERS * 64),); num_warps 4
     (the default partition is consumer 0; consumers 1.., the producer warp and, with ONE_PASS, the dQ
     warpgroup are worker partitions). With ONE_PASS (two consumers), DQ_ptr is a zeroed float32
     (B*H, N_QUERIES, D) buffer that receives dQ; otherwise it is not read. DQ_IN_CONSUMERS (ONE_PASS,
-    D = 2 * D0): the consumers compute dQ themselves, no dQ warpgroup (DQ_REGS is not used)."""
+    D = 2 * D0): the consumers compute dQ themselves, no dQ warpgroup (DQ_REGS is not used), and with
+    DQ_BY_PRODUCER the producer warp issues its reductions."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
@@ -391,6 +411,14 @@ def flash_bwd_dkdv_ws_kernel(
     else:  # not used
         ds_s, ds_ready, ds_empty, dq0_s, dq1_s = l_s, kv_bar, kv_bar, l_s, l_s
         dq0_d, dq1_d = dk0, dk0
+    if DQ_BY_PRODUCER:  # the staging tiles: filled by every consumer, emptied by the producer
+        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+        dq_free = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(DQ_BUFFERS):
+            mbarrier.init(dq_full.index(i), count=C)
+            mbarrier.init(dq_free.index(i), count=1)
+    else:  # not used
+        dq_full, dq_free = kv_bar, kv_bar
 
     # Query steps: (causal) from the step holding query start_n, else from 0.
     if IS_CAUSAL:
@@ -402,7 +430,7 @@ def flash_bwd_dkdv_ws_kernel(
     args = (
         (q0, q1, do0, do1, k0, k1, v0, v1, dk0, dk1, dv0, dv1, dq0_d, dq1_d),
         (q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s, dq0_s, dq1_s),
-        (kv_bar, ready_bar, empty_bar, ds_ready, ds_empty),
+        (kv_bar, ready_bar, empty_bar, ds_ready, ds_empty, dq_full, dq_free),
         off_bh,
         start_n,
         start_m0,
@@ -419,13 +447,14 @@ def flash_bwd_dkdv_ws_kernel(
     gl.static_assert(
         not DQ_IN_CONSUMERS or (ONE_PASS and SPLIT and D1 == D0), "dQ in the consumers: one pass, D = 2 * D0"
     )
+    gl.static_assert(not DQ_BY_PRODUCER or DQ_IN_CONSUMERS, "the producer reduces the consumers' dQ")
     if ONE_PASS and not DQ_IN_CONSUMERS:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, DQ_REGS, PRODUCER_REGS],
@@ -433,9 +462,9 @@ def flash_bwd_dkdv_ws_kernel(
     elif C == 2:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -443,10 +472,10 @@ def flash_bwd_dkdv_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
-                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)),
+                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],

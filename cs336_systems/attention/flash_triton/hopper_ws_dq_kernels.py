@@ -6,7 +6,19 @@ reductions (in a varying order: dQ is not bitwise deterministic). Two ways to co
     dq_warpgroup   a third warpgroup of its own computes all of dQ_i (d = 64, 80: registers to spare)
     consumer_dq    (DQ_IN_CONSUMERS) each consumer computes one column block of dQ_i once both dS^T
                    tiles are in the ring, and reduces it itself: no warpgroup beside the two consumers,
-                   so each keeps 240 registers for its 128-wide dK/dV accumulators (d = 128)
+                   so each keeps 240 registers for its 128-wide dK/dV accumulators (d = 128); with
+                   DQ_BY_PRODUCER the consumers only stage it (`stage_dq`) and the producer warp issues
+                   the reductions (`producer_reduce_dq`, [Note: dQ reduced by the producer])
+
+[Note: dQ reduced by the producer]
+FlashAttention-3's layout of the d = 128 backward: the consumers store their scaled dQ column blocks
+in the staging tile, fence, and signal `dq_full`; the producer warp, which otherwise only waits for
+free Q/dO stages, issues the two TMA reductions, waits until the engine has read the tile and signals
+`dq_free`. Step j's staging is complete before the consumers release step j's Q/dO stage, so the
+producer reduces step j in the iteration that refills that stage (after that iteration's loads, so
+they are not delayed), and the last STAGES steps after its loop. What leaves the consumers: the
+elected thread's bulk-reduction issue and its wait for the previous reduction's reads (session 16's
+profile put the staging, fence and issue at ~10 % of a consumer's samples).
 
 Partition arguments are those of `flash_bwd_dkdv_ws_kernel` (the `args` tuple it builds).
 """
@@ -63,7 +75,7 @@ def dq_warpgroup(args, C: gl.constexpr, SPLIT: gl.constexpr):
     the float32 (B*H, N_QUERIES, D) buffer by TMA reductions (rows past N_QUERIES are dropped)."""
     descs, smem, bars, _off_bh, _start_n, start_m0, n_iters, _N_Q, _N_KEYS, _L, _Delta, _DQ, scale = args
     k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
-    kv_bar, _ready, _empty, ds_ready, ds_empty = bars
+    kv_bar, _ready, _empty, ds_ready, ds_empty = bars[:5]
     BLOCK_M: gl.constexpr = ds_s.type.shape[2]
     SLOTS: gl.constexpr = ds_ready.type.shape[0]
     D0: gl.constexpr = k0_s.type.shape[2]
@@ -141,3 +153,32 @@ def reduce_dq(acc0, acc1, start_m, it, dq0_d, dq1_d, dq0_s, dq1_s, scale, TWO: g
     tma_reduce_add(dq0_d, [start_m, 0], dq0_s.index(b))
     if TWO:
         tma_reduce_add(dq1_d, [start_m, 0], dq1_s.index(b))
+
+
+@gluon.jit
+def stage_dq(acc, it, dq_s, dq_full, dq_free, scale):
+    """DQ_BY_PRODUCER, a consumer: stage scale * acc (its dQ column block of query step `it`) in float32
+    buffer it % BUFFERS once the producer has released it, and signal dq_full (count: the consumers)."""
+    BUFFERS: gl.constexpr = dq_s.type.shape[0]
+    b = it % BUFFERS
+    mbarrier.wait(dq_free.index(b), ((it // BUFFERS) & 1) ^ 1)
+    dq_s.index(b).store(acc * scale)
+    fence_async_shared()  # generic-proxy stores before the TMA engine reads the tile
+    thread_barrier()  # the whole warpgroup's stores before the arrive below
+    mbarrier.arrive(dq_full.index(b), count=1)
+
+
+@gluon.jit
+def producer_reduce_dq(j, start_m0, dq0_d, dq1_d, dq0_s, dq1_s, dq_full, dq_free):
+    """DQ_BY_PRODUCER, the producer warp: once every consumer has staged query step j's dQ column
+    blocks, add them into the float32 dQ by TMA reductions and release the buffer when the engine has
+    read it ([Note: dQ reduced by the producer])."""
+    BUFFERS: gl.constexpr = dq0_s.type.shape[0]
+    BLOCK_M: gl.constexpr = dq0_s.type.shape[1]
+    b = j % BUFFERS
+    mbarrier.wait(dq_full.index(b), (j // BUFFERS) & 1)
+    tma_reduce_add(dq0_d, [start_m0 + j * BLOCK_M, 0], dq0_s.index(b))
+    tma_reduce_add(dq1_d, [start_m0 + j * BLOCK_M, 0], dq1_s.index(b))
+    tma.store_wait(0)  # the tiles are read
+    thread_barrier()
+    mbarrier.arrive(dq_free.index(b), count=1)

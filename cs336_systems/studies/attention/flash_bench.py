@@ -24,7 +24,8 @@ Leaderboard (`--leaderboard`, handout section 5.1 of the spec): bf16, causal, on
 SDPA flash vs SDPA cuDNN (the SDPA calls see the same tensors as (1, 16, N, 64) views) with ratios,
 plus forward-only/backward-only TFLOP/s and the measured bf16 matmul peak of the same GPU.
 `--variants`, `--tune` (and `--tune-hopper`, `--tune-bwd`) time kernel variants and tile candidates at the leaderboard shape (the
-evidence behind flash_triton/OPTIMIZATION_LOG.md).
+evidence behind flash_triton/OPTIMIZATION_LOG.md); `--ab-bwd` times Hopper backward configurations
+and cuDNN's backward in interleaved rounds (printed only).
 
 Rows: problem "flash_benchmarking" (sweep) and "flash_leaderboard" (everything else).
 Run: `python -m cs336_systems.studies.attention.flash_bench [--quick] [--leaderboard] [--variants] [--tune]`.
@@ -40,7 +41,11 @@ import torch
 
 from cs336_systems.measure import cli
 from cs336_systems.measure.timing import synchronize
-from cs336_systems.studies.attention.flash_backward_tuning import run_backward_tuning
+from cs336_systems.studies.attention.flash_backward_tuning import (
+    ab_hopper_backward,
+    parse_variant,
+    run_backward_tuning,
+)
 from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig, run_variants
 from cs336_systems.studies.attention.flash_leaderboard import measure as run_leaderboard
 from cs336_systems.studies.attention.flash_sweep import IMPLS, SweepConfig, quick_config
@@ -173,6 +178,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="time the one-pass backward candidates (dQ by atomics / TMA reductions inside the dK/dV pass) "
         "against the two-pass heuristic, whole backward: 'd:dtype:N,...' e.g. 64:bfloat16:16384 (16 heads, causal)",
     )
+    p.add_argument(
+        "--ab-bwd",
+        type=str,
+        default="",
+        help="HEADSxNxD: time the Hopper backward's --ab-variants and cuDNN's backward in interleaved "
+        "rounds (causal bf16, batch 1; printed only), e.g. 32x32768x128",
+    )
+    p.add_argument(
+        "--ab-variants",
+        type=_strs,
+        default=("default",),
+        help="comma-separated --ab-bwd variants: 'default' (the launcher's backward) or "
+        "FIELD=VALUE[+FIELD=VALUE] replacing its configuration's fields, e.g. default,dq_by_producer=True",
+    )
+    p.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of --ab-bwd")
     p.add_argument("--lb-runs", type=int, default=1, help="how many times to run the leaderboard protocol")
     p.add_argument(
         "--lb-shapes",
@@ -220,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             or args.tune_bwd
             or args.once
             or args.host_profile
+            or args.ab_bwd
         ):
             sweep_cfg = SweepConfig(
                 seq_lens=args.seq_lens,
@@ -250,6 +271,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     results_dir = None if args.once else cli.results_dir_for(args.results_dir, quick=args.quick)
 
+    if args.ab_bwd:
+        with cli.usage_errors(p):
+            heads, n, d = _lb_shape(args.ab_bwd)
+            for spec in args.ab_variants:  # bad variants fail here, before any GPU work
+                parse_variant(spec, d)
+            if args.ab_rounds < 1:
+                raise ValueError(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
+        if args.device != "cuda":
+            p.error("--ab-bwd times the Hopper kernels: it needs --device cuda")
+        ab_hopper_backward(heads, n, d, args.ab_variants, rounds=args.ab_rounds)
+        return
     if args.once and args.device != "cuda":
         p.error("--once is a GPU profiler's workload (bf16 on the GPU kernels): it needs --device cuda")
     if args.once:  # e.g. ncu -k regex:bwd -s 1 -c 1 python -m ... --once --lb-impls flash_triton
