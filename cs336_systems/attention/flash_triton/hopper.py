@@ -279,7 +279,9 @@ class WarpSpecializedBwdConfig:
     pass without that warpgroup: each consumer computes one column half of dQ from both dS^T tiles
     (head dims of two equal power-of-two halves: 32, 64, 128, 256), keeping registers for 128-wide
     dK/dV accumulators; with `dq_by_producer` they only stage it and the producer warp issues its
-    reductions ([Note: dQ reduced by the producer] in hopper_ws_dq_kernels)."""
+    reductions ([Note: dQ reduced by the producer] in hopper_ws_dq_kernels), and with `delta_late` they
+    read Delta after the exponent instead of beside L (fewer registers live during S^T's and dP^T's
+    products)."""
 
     block_m: int = 64
     stages: int = 2
@@ -290,6 +292,7 @@ class WarpSpecializedBwdConfig:
     dq_buffers: int = 2  # one pass: float32 dQ staging tiles in flight to the TMA reductions
     dq_in_consumers: bool = False  # one pass, dQ computed by the two consumers (no dQ warpgroup)
     dq_by_producer: bool = False  # dq_in_consumers: the producer warp issues dQ's reductions
+    delta_late: bool = False  # dq_in_consumers: Delta read after the exponent (fewer spills offline)
 
     def __post_init__(self) -> None:
         if (self.dq_regs or self.dq_in_consumers) and (self.consumers != 2 or self.block_m != 64):
@@ -300,6 +303,8 @@ class WarpSpecializedBwdConfig:
             raise ValueError(
                 f"{self}: the producer reduces the dQ that the consumers compute (dq_in_consumers)"
             )
+        if self.delta_late and not self.dq_in_consumers:
+            raise ValueError(f"{self}: Delta read late is an option of the dQ-in-consumers step")
         check_register_budget(self, self.consumers, self.consumer_regs, self.dq_regs)
 
     @property
@@ -362,6 +367,7 @@ def flash_bwd_hopper(
             DQ_BUFFERS=cfg.dq_buffers,
             DQ_IN_CONSUMERS=cfg.dq_in_consumers,
             DQ_BY_PRODUCER=cfg.dq_by_producer,
+            DELTA_LATE=cfg.delta_late,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )

@@ -128,7 +128,7 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr, DQ_BY_PRODUCER: gl
 def _consumer_step_with_dq(
     args, w: gl.constexpr, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
     dv0, dv1, qk_scale, s_layout: gl.constexpr, acc_layout: gl.constexpr, a0_layout: gl.constexpr,
-    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_BY_PRODUCER: gl.constexpr,
+    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_BY_PRODUCER: gl.constexpr, DELTA_LATE: gl.constexpr,
 ):  # fmt: skip
     """The rest of consumer w's query step `it` once S^T is in (DQ_IN_CONSUMERS): dV, dS^T, then dK's
     first column block, the dS^T hand-off, dQ's products (this consumer's own tile first), dK's second
@@ -139,7 +139,7 @@ def _consumer_step_with_dq(
     ds_ready, ds_empty, dq_full, dq_free = bars[3:7]
     dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
         s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout, a0_layout,
-        a1_layout, True, IS_CAUSAL, N_KEYS,
+        a1_layout, True, IS_CAUSAL, N_KEYS, DELTA_LATE,
     )  # fmt: skip
     dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)  # runs during the hand-off
     publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
@@ -167,6 +167,7 @@ def _bwd_consumer(
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
     DQ_BY_PRODUCER: gl.constexpr,
+    DELTA_LATE: gl.constexpr,
 ):
     """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step
     (with ONE_PASS also publishing each step's dS^T tile for dQ, and with DQ_IN_CONSUMERS computing and
@@ -219,13 +220,17 @@ def _bwd_consumer(
         st_tok = transposed_product(k0_w, k1_w, q0_t, q1_t, zero_s, SPLIT)
         dpt_tok = transposed_product(v0_w, v1_w, do0_t, do1_t, zero_s, SPLIT)
         l2 = l_s.index(st).load(col_layout)
-        delta = delta_s.index(st).load(col_layout)
+        if DELTA_LATE:  # read by scores_to_ds after the exponent
+            delta = delta_s.index(st)
+        else:
+            delta = delta_s.index(st).load(col_layout)
         # In flight: S^T, dP^T. Wait for all but dP^T.
         s_t = warpgroup_mma_wait(G, deps=(st_tok,))
         if DQ_IN_CONSUMERS:
             dk0, dk1, dv0, dv1 = _consumer_step_with_dq(
                 args, w, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
                 dv0, dv1, qk_scale, s_layout, acc0_layout, a0_layout, a1_layout, IS_CAUSAL, DQ_BY_PRODUCER,
+                DELTA_LATE,
             )  # fmt: skip
         else:
             dk0, dk1, dv0, dv1, dst, dst_a0, dst_a1 = dkdv_after_scores(
@@ -274,8 +279,9 @@ def _bwd_consumer0(
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
     DQ_BY_PRODUCER: gl.constexpr,
+    DELTA_LATE: gl.constexpr,
 ):
-    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)
+    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE)
 
 
 @gluon.jit
@@ -288,6 +294,7 @@ def _bwd_worker(
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
     DQ_BY_PRODUCER: gl.constexpr,
+    DELTA_LATE: gl.constexpr,
 ):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C, the dQ warpgroup for
     w == C + 1."""
@@ -296,7 +303,7 @@ def _bwd_worker(
     elif w == C + 1:
         dq_warpgroup(args, C, SPLIT)
     else:
-        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)
+        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE)
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
@@ -334,6 +341,7 @@ def flash_bwd_dkdv_ws_kernel(
     DQ_BUFFERS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
     DQ_BY_PRODUCER: gl.constexpr,
+    DELTA_LATE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H * cdiv(N_KEYS, CONSUMERS * 64),); num_warps 4
@@ -341,7 +349,8 @@ def flash_bwd_dkdv_ws_kernel(
     warpgroup are worker partitions). With ONE_PASS (two consumers), DQ_ptr is a zeroed float32
     (B*H, N_QUERIES, D) buffer that receives dQ; otherwise it is not read. DQ_IN_CONSUMERS (ONE_PASS,
     D = 2 * D0): the consumers compute dQ themselves, no dQ warpgroup (DQ_REGS is not used), and with
-    DQ_BY_PRODUCER the producer warp issues its reductions."""
+    DQ_BY_PRODUCER the producer warp issues its reductions; with DELTA_LATE (DQ_IN_CONSUMERS) the
+    consumers read Delta after the exponent."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
@@ -448,13 +457,26 @@ def flash_bwd_dkdv_ws_kernel(
         not DQ_IN_CONSUMERS or (ONE_PASS and SPLIT and D1 == D0), "dQ in the consumers: one pass, D = 2 * D0"
     )
     gl.static_assert(not DQ_BY_PRODUCER or DQ_IN_CONSUMERS, "the producer reduces the consumers' dQ")
+    gl.static_assert(not DELTA_LATE or DQ_IN_CONSUMERS, "Delta read late: the dQ-in-consumers step")
     if ONE_PASS and not DQ_IN_CONSUMERS:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
-                (_bwd_worker, (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
-                (_bwd_worker, (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (
+                    _bwd_consumer0,
+                    (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
+                (
+                    _bwd_worker,
+                    (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
+                (
+                    _bwd_worker,
+                    (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
+                (
+                    _bwd_worker,
+                    (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, DQ_REGS, PRODUCER_REGS],
@@ -462,9 +484,18 @@ def flash_bwd_dkdv_ws_kernel(
     elif C == 2:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (
+                    _bwd_consumer0,
+                    (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
+                (
+                    _bwd_worker,
+                    (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
+                (
+                    _bwd_worker,
+                    (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -472,10 +503,22 @@ def flash_bwd_dkdv_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_bwd_consumer0, (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
-                (_bwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
-                (_bwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
-                (_bwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER)),
+                (
+                    _bwd_consumer0,
+                    (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
+                (
+                    _bwd_worker,
+                    (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
+                (
+                    _bwd_worker,
+                    (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
+                (
+                    _bwd_worker,
+                    (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                ),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],

@@ -221,7 +221,9 @@ HOPPER_ONE_PASS_CANDIDATES = {
     128: [
         (64, 2, 240, 2, 0, 2, 1, True),
         (64, 2, 240, 2, 0, 2, 2, True),
-        (64, 2, 240, 2, 0, 2, 1, True, True),
+        (64, 2, 240, 2, 0, 2, 1, True, True),  # dQ reduced by the producer
+        (64, 2, 240, 2, 0, 2, 1, True, False, True),  # Delta read after the exponent
+        (64, 2, 240, 2, 0, 2, 1, True, True, True),  # both
     ],
 }
 HOPPER_DKDV_CANDIDATES = {
