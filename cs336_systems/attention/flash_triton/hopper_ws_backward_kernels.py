@@ -18,17 +18,8 @@ docstring gives the per-step products); what differs is the split of work inside
 With DQ_IN_CONSUMERS (ONE_PASS, two consumers, d split into two equal column blocks) there is no dQ
 warpgroup: consumer w computes column block w of dQ_i from both consumers' dS^T tiles and reduces it
 itself, so the two consumers keep 240 registers each (the d = 128 layout of FlashAttention-3's
-backward: 2 x 64 keys, 64-query steps, dQ by the consumers and bulk reductions).
-
-[Note: dQ between dK's halves]
-The two consumers exchange their dS^T tiles every step, which keeps them in step with each other, so
-whatever one does outside its products the other does at about the same time, with the tensor cores
-idle unless products are queued. Each step therefore issues, after dV and dS^T: dK's first column
-block (it runs while dS^T is stored and handed over), dQ's product over the consumer's own tile, the
-wait for the other tile, dQ's product over it, dK's second column block; once dQ is done it is
-staged in shared memory and reduced while that last block runs. (dQ behind the whole of dK, the
-first layout, left the staging with nothing queued; dQ ahead of the whole of dK left the hand-off
-with nothing queued and was slower still: OPTIMIZATION_LOG.md, session 16.)
+backward: 2 x 64 keys, 64-query steps, dQ by the consumers and bulk reductions); the rest of such a
+step is `hopper_ws_dq_kernels.consumer_step_with_dq`.
 
 Without ONE_PASS dQ is the tl kernel's pass (`backward_dq_kernels.py`): seven products per tile
 pair in the two passes, against five in one.
@@ -42,13 +33,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
     dkdv_after_scores,
-    scores_to_ds,
     transposed_product,
 )
 from cs336_systems.attention.flash_triton.hopper_kernels import (
@@ -58,12 +47,10 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
     thread_barrier,
 )
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
+    consumer_step_with_dq,
     dq_warpgroup,
-    issue_consumer_dq,
     producer_reduce_dq,
     publish_ds,
-    reduce_dq,
-    stage_dq,
 )
 
 WG_KEYS: gl.constexpr = gl.constexpr(64)  # key rows per consumer warpgroup (one wgmma M)
@@ -122,40 +109,6 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr, DQ_BY_PRODUCER: gl
         for j in range(n_iters - STAGES, n_iters):  # the last steps
             if j >= 0:
                 producer_reduce_dq(j, start_m0, descs[12], descs[13], smem[11], smem[12], bars[5], bars[6])
-
-
-@gluon.jit
-def _consumer_step_with_dq(
-    args, w: gl.constexpr, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
-    dv0, dv1, qk_scale, s_layout: gl.constexpr, acc_layout: gl.constexpr, a0_layout: gl.constexpr,
-    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_BY_PRODUCER: gl.constexpr, DELTA_LATE: gl.constexpr,
-):  # fmt: skip
-    """The rest of consumer w's query step `it` once S^T is in (DQ_IN_CONSUMERS): dV, dS^T, then dK's
-    first column block, the dS^T hand-off, dQ's products (this consumer's own tile first), dK's second
-    column block, and dQ staged and reduced while that block runs ([Note: dQ between dK's halves]).
-    Returns (dk0, dk1, dv0, dv1), every product done."""
-    descs, smem, bars, _off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _DQ, scale = args
-    k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
-    ds_ready, ds_empty, dq_full, dq_free = bars[3:7]
-    dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
-        s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout, a0_layout,
-        a1_layout, True, IS_CAUSAL, N_KEYS, DELTA_LATE,
-    )  # fmt: skip
-    dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)  # runs during the hand-off
-    publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
-    dq = issue_consumer_dq(ds_s, ds_ready, k0_s if w == 0 else k1_s, it, w, acc_layout)
-    dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)  # runs during the staging
-    dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(
-        1, deps=(dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1)
-    )  # all but dK's second block: dV, dK's first and dQ done
-    mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
-    dq_w_d, dq_w_s = descs[12 + w], smem[11 + w]
-    if DQ_BY_PRODUCER:
-        stage_dq(dq, it, dq_w_s, dq_full, dq_free, scale)
-    else:
-        reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
-    dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dk0, dk1, dst_a0, dst_a1))
-    return dk0, dk1, dv0, dv1
 
 
 @gluon.jit
@@ -227,7 +180,7 @@ def _bwd_consumer(
         # In flight: S^T, dP^T. Wait for all but dP^T.
         s_t = warpgroup_mma_wait(G, deps=(st_tok,))
         if DQ_IN_CONSUMERS:
-            dk0, dk1, dv0, dv1 = _consumer_step_with_dq(
+            dk0, dk1, dv0, dv1 = consumer_step_with_dq(
                 args, w, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
                 dv0, dv1, qk_scale, s_layout, acc0_layout, a0_layout, a1_layout, IS_CAUSAL, DQ_BY_PRODUCER,
                 DELTA_LATE,

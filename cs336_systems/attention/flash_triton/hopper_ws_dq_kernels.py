@@ -3,12 +3,14 @@ ONE_PASS): the consumers' hand-off of each step's dS^T tile through a shared-mem
 product dQ_i += scale * dS_i K over the program's keys, added into a zeroed float32 dQ by TMA bulk
 reductions (in a varying order: dQ is not bitwise deterministic). Two ways to compute it:
 
-    dq_warpgroup   a third warpgroup of its own computes all of dQ_i (d = 64, 80: registers to spare)
-    consumer_dq    (DQ_IN_CONSUMERS) each consumer computes one column block of dQ_i once both dS^T
-                   tiles are in the ring, and reduces it itself: no warpgroup beside the two consumers,
-                   so each keeps 240 registers for its 128-wide dK/dV accumulators (d = 128); with
-                   DQ_BY_PRODUCER the consumers only stage it (`stage_dq`) and the producer warp issues
-                   the reductions (`producer_reduce_dq`, [Note: dQ reduced by the producer])
+    dq_warpgroup           a third warpgroup of its own computes all of dQ_i (d = 64, 80: registers
+                           to spare)
+    consumer_step_with_dq  (DQ_IN_CONSUMERS) each consumer computes one column block of dQ_i once
+                           both dS^T tiles are in the ring, and reduces it itself: no warpgroup beside
+                           the two consumers, so each keeps 240 registers for its 128-wide dK/dV
+                           accumulators (d = 128); with DQ_BY_PRODUCER the consumers only stage it
+                           (`stage_dq`) and the producer warp issues the reductions
+                           (`producer_reduce_dq`, [Note: dQ reduced by the producer])
 
 [Note: dQ reduced by the producer]
 FlashAttention-3's layout of the d = 128 backward: the consumers store their scaled dQ column blocks
@@ -21,6 +23,16 @@ elected thread's bulk-reduction issue and its wait for the previous reduction's 
 profile put the staging, fence and issue at ~10 % of a consumer's samples).
 
 Partition arguments are those of `flash_bwd_dkdv_ws_kernel` (the `args` tuple it builds).
+
+[Note: dQ between dK's halves]
+The two consumers exchange their dS^T tiles every step, which keeps them in step with each other, so
+whatever one does outside its products the other does at about the same time, with the tensor cores
+idle unless products are queued. Each step therefore issues, after dV and dS^T: dK's first column
+block (it runs while dS^T is stored and handed over), dQ's product over the consumer's own tile, the
+wait for the other tile, dQ's product over it, dK's second column block; once dQ is done it is
+staged in shared memory and reduced while that last block runs. (dQ behind the whole of dK, the
+first layout, left the staging with nothing queued; dQ ahead of the whole of dK left the hand-off
+with nothing queued and was slower still: OPTIMIZATION_LOG.md, session 16.)
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from cs336_systems.attention.flash_triton.hopper_backward_kernels import scores_to_ds
 from cs336_systems.attention.flash_triton.hopper_kernels import thread_barrier
 
 DQ_WARPS: gl.constexpr = gl.constexpr(4)  # the dQ partition: one warpgroup
@@ -182,3 +195,37 @@ def producer_reduce_dq(j, start_m0, dq0_d, dq1_d, dq0_s, dq1_s, dq_full, dq_free
     tma.store_wait(0)  # the tiles are read
     thread_barrier()
     mbarrier.arrive(dq_free.index(b), count=1)
+
+
+@gluon.jit
+def consumer_step_with_dq(
+    args, w: gl.constexpr, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
+    dv0, dv1, qk_scale, s_layout: gl.constexpr, acc_layout: gl.constexpr, a0_layout: gl.constexpr,
+    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_BY_PRODUCER: gl.constexpr, DELTA_LATE: gl.constexpr,
+):  # fmt: skip
+    """The rest of consumer w's query step `it` once S^T is in (DQ_IN_CONSUMERS): dV, dS^T, then dK's
+    first column block, the dS^T hand-off, dQ's products (this consumer's own tile first), dK's second
+    column block, and dQ staged and reduced while that block runs ([Note: dQ between dK's halves]).
+    Returns (dk0, dk1, dv0, dv1), every product done."""
+    descs, smem, bars, _off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _DQ, scale = args
+    k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
+    ds_ready, ds_empty, dq_full, dq_free = bars[3:7]
+    dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
+        s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout, a0_layout,
+        a1_layout, True, IS_CAUSAL, N_KEYS, DELTA_LATE,
+    )  # fmt: skip
+    dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)  # runs during the hand-off
+    publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
+    dq = issue_consumer_dq(ds_s, ds_ready, k0_s if w == 0 else k1_s, it, w, acc_layout)
+    dk1 = warpgroup_mma(dst_a1, q1_t, dk1, is_async=True)  # runs during the staging
+    dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(
+        1, deps=(dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1)
+    )  # all but dK's second block: dV, dK's first and dQ done
+    mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
+    dq_w_d, dq_w_s = descs[12 + w], smem[11 + w]
+    if DQ_BY_PRODUCER:
+        stage_dq(dq, it, dq_w_s, dq_full, dq_free, scale)
+    else:
+        reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
+    dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dk0, dk1, dst_a0, dst_a1))
+    return dk0, dk1, dv0, dv1
