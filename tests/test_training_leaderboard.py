@@ -173,12 +173,17 @@ def _plan_is_applied(rank, world_size, device) -> None:
         assert planned == ((2, 1) if keep_matmuls else (0, 0))  # a small model fits unchecked on any GPU
         assert (step.checkpoint_blocks, step.matmul_blocks) == planned  # the plan is what the step runs
         protocol()
+    # the study's planning: a small model leaves the allocator enough at the first margin tried
+    plan = bench.plan_path("ours", step, protocol, cfg, device)
+    assert (plan["margin_gib"], plan["margin_probes"]) == (cfg.margin_gib, 1)
+    assert (step.checkpoint_blocks, step.matmul_blocks) == (plan["checkpoint_blocks"], plan["matmul_blocks"])
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_the_checkpointing_plan_is_set_on_the_step_gpu():
-    """plan_checkpointing leaves ours' step at the counts it planned (not at its last plan step's)."""
+    """plan_checkpointing leaves ours' step at the counts it planned (not at its last plan step's), and
+    the study's plan_path searches the margin from the configured one."""
     spawn(_plan_is_applied, 1, backend="nccl", timeout_s=500)
 
 
@@ -201,6 +206,46 @@ def test_do_bench_all_ranks_makes_do_bench_calls():
     assert len(result["times_ms"]) == result["n_repeat"] and min(result["times_ms"]) >= 0
     with pytest.raises(ValueError, match="rep_ms"):
         do_bench_all_ranks(lambda: None, warmup_ms=1, rep_ms=0)
+
+
+def test_the_planning_margin_is_the_least_whose_plan_the_allocator_serves_without_retries():
+    """fit_margin ([Note: the planning margin]) applies plans from the start margin up in steps until a
+    probe sees no allocator retry, leaving that plan in effect; without one it stops at the most."""
+    from cs336_systems.studies.training.leaderboard_bench import fit_margin
+
+    applied: list[float] = []
+
+    def retries() -> int:  # a plan with less than 10 GiB left free hits the retry path
+        return 3 if applied[-1] < 10 else 0
+
+    assert fit_margin(applied.append, retries, 6.0, 2.0, 18.0) == (10.0, 3)
+    assert applied == [6.0, 8.0, 10.0]  # the last plan applied is the one returned
+    applied.clear()
+    assert fit_margin(applied.append, lambda: 0, 6.0, 2.0, 18.0) == (6.0, 1)
+    applied.clear()
+    assert fit_margin(applied.append, lambda: 1, 6.0, 4.0, 14.0) == (14.0, 3)  # never clean: the most
+    assert applied == [6.0, 10.0, 14.0]
+
+
+def test_ours_margin_plans_blocks_from_the_measured_bytes():
+    """apply_ours_margin: R = headroom - margin; every block keeping its matmuls fits (L A_m <= R), so
+    the blocks left unchecked are (R - L A_m) // (A_n - A_m); with a larger margin fewer keep matmuls."""
+    from cs336_systems.studies.training.leaderboard_bench import apply_ours_margin
+
+    class Step:
+        model = type("M", (), {"layers": [None] * 4})()
+
+        def set_checkpoint_blocks(self, k, m=0):
+            self.counts = (k, m)
+
+    gib = 2**30
+    plan = {"headroom": 16 * gib, "block_saved": 4 * gib, "matmuls_saved": 1 * gib, "keep_matmuls": True}
+    step = Step()
+    assert apply_ours_margin(step, plan, 6.0) == {"checkpoint_blocks": 2, "matmul_blocks": 2}  # R = 10
+    assert step.counts == (2, 2)
+    assert apply_ours_margin(step, plan, 14.0) == {"checkpoint_blocks": 4, "matmul_blocks": 2}  # R = 2
+    plan["keep_matmuls"] = False
+    assert apply_ours_margin(step, plan, 6.0) == {"checkpoint_blocks": 2, "matmul_blocks": 0}
 
 
 def test_recompute_estimate_sums_the_per_block_costs_of_the_plan():

@@ -123,8 +123,8 @@ def _bwd_consumer(
     DELTA_LATE: gl.constexpr,
 ):
     """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step
-    (with ONE_PASS also publishing each step's dS^T tile for dQ, and with DQ_IN_CONSUMERS computing and
-    reducing column block w of dQ itself)."""
+    (with ONE_PASS also publishing each step's dS^T tile for dQ, and with DQ_IN_CONSUMERS computing
+    column block w of dQ itself and reducing it, or with DQ_BY_PRODUCER staging it for the producer)."""
     descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, N_KEYS, _L, _Delta, _DQ, scale = args
     dk0_d, dk1_d, dv0_d, dv1_d = descs[8:12]
     q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s = smem[:11]
@@ -220,7 +220,7 @@ def _bwd_consumer(
     if SPLIT:
         tma.async_copy_shared_to_global(dk1_d, [key0, 0], k1_w)
         tma.async_copy_shared_to_global(dv1_d, [key0, 0], v1_w)
-    tma.store_wait(0)  # dK, dV (and this consumer's last dQ reductions)
+    tma.store_wait(0)  # dK, dV (and, unless the producer reduces dQ, this consumer's last dQ reductions)
 
 
 @gluon.jit

@@ -205,7 +205,8 @@ def consumer_step_with_dq(
 ):  # fmt: skip
     """The rest of consumer w's query step `it` once S^T is in (DQ_IN_CONSUMERS): dV, dS^T, then dK's
     first column block, the dS^T hand-off, dQ's products (this consumer's own tile first), dK's second
-    column block, and dQ staged and reduced while that block runs ([Note: dQ between dK's halves]).
+    column block, and dQ staged (and reduced, unless DQ_BY_PRODUCER) while that block runs ([Note: dQ
+    between dK's halves]); with DELTA_LATE `delta` is Delta's shared-memory tile.
     Returns (dk0, dk1, dv0, dv1), every product done."""
     descs, smem, bars, _off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _DQ, scale = args
     k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]

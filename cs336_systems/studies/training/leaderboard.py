@@ -133,7 +133,7 @@ class LeaderboardRunConfig:
     estimate_calls: int = 5
     trace: bool = True
     estimate_recompute: bool = True  # ours, stock_tuned: one block timed alone per policy
-    margin_gib: float = 12.0  # ours, stock_tuned: left free when planning ([Note: the planning margin])
+    margin_gib: float = 6.0  # ours, stock_tuned: the least margin tried ([Note: the planning margin])
     gc: str = "manual"  # ours, stock_tuned: no collection while timing (leaderboard_bench.bench)
     backend: str = "nccl"
     cold: bool = False
@@ -280,6 +280,9 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
     extra = {"setup_s": ("s", setup_s)} | {m: ("ms", v) for m, v in comm.items()} | result.pop("extra")
     if counts is not None:
         extra["checkpoint_blocks"], extra["matmul_blocks"] = ("blocks", counts[0]), ("blocks", counts[1])
+    if "margin_gib" in plan:  # the margin the plan left, and how many it tried
+        extra["margin_gib"] = ("GiB", plan["margin_gib"])
+        extra["margin_probes"] = ("count", plan["margin_probes"])
     if "outside_allocator" in plan:  # the device memory the recompute plan could not count on
         extra["memory_outside_allocator_gib"] = ("GiB", plan["outside_allocator"] / 2**30)
     if "block_saved" in plan:

@@ -34,16 +34,20 @@ recomputed. Which blocks get which policy does not change the peak (every block'
 alive at the end of forward); recomputed blocks come first.
 
 [Note: the planning margin]
-The plans leave `margin_gib` of the memory the allocator can reach unplanned. With 6 GiB (to session
-16) the timed steps of both paths peaked about 7 GiB below the device's 139.8 GiB on two H200s and
-still hit the caching allocator's free-and-retry path (cached blocks released, a device synchronisation,
-the allocation tried again): stock_tuned 28 times and ours 10 times per timed window, stock_tuned's
-compute stream idling 400-440 ms of a profiled step while the host waited. With 12 GiB neither retried
-and both were faster (ours 4558 -> 4528 ms, stock_tuned 4918 -> 4566 ms, with 3 of its 34 blocks
-recomputed in full); with 20 GiB neither retried and both were slower again (more recompute):
+The plans leave a margin of the memory the allocator can reach unplanned. With a fixed 6 GiB (to
+session 16) the timed steps of both paths peaked about 7 GiB below the device's 139.8 GiB on two H200s
+and still hit the caching allocator's free-and-retry path (cached blocks released, a device
+synchronisation, the allocation tried again): stock_tuned 28 times and ours 10 times per timed window,
+stock_tuned's compute stream idling 400-440 ms of a profiled step while the host waited. With 12 GiB
+neither retried and both were faster (ours 4558 -> 4528 ms, stock_tuned 4918 -> 4566 ms, with 3 of its
+34 blocks recomputed in full); with 20 GiB neither retried and both were slower again (more recompute):
 figures/data/training_leaderboard__margin_trial.csv (git 4a0bad8). A likely reason, not verified:
 the allocator pools memory per stream (FSDP2's and our all-gathers run on their own streams), so bytes
-cached by one stream were not free for another. The rows count the retries, so a run that still hits them says so.
+cached by one stream were not free for another. How much is needed depends on the path, the GPU and
+the plan, so each path searches for it (`fit_margin`): from `margin_gib` (6 GiB) up in steps of
+MARGIN_STEP_GIB, the first plan under which two protocol steps see no retry on any rank (plans are
+arithmetic on the measured peaks: each probe costs its two steps and the compilation of the regions
+whose policy changed). The rows record each path's margin and probes, and the timed calls' retries.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ from cs336_systems.studies.training.leaderboard_stock import (
 )
 from cs336_systems.training.leaderboard import LeaderboardConfig, checkpointed_regions
 
+MARGIN_STEP_GIB = 2.0  # the planning margin's search ([Note: the planning margin])
+MARGIN_SPAN_GIB = 12.0  # at most this much above the configured start
 PHASES = ("forward", "backward", "optimizer_step")  # the range names trace_plot.compact_trace keeps
 
 
@@ -118,8 +124,8 @@ class ProtocolStep:
 
 
 def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, Any]:
-    """Plan k and m for "auto" and set them on `step` ([Note: choosing the checkpointed blocks]).
-    Returns {"checkpoint_blocks", "matmul_blocks", "peak_all_checkpointed", "block_saved", "matmuls_saved"}."""
+    """Plan k and m for "auto" with `cfg.margin_gib` and set them on `step` ([Note: choosing the
+    checkpointed blocks]). Returns the measurements (for `apply_ours_margin`) and the counts."""
     layers = len(step.model.layers)
     step.set_checkpoint_blocks(layers)
     protocol()
@@ -140,25 +146,68 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
         saved_mm = _kept_bytes(step.matmul_regions[-1], x, device) - region if matmuls else 0
         del x
     usable = allocator_usable_bytes(device)
-    room = usable - cfg.margin_gib * 2**30 - peak
-    agreed = torch.tensor([-room, saved, saved_mm], device=device, dtype=torch.float64)
-    if dist.get_world_size() > 1:  # the ranks plan from the least room and the most bytes
+    agreed = torch.tensor([peak - usable, saved, saved_mm], device=device, dtype=torch.float64)
+    if dist.get_world_size() > 1:  # the ranks plan from the least headroom and the most bytes
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    room, saved, saved_mm = -float(agreed[0]), float(agreed[1]), float(agreed[2])
-    if matmuls:
+    plan = {
+        "peak_all_checkpointed": peak,
+        "headroom": -float(agreed[0]),
+        "block_saved": float(agreed[1]),
+        "matmuls_saved": float(agreed[2]),
+        "keep_matmuls": matmuls,
+        "outside_allocator": torch.cuda.mem_get_info(device)[1] - usable,
+    }
+    return plan | apply_ours_margin(step, plan, cfg.margin_gib)
+
+
+def apply_ours_margin(step, plan: dict, margin_gib: float) -> dict[str, int]:
+    """Set ours' checkpointed blocks k and matmul-keeping blocks m that leave `margin_gib` of what the
+    allocator can reach unplanned, from `plan_checkpointing`'s measurements; returns both."""
+    layers = len(step.model.layers)
+    room, saved, saved_mm = plan["headroom"] - margin_gib * 2**30, plan["block_saved"], plan["matmuls_saved"]
+    if plan["keep_matmuls"]:
         policies = recompute_plan(layers, room, max(saved_mm, 1.0), max(saved, saved_mm + 1.0))
         k, m = layers - policies.count("none"), policies.count("selective")
     else:
         k, m = layers - min(layers, max(0, int(room // max(saved, 1)))), 0
     step.set_checkpoint_blocks(k, m)
-    return {
-        "peak_all_checkpointed": peak,
-        "checkpoint_blocks": k,
-        "matmul_blocks": m,
-        "block_saved": saved,
-        "matmuls_saved": saved_mm,
-        "outside_allocator": torch.cuda.mem_get_info(device)[1] - usable,
-    }
+    return {"checkpoint_blocks": k, "matmul_blocks": m}
+
+
+def fit_margin(
+    apply: Callable[[float], Any],
+    probe: Callable[[], int],
+    start_gib: float,
+    step_gib: float,
+    most_gib: float,
+) -> tuple[float, int]:
+    """[Note: the planning margin]: the least margin from `start_gib` up, in `step_gib` steps up to
+    `most_gib`, whose plan (`apply(margin)`) makes `probe()` (the allocator's retries in a few protocol
+    steps, agreed by every rank) return 0, or `most_gib`'s. Returns (margin, probes run)."""
+    margin, probes = start_gib, 0
+    while True:
+        apply(margin)
+        probes += 1
+        if probe() == 0 or margin + step_gib > most_gib + 1e-9:
+            return margin, probes
+        margin += step_gib
+
+
+def retry_probe(protocol: ProtocolStep, device, steps: int = 2) -> Callable[[], int]:
+    """The allocator's retries during `steps` protocol steps (the most of any rank), as a `fit_margin`
+    probe; the first step after a new plan also compiles the regions it changed."""
+
+    def probe() -> int:
+        before = _alloc_retries(device)
+        for _ in range(steps):
+            protocol()
+        synchronize(device)
+        count = torch.tensor([_alloc_retries(device) - before], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count)
+
+    return probe
 
 
 def plan_path(path: str, step, protocol: ProtocolStep, cfg, device) -> dict[str, Any]:
@@ -167,9 +216,23 @@ def plan_path(path: str, step, protocol: ProtocolStep, cfg, device) -> dict[str,
     blocks (stock_tuned's selectively). Returns the plan's numbers ({} for stock)."""
     plan: dict[str, Any] = {}
     if path == "ours" and cfg.checkpoint_blocks == "auto":
-        return plan_checkpointing(step, protocol, cfg, device)
+        plan = plan_checkpointing(step, protocol, cfg, device)
+        if device.type == "cuda":
+            margin, probes = fit_margin(
+                lambda m: plan.update(apply_ours_margin(step, plan, m)), retry_probe(protocol, device),
+                cfg.margin_gib, MARGIN_STEP_GIB, cfg.margin_gib + MARGIN_SPAN_GIB,
+            )  # fmt: skip
+            plan |= {"margin_gib": margin, "margin_probes": probes}
+        return plan
     if path == "stock_tuned" and cfg.checkpoint_blocks == "auto":
-        return step.plan(protocol, device, cfg.margin_gib)
+        plan = step.plan(protocol, device, cfg.margin_gib)
+        if device.type == "cuda":
+            margin, probes = fit_margin(
+                lambda m: plan.update(policies=step.apply_margin(plan, m)), retry_probe(protocol, device),
+                cfg.margin_gib, MARGIN_STEP_GIB, cfg.margin_gib + MARGIN_SPAN_GIB,
+            )  # fmt: skip
+            plan |= {"margin_gib": margin, "margin_probes": probes}
+        return plan
     if path == "stock_tuned":
         k = min(int(cfg.checkpoint_blocks), len(step.blocks))
         step.set_policies(["selective"] * k + ["none"] * (len(step.blocks) - k))

@@ -77,7 +77,8 @@ def parser(doc: str, d, paths: tuple[str, ...]) -> argparse.ArgumentParser:
         "--margin-gib",
         type=float,
         default=d.margin_gib,
-        help="ours and stock_tuned, planning: memory left free for fragmentation, beyond what the allocator cannot reach",
+        help="ours and stock_tuned, planning: the least memory left free (GiB) tried; each path searches up "
+        "from it for a plan without allocator retries",
     )
     p.add_argument(
         "--gc", choices=["auto", "manual"], default=d.gc, help="ours, stock_tuned: manual: no GC while timing"

@@ -141,6 +141,7 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
                 ("mfu_mm", "mfu_measured_peak"),
                 ("peak_gib", "peak_memory_gib"),
                 ("retries", "alloc_retries"),  # NaN: not counted before session 16
+                ("margin", "margin_gib"),  # the margin the path's plan searched (NaN: a fixed one)
             ):
                 rec[f"{path}_{key}"] = _run_metric(df, g, path, metric) if last is not None else math.nan
         rec["ratio"] = rec["ours_ms"] / rec["stock_ms"]  # to stock
@@ -300,7 +301,8 @@ def tuned_variants(runs: pd.DataFrame, headline: dict | None) -> list[dict]:
     for r in sel.itertuples():
         rec = {"device": r.device, "git": r.git, "tuned_sac": r.tuned_sac, "tuned_reshard": r.tuned_reshard,
                "stock_tuned_ms": r.stock_tuned_ms, "with_ours": r.ours_ms == r.ours_ms,
-               "margin_gib": r.margin_gib}  # fmt: skip
+               "margin_gib": r.stock_tuned_margin if r.stock_tuned_margin == r.stock_tuned_margin else r.margin_gib,
+               "margin_searched": r.stock_tuned_margin == r.stock_tuned_margin}  # fmt: skip
         if headline is not None and r.device == headline["device"] and r.git == headline["git"]:
             minutes = (pd.Timestamp(r.timestamp) - pd.Timestamp(headline["timestamp"])).total_seconds() / 60
             rec |= {
