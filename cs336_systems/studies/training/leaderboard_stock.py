@@ -33,11 +33,12 @@ Precision, in the same mode as ours (`PARAM_MODES` of cs336_systems.distributed.
 [Note: the tuned stock recompute plan]
 One step with every block "full" gives the peak P; one with block 0 "selective" and one with block 0
 "none" give a_s and a_n, the bytes those policies keep beyond "full" (peaks minus P, the largest over
-the ranks). With R = U - margin - P, U the bytes the allocator can reach (`allocator_usable_bytes`,
-the least of the ranks; the margin: [Note: the planning margin] in leaderboard_bench): if every block fits "selective" (L a_s <= R), the
-last floor((R - L a_s) / (a_n - a_s)) blocks run "none" and the others "selective"; otherwise the
-first L - floor(R / a_s) blocks run "full" and the rest "selective". Selective first: per byte kept
-it removes the most recompute (the matmuls), "none" then removes the cheap elementwise rest.
+the ranks). With R = U - margin - P, U the bytes the allocator can reach (`allocator_usable_bytes`, the
+least of the ranks; the margin: [Note: the planning margin] in leaderboard_bench): if every block
+fits "selective" (L a_s <= R), the last floor((R - L a_s) / (a_n - a_s)) blocks run "none" and the
+others "selective"; otherwise the first L - floor(R / a_s) blocks run "full" and the rest
+"selective". Selective first: per byte kept it removes the most recompute (the matmuls), "none" then
+removes the cheap elementwise rest.
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ class StockTunedStep(StockFsdp2Step):
         kept_selective = max(peak(["selective"] + ["full"] * (layers - 1)) - full, 1.0)
         kept_none = max(peak(["none"] + ["full"] * (layers - 1)) - full, kept_selective + 1.0)
         usable = allocator_usable_bytes(device)
-        headroom = torch.tensor([float(usable)], device=device)
+        headroom = torch.tensor([float(usable)], device=device, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:  # every rank plans from the least
             dist.all_reduce(headroom, op=dist.ReduceOp.MIN)
         plan = {
