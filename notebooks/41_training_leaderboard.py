@@ -40,7 +40,7 @@ import math
 import pandas as pd
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies.training import leaderboard, leaderboard_facts
+from cs336_systems.studies.training import leaderboard, leaderboard_bench, leaderboard_facts
 
 results_dir = nb.setup(quick)
 if nb.should_measure(measure, gpus=nproc, quick=quick):
@@ -173,7 +173,8 @@ if variants:
     first_search = next((v["git"][:7] for v in variants if v["margin_searched"]), None)
     if first_search:
         default += (
-            f". From git {first_search} on each path's plan leaves the least memory free (in 2 GiB steps from 6) "
+            f". From git {first_search} on each path's plan leaves the least memory free (in "
+            f"{leaderboard_bench.MARGIN_STEP_GIB:.0f} GiB steps from {leaderboard.LeaderboardRunConfig().margin_gib:.0f}) "
             "at which two probe steps see no allocator retry; with a fixed 6 GiB stock_tuned stalled on the "
             "retries ([Note: the planning margin] in `leaderboard_bench`)"
         )
