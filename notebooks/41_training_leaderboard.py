@@ -269,6 +269,11 @@ for {so["idle_ms"]:.0f} and {st["idle_ms"]:.0f} ms. stock_tuned's step is {abs(l
 ours' timed calls and {retries[1]:.0f} times in stock_tuned's (a device synchronisation each; with 6 GiB
 left free in the plans, up to session 16, stock_tuned's retries left its GPU idle for 400-440 ms a step:
 [Note: the planning margin] in `leaderboard_bench`)."""
+    policies = (
+        "full / attention-only / selective / no recompute (attention-only: the policy of ours' recomputed blocks)"
+        if t.get("attention_policy")
+        else "full / selective / no recompute (an attention-only policy joined these after this run)"
+    )
     searched = head.get("stock_tuned_margin", math.nan)
     margin = searched if searched == searched else head.get("margin_gib", math.nan)
     margin_words = (
@@ -295,9 +300,9 @@ FlashAttention section).{idle} stock_tuned, as tuned here: FSDP2 per block ({
             if head["tuned_reshard"] == "after_forward"
             else "no block resharded"
         }),
-`torch.compile` per block with the checkpoint inside the graph, per block one of full / selective / no
-recompute planned from three measured steps (every block full; block 0 selective; block 0 unchecked) so
-that the peak fits {margin_words}, fused AdamW,
+`torch.compile` per block with the checkpoint inside the graph, per block one of {policies} planned from
+measured steps (every block full, then block 0 under each other policy) so that the peak fits
+{margin_words}, fused AdamW,
 the chunked loss, and SDPA with the backend PyTorch picks ({facts.get("stock_sdpa_backend", "not recorded")}
 here); in this run Python's garbage collector {
             "was off while timing ours and stock_tuned (torchtitan's policy)"

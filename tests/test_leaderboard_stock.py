@@ -91,6 +91,7 @@ def _tuned_equals_stock(rank, world_size, device, policies: list[str], options: 
     "policies, options",
     [
         (["full", "selective", "none"], {}),
+        (["attention", "full", "selective"], {}),
         (["selective", "selective", "none"], {"sac_matmuls": "all", "reshard": "never"}),
     ],
 )
@@ -99,13 +100,20 @@ def test_tuned_stock_step_equals_the_stock_step_on_two_ranks(policies, options):
 
 
 def test_the_selective_policy_recomputes_every_second_matmul_and_no_attention():
-    """Backward of a selective block reruns every second matmul (none with stride 1) and no attention."""
+    """Backward of a selective block reruns every second matmul (none with stride 1) and no attention;
+    an "attention" block reruns the matmuls a "full" one does but not the attention."""
     cfg = get_config("debug").replace(context_length=32)
     torch.manual_seed(0)
     block = BasicsTransformerLM.from_config(cfg, attention_impl="sdpa").layers[0]
     x = torch.randn(2, cfg.context_length, cfg.d_model, requires_grad=True)
     counts = {}
-    for policy, stride in (("none", 2), ("selective", 2), ("full", 2), ("selective_all", 1)):
+    for policy, stride in (
+        ("none", 2),
+        ("selective", 2),
+        ("full", 2),
+        ("selective_all", 1),
+        ("attention", 2),
+    ):
         y = PolicyBlock(block, policy.removesuffix("_all"), stride)(x)
         with _OpLog() as log:
             y.sum().backward()
@@ -117,18 +125,28 @@ def test_the_selective_policy_recomputes_every_second_matmul_and_no_attention():
     assert counts["selective_all"] == counts["none"]  # every matmul output kept: only elementwise work
     assert counts["selective"][1] == counts["none"][1]  # the attention's forward is not rerun
     assert counts["full"][1] > counts["none"][1]
+    # "attention" (ours' recompute policy): every matmul "full" reruns, the attention's forward not
+    assert counts["attention"] == (counts["full"][0], counts["none"][1])
 
 
 def test_recompute_plan_fills_the_room_selective_first():
     gib = 2**30
     # every block fits "selective" (4 x 1 GiB), the 6 GiB left keep 2 blocks unchecked (3 GiB more each)
-    assert recompute_plan(4, 10 * gib, 1 * gib, 4 * gib) == ["selective", "selective", "none", "none"]
+    three = {"full": 0, "selective": 1 * gib, "none": 4 * gib}
+    assert recompute_plan(4, 10 * gib, three) == ["selective", "selective", "none", "none"]
     # not every block fits "selective": the first ones run "full"
-    assert recompute_plan(4, 2.5 * gib, 1 * gib, 4 * gib) == ["full", "full", "selective", "selective"]
-    assert recompute_plan(4, 0, 1 * gib, 4 * gib) == ["full"] * 4
-    assert recompute_plan(4, 100 * gib, 1 * gib, 4 * gib) == ["none"] * 4
-    with pytest.raises(ValueError, match="selective bytes"):
-        recompute_plan(4, gib, 2 * gib, 1 * gib)
+    assert recompute_plan(4, 2.5 * gib, three) == ["full", "full", "selective", "selective"]
+    assert recompute_plan(4, 0, three) == ["full"] * 4
+    assert recompute_plan(4, 100 * gib, three) == ["none"] * 4
+    # with "attention" (0.25 GiB) below "selective": every block keeps its attention first
+    four = {"full": 0, "attention": 0.25 * gib, "selective": 1 * gib, "none": 4 * gib}
+    assert recompute_plan(4, 2.5 * gib, four) == ["attention", "attention", "selective", "selective"]
+    assert recompute_plan(4, 0.6 * gib, four) == ["full", "full", "attention", "attention"]
+    assert recompute_plan(4, 10 * gib, four) == ["selective", "selective", "none", "none"]
+    with pytest.raises(ValueError, match="increasing"):
+        recompute_plan(4, gib, {"full": 0, "selective": 2 * gib, "none": 1 * gib})
+    with pytest.raises(ValueError, match="from 0"):
+        recompute_plan(4, gib, {"selective": 1 * gib, "none": 2 * gib})
 
 
 @pytest.mark.gpu

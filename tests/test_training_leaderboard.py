@@ -271,7 +271,7 @@ def test_recompute_estimate_sums_the_per_block_costs_of_the_plan():
 
 
 @pytest.mark.parametrize(
-    "path,policies", [("ours", {"attention", "matmuls"}), ("stock_tuned", {"full", "selective"})]
+    "path,policies", [("ours", {"attention", "matmuls"}), ("stock_tuned", {"full", "attention", "selective"})]
 )
 def test_one_block_is_timed_alone_under_each_recompute_policy(path, policies):
     """[Note: the recompute estimate]: a fresh block of the config under the path's policies."""

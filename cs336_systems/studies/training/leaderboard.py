@@ -47,7 +47,7 @@ per rank (x_name rank), tflops, mfu_datasheet, mfu_measured_peak, setup_s (build
 step), checkpoint_blocks, matmul_blocks and block_saved_gib (ours), comm_ms / comm_exposed_ms (from a profiled
 step of every path on rank 0, saved as `training_leaderboard__trace_<variant>.json.gz`),
 recompute_ms (estimated, [Note: the recompute estimate] in leaderboard_bench), stock_tuned's
-blocks_full / blocks_selective / blocks_none and recompute_block_<policy>_ms, matmul_peak, and wall_s
+blocks_<policy> (full, attention, selective, none) and recompute_block_<policy>_ms, matmul_peak, and wall_s
 of the run. Skipped, OOM and failed variants are rows with a note.
 """
 
@@ -97,6 +97,7 @@ from cs336_systems.studies.training.leaderboard_rows import (
     variant_rows,
 )
 from cs336_systems.studies.training.leaderboard_stock import (
+    POLICIES,
     RESHARD,
     SAC_MATMULS,
     StockFsdp2Step,
@@ -287,7 +288,7 @@ def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list
         extra["memory_outside_allocator_gib"] = ("GiB", plan["outside_allocator"] / 2**30)
     if "block_saved" in plan:
         extra["block_saved_gib"] = ("GiB", plan["block_saved"] / 2**30)
-    for policy in ("full", "selective", "none"):  # stock_tuned: blocks per recompute policy
+    for policy in POLICIES:  # stock_tuned: blocks per recompute policy
         if "policies" in plan:
             extra[f"blocks_{policy}"] = ("blocks", plan["policies"].count(policy))
     for policy, ms in plan.get("recompute_block_ms", {}).items():

@@ -166,7 +166,8 @@ def apply_ours_margin(step, plan: dict, margin_gib: float) -> dict[str, int]:
     layers = len(step.model.layers)
     room, saved, saved_mm = plan["headroom"] - margin_gib * 2**30, plan["block_saved"], plan["matmuls_saved"]
     if plan["keep_matmuls"]:
-        policies = recompute_plan(layers, room, max(saved_mm, 1.0), max(saved, saved_mm + 1.0))
+        kept = {"full": 0.0, "selective": max(saved_mm, 1.0), "none": max(saved, saved_mm + 1.0)}
+        policies = recompute_plan(layers, room, kept)  # "full" here: ours' attention-only region
         k, m = layers - policies.count("none"), policies.count("selective")
     else:
         k, m = layers - min(layers, max(0, int(room // max(saved, 1)))), 0
@@ -291,7 +292,8 @@ def block_recompute_ms(
 
 def path_block_recompute_ms(path: str, cfg, mcfg, device) -> dict[str, float]:
     """`block_recompute_ms` of a fresh bf16 block of `mcfg` under `path`'s policies ("ours":
-    "attention", "matmuls"; "stock_tuned": "full", "selective" with `cfg.tuned_sac`'s matmuls), compiled
+    "attention", "matmuls"; "stock_tuned": "full", "attention", "selective" with `cfg.tuned_sac`'s
+    matmuls), compiled
     as `cfg.compile` says."""
     small = mcfg.replace(num_layers=1, vocab_size=256)  # the block does not depend on the vocabulary
     attention = cfg.attention if path == "ours" else "sdpa"
@@ -310,7 +312,7 @@ def path_block_recompute_ms(path: str, cfg, mcfg, device) -> dict[str, float]:
     else:
         stride = SAC_MATMULS[cfg.tuned_sac]
         wrap = torch.compile if cfg.compile else (lambda m: m)
-        runners = {p: wrap(PolicyBlock(block, p, stride)) for p in ("none", "full", "selective")}
+        runners = {p: wrap(PolicyBlock(block, p, stride)) for p in ("none", "full", "attention", "selective")}
     return block_recompute_ms(runners, block, (cfg.batch_per_rank, cfg.context_length, small.d_model), device)
 
 

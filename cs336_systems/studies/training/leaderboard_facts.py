@@ -165,7 +165,9 @@ def _recomputed(df: pd.DataFrame, run: pd.DataFrame, path: str, layers: int) -> 
         if m == m and m > 0:
             return f"{k - m:.0f} blocks all but attention, {m:.0f} only elementwise work"
         return f"{k:.0f} blocks, {run.iloc[0].kept}"
-    counts = {p: _run_metric(df, run, path, f"blocks_{p}") for p in ("full", "selective", "none")}
+    counts = {
+        p: _run_metric(df, run, path, f"blocks_{p}") for p in ("full", "attention", "selective", "none")
+    }
     return ", ".join(f"{v:.0f} {p}" for p, v in counts.items() if v == v and v > 0)
 
 
@@ -192,6 +194,10 @@ def components_table(df: pd.DataFrame, run: dict) -> pd.DataFrame:
         if path == "stock":
             rec["recompute_ms"] = layers * _run_metric(df, g, "stock_tuned", "recompute_block_full_ms")
         rec["recomputed"] = _recomputed(df, g, path, layers)
+        if path == "stock_tuned":  # its plan could choose the attention-only policy (from session 17)
+            rec["attention_policy"] = _run_metric(df, g, path, "blocks_attention") == _run_metric(
+                df, g, path, "blocks_attention"
+            )
         rec["peak_gib"] = _run_metric(df, g, path, "peak_memory_gib")
         rec["mfu"] = _run_metric(df, g, path, "mfu_datasheet")
         out.append(rec)

@@ -21,30 +21,34 @@ Precision, in the same mode as ours (`PARAM_MODES` of cs336_systems.distributed.
 * FSDP2 per block and on the root, blocks resharded after forward except the last (its backward comes
   first, so gathering it again would only wait), or with `reshard="never"` none (the gathered weights
   kept until backward: no second all-gather, ZeRO-2's memory);
-* per block one of three activation-checkpointing policies ([Note: the tuned stock recompute plan]):
-  "full" (the whole block recomputed), "selective" (torch's selective checkpointing,
-  `create_selective_checkpoint_contexts`: the attention's outputs and every second matmul's output
-  saved, or with `sac_matmuls="all"` every matmul's, everything else recomputed) or "none"; as few blocks recomputed, and as cheaply, as memory
-  allows, planned from measured peaks;
+* per block one of four activation-checkpointing policies ([Note: the tuned stock recompute plan]):
+  "full" (the whole block recomputed), "attention" and "selective" (torch's selective checkpointing,
+  `create_selective_checkpoint_contexts`: the attention's outputs saved, and for "selective" every
+  second matmul's output too, or with `sac_matmuls="all"` every matmul's; everything else recomputed)
+  or "none"; as few blocks recomputed, and as cheaply, as memory allows, planned from measured peaks;
 * every block compiled with its checkpoint inside the compiled graph (so the partitioner honours the
   selective policy); SDPA with the backend PyTorch picks (cuDNN at the 8B shape on Hopper, recorded
   as a row); torch's fused AdamW; the chunked LM head + loss of the stock step.
 
 [Note: the tuned stock recompute plan]
-One step with every block "full" gives the peak P; one with block 0 "selective" and one with block 0
-"none" give a_s and a_n, the bytes those policies keep beyond "full" (peaks minus P, the largest over
-the ranks). With R = U - margin - P, U the bytes the allocator can reach (`allocator_usable_bytes`, the
-least of the ranks; the margin: [Note: the planning margin] in leaderboard_bench): if every block
-fits "selective" (L a_s <= R), the last floor((R - L a_s) / (a_n - a_s)) blocks run "none" and the
-others "selective"; otherwise the first L - floor(R / a_s) blocks run "full" and the rest
-"selective". Selective first: per byte kept it removes the most recompute (the matmuls), "none" then
-removes the cheap elementwise rest.
+One step with every block "full" gives the peak P; one each with block 0 "attention", "selective" and
+"none" give a_a, a_s and a_n, the bytes those policies keep beyond "full" (peaks minus P, the largest
+over the ranks). With R = U - margin - P, U the bytes the allocator can reach (`allocator_usable_bytes`,
+the least of the ranks; the margin: [Note: the planning margin] in leaderboard_bench), every block
+moves up the policies in that order while all of them fit, and where not all fit the last ones that
+do (`recompute_plan`): e.g. if L a_a <= R < L a_s, the last floor((R - L a_a) / (a_s - a_a)) blocks
+run "selective" and the others "attention". The order is that of the recompute removed per byte
+kept: the attention's outputs (about 260 MB a block at 32k tokens) spare the attention's forward,
+the block's dearest part, the matmuls' outputs most of the rest, "none" only the cheap elementwise work. ("attention" is the policy
+ours' recomputed blocks run; it joined stock_tuned in session 17, which had had only "full" below
+"selective".)
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -167,7 +171,7 @@ class StockFsdp2Step:
 # The tuned stock step
 # --------------------------------------------------------------------------------------------------
 
-POLICIES = ("full", "selective", "none")
+POLICIES = ("full", "attention", "selective", "none")  # from the least kept to the most
 RESHARD = ("after_forward", "never")
 SAC_MATMULS = {"every_second": 2, "all": 1}  # which matmul outputs a selective block keeps: every k-th
 
@@ -175,13 +179,13 @@ SAC_MATMULS = {"every_second": 2, "all": 1}  # which matmul outputs a selective 
 def selective_context(stride: int = 2):
     """`context_fn` of operator-level selective checkpointing: the attention's outputs and every
     `stride`-th matmul's output saved (the 1st, (1 + stride)-th, ... in each pass; torchtitan's default
-    is 2, 1 keeps them all), everything else recomputed."""
+    is 2, 1 keeps them all, 0 none), everything else recomputed."""
     seen = {False: 0, True: 0}  # matmuls met in the forward pass and in the recompute
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if is_kept_attention(op):  # the attention core's outputs, as in model.checkpointing
             return CheckpointPolicy.MUST_SAVE
-        if op in MATMUL_OPS:
+        if op in MATMUL_OPS and stride:
             seen[ctx.is_recompute] += 1
             if seen[ctx.is_recompute] % stride == 1 % stride:
                 return CheckpointPolicy.MUST_SAVE
@@ -192,30 +196,40 @@ def selective_context(stride: int = 2):
 
 class PolicyBlock(nn.Module):
     """A block run under one of `POLICIES` (`policy`, changed between steps; compiled, it keeps one
-    graph per policy)."""
+    graph per policy): "full" recomputes the whole block, "attention" all but the attention's outputs
+    (the policy ours' recomputed blocks run), "selective" keeps the matmuls' outputs too (every
+    `stride`-th), "none" recomputes nothing."""
 
     def __init__(self, block: nn.Module, policy: str = "full", stride: int = 2):
         super().__init__()
         self.block, self.policy = block, policy
         self.context = functools.partial(selective_context, stride)
+        self.attention_context = functools.partial(selective_context, 0)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.policy == "none":
             return self.block(x)
         if self.policy == "selective":
             return checkpoint(self.block, x, use_reentrant=False, context_fn=self.context)
+        if self.policy == "attention":
+            return checkpoint(self.block, x, use_reentrant=False, context_fn=self.attention_context)
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def recompute_plan(layers: int, room: float, kept_selective: float, kept_none: float) -> list[str]:
-    """Per block its policy ([Note: the tuned stock recompute plan]); `room` = R, bytes."""
-    if kept_selective <= 0 or kept_none <= kept_selective:
-        raise ValueError(f"need 0 < selective bytes < none bytes, got {kept_selective}, {kept_none}")
-    if room >= layers * kept_selective:
-        unchecked = min(layers, int((room - layers * kept_selective) // (kept_none - kept_selective)))
-        return ["selective"] * (layers - unchecked) + ["none"] * unchecked
-    selective = max(0, int(room // kept_selective))
-    return ["full"] * (layers - selective) + ["selective"] * selective
+def recompute_plan(layers: int, room: float, kept: dict[str, float]) -> list[str]:
+    """Per block its policy ([Note: the tuned stock recompute plan]): `kept` maps the policies, from
+    the one that keeps least, to the bytes a block keeps beyond it (the first 0, then increasing);
+    `room` = R, bytes. Every block takes the next policy while all fit; then the last ones that fit."""
+    names, sizes = list(kept), [float(v) for v in kept.values()]
+    if len(names) < 2 or sizes[0] != 0 or any(b <= a for a, b in itertools.pairwise(sizes)):
+        raise ValueError(f"need policies' kept bytes from 0, increasing, got {kept}")
+    for i in range(1, len(names)):
+        step = sizes[i] - sizes[i - 1]
+        if room < layers * step:
+            upgraded = max(0, int(room // step))
+            return [names[i - 1]] * (layers - upgraded) + [names[i]] * upgraded
+        room -= layers * step
+    return [names[-1]] * layers
 
 
 class StockTunedStep(StockFsdp2Step):
@@ -255,7 +269,7 @@ class StockTunedStep(StockFsdp2Step):
             block.policy = policy
 
     def plan(self, protocol, device: torch.device, margin_gib: float) -> dict:
-        """Measure P, a_s and a_n with `protocol()` (one protocol step, a `leaderboard_bench.ProtocolStep`)
+        """Measure P, a_a, a_s and a_n with `protocol()` (one protocol step, a `leaderboard_bench.ProtocolStep`)
         and set the plan; on a CPU every block runs "selective". Returns the plan's numbers for the rows."""
         import torch.distributed as dist
 
@@ -278,7 +292,8 @@ class StockTunedStep(StockFsdp2Step):
             return float(value)
 
         full = peak(["full"] * layers)
-        kept_selective = max(peak(["selective"] + ["full"] * (layers - 1)) - full, 1.0)
+        kept_attention = max(peak(["attention"] + ["full"] * (layers - 1)) - full, 1.0)
+        kept_selective = max(peak(["selective"] + ["full"] * (layers - 1)) - full, kept_attention + 1.0)
         kept_none = max(peak(["none"] + ["full"] * (layers - 1)) - full, kept_selective + 1.0)
         usable = allocator_usable_bytes(device)
         headroom = torch.tensor([float(usable)], device=device, dtype=torch.float64)
@@ -286,6 +301,7 @@ class StockTunedStep(StockFsdp2Step):
             dist.all_reduce(headroom, op=dist.ReduceOp.MIN)
         plan = {
             "peak_all_full": full,
+            "kept_attention": kept_attention,
             "kept_selective": kept_selective,
             "kept_none": kept_none,
             "headroom": float(headroom) - full,
@@ -298,5 +314,6 @@ class StockTunedStep(StockFsdp2Step):
         """Set the policies that leave `margin_gib` of what the allocator can reach unplanned, from
         `plan`'s measurements (`plan(...)`); returns them."""
         room = plan["headroom"] - margin_gib * 2**30
-        self.set_policies(recompute_plan(len(self.blocks), room, plan["kept_selective"], plan["kept_none"]))
+        kept = {"full": 0.0} | {p: plan[f"kept_{p}"] for p in POLICIES[1:]}
+        self.set_policies(recompute_plan(len(self.blocks), room, kept))
         return self.policies
