@@ -282,9 +282,10 @@ def test_one_block_is_timed_alone_under_each_recompute_policy(path, policies):
     cfg = study.LeaderboardRunConfig(size="small", context_length=128, attention="sdpa", compile=False)
     mcfg = get_config("small", context_length=128)
     per_block = bench.path_block_recompute_ms(path, cfg, mcfg, torch.device("cpu"))
+    # Finite per policy; their signs and sizes are the GPU runs' rows (on a CPU shared with the rest of
+    # the suite a block's few-ms difference is within the timing noise: "full" once measured -12.7 ms).
+    # What each policy recomputes is asserted by operator counts in test_leaderboard_stock.
     assert set(per_block) == policies and all(math.isfinite(v) for v in per_block.values())
-    if path == "stock_tuned":
-        assert per_block["full"] > 0  # the whole forward again: a third of forward + backward
 
 
 def test_a_timed_block_backward_returns_its_gradients_without_accumulating_them():
