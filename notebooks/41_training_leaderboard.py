@@ -170,19 +170,25 @@ if variants:
         )  # fmt: skip
     fastest = min(variants, key=lambda v: v["stock_tuned_ms"])
     default = f"; it is stock_tuned's default from git {first_all} on" if first_all else ""
+    stalls = facts["entries"][head["device"]]["tuned_stalls"]
+    stalled = (
+        "; with less stock_tuned stalled on the allocator's retries ("
+        + ", ".join(
+            f"{s['retries']:.0f} at git {s['git'][:7]} with {s['margin_gib']:.0f} GiB free" for s in stalls
+        )
+        + "; [Note: the planning margin] in `leaderboard_bench`)"
+        if stalls
+        else ""
+    )
     first_search = next((v["git"][:7] for v in variants if v["margin_searched"]), None)
     if first_search:
         default += (
             f". From git {first_search} on each path's plan leaves the least memory free (in "
             f"{leaderboard_bench.MARGIN_STEP_GIB:.0f} GiB steps from {leaderboard.LeaderboardRunConfig().margin_gib:.0f}) "
-            "at which two probe steps see no allocator retry; with a fixed 6 GiB stock_tuned stalled on the "
-            "retries ([Note: the planning margin] in `leaderboard_bench`)"
+            f"at which two probe steps see no allocator retry{stalled}"
         )
     elif fastest["margin_gib"] == fastest["margin_gib"]:
-        default += (
-            f". Its plan left {fastest['margin_gib']:.0f} GiB free; with 6 GiB stock_tuned stalled on the "
-            "allocator's retries ([Note: the planning margin] in `leaderboard_bench`)"
-        )
+        default += f". Its plan left {fastest['margin_gib']:.0f} GiB free{stalled}"
     never = [v for v in same if v["tuned_reshard"] == "never"]
     base = [v for v in variants if v["git"] == head["git"] and v["with_ours"]]
     reshard = (
@@ -266,9 +272,8 @@ for {so["idle_ms"]:.0f} and {st["idle_ms"]:.0f} ms. stock_tuned's step is {abs(l
     retries = [r["alloc_retries"] for r in (o, t)]
     if all(r == r for r in retries):
         idle += f""" The caching allocator fell back to freeing its cache and retrying {retries[0]:.0f} times in
-ours' timed calls and {retries[1]:.0f} times in stock_tuned's (a device synchronisation each; with 6 GiB
-left free in the plans, up to session 16, stock_tuned's retries left its GPU idle for 400-440 ms a step:
-[Note: the planning margin] in `leaderboard_bench`)."""
+ours' timed calls and {retries[1]:.0f} times in stock_tuned's (a device synchronisation each; what they
+cost stock_tuned in earlier runs: [Note: the planning margin] in `leaderboard_bench`)."""
     policies = (
         "full / attention-only / selective / no recompute (attention-only: the policy of ours' recomputed blocks)"
         if t.get("attention_policy")

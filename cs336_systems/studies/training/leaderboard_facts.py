@@ -195,9 +195,8 @@ def components_table(df: pd.DataFrame, run: dict) -> pd.DataFrame:
             rec["recompute_ms"] = layers * _run_metric(df, g, "stock_tuned", "recompute_block_full_ms")
         rec["recomputed"] = _recomputed(df, g, path, layers)
         if path == "stock_tuned":  # its plan could choose the attention-only policy (from session 17)
-            rec["attention_policy"] = _run_metric(df, g, path, "blocks_attention") == _run_metric(
-                df, g, path, "blocks_attention"
-            )
+            attention_blocks = _run_metric(df, g, path, "blocks_attention")
+            rec["attention_policy"] = attention_blocks == attention_blocks
         rec["peak_gib"] = _run_metric(df, g, path, "peak_memory_gib")
         rec["mfu"] = _run_metric(df, g, path, "mfu_datasheet")
         out.append(rec)
@@ -352,6 +351,11 @@ def facts(df: pd.DataFrame) -> dict:
             # stock_tuned ran without the caching allocator's free-and-retry stalls ([Note: the planning
             # margin] in leaderboard_bench): False where it retried, None where not counted
             "tuned_clean": [None if r != r else bool(r == 0) for r in g.stock_tuned_retries],
+            "tuned_stalls": [
+                {"git": r.git, "margin_gib": r.margin_gib, "retries": r.stock_tuned_retries}
+                for r in g.itertuples()
+                if r.stock_tuned_retries > 0
+            ],
             "components": components_table(df, latest_run).to_dict("records"),
         }
     other = entries[entries.GPUs != 2]

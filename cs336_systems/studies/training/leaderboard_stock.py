@@ -63,8 +63,8 @@ def allocator_usable_bytes(device: torch.device) -> int:
     """The most bytes PyTorch's caching allocator can hold on `device` now: the free memory plus what
     it holds already. The rest of the device (the CUDA context, NCCL's buffers, libraries' own
     allocations) is out of its reach, so the recompute plans start from this rather than from the
-    device's total, and their margin is left for fragmentation only (session 17: with the total,
-    both planned steps hit the allocator's free-and-retry path 7 and 28 times per timed window)."""
+    device's total (on two H200s 1.6 GiB lay outside it; planning from it did not by itself end the
+    allocator's retries: [Note: the planning margin] in leaderboard_bench)."""
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device)
 
