@@ -216,21 +216,17 @@ def plan_path(path: str, step, protocol: ProtocolStep, cfg, device) -> dict[str,
     ours by `plan_checkpointing`, stock_tuned by its own `plan`; a fixed count checkpoints that many
     blocks (stock_tuned's selectively). Returns the plan's numbers ({} for stock)."""
     plan: dict[str, Any] = {}
-    if path == "ours" and cfg.checkpoint_blocks == "auto":
-        plan = plan_checkpointing(step, protocol, cfg, device)
-        if device.type == "cuda":
+    if path in ("ours", "stock_tuned") and cfg.checkpoint_blocks == "auto":
+        if path == "ours":
+            plan = plan_checkpointing(step, protocol, cfg, device)
+            apply = lambda m: plan.update(apply_ours_margin(step, plan, m))
+        else:
+            plan = step.plan(protocol, device, cfg.margin_gib)
+            apply = lambda m: plan.update(policies=step.apply_margin(plan, m))
+        if device.type == "cuda":  # the plans' margin: [Note: the planning margin]
             margin, probes = fit_margin(
-                lambda m: plan.update(apply_ours_margin(step, plan, m)), retry_probe(protocol, device),
-                cfg.margin_gib, MARGIN_STEP_GIB, cfg.margin_gib + MARGIN_SPAN_GIB,
-            )  # fmt: skip
-            plan |= {"margin_gib": margin, "margin_probes": probes}
-        return plan
-    if path == "stock_tuned" and cfg.checkpoint_blocks == "auto":
-        plan = step.plan(protocol, device, cfg.margin_gib)
-        if device.type == "cuda":
-            margin, probes = fit_margin(
-                lambda m: plan.update(policies=step.apply_margin(plan, m)), retry_probe(protocol, device),
-                cfg.margin_gib, MARGIN_STEP_GIB, cfg.margin_gib + MARGIN_SPAN_GIB,
+                apply, retry_probe(protocol, device), cfg.margin_gib, MARGIN_STEP_GIB,
+                cfg.margin_gib + MARGIN_SPAN_GIB,
             )  # fmt: skip
             plan |= {"margin_gib": margin, "margin_probes": probes}
         return plan
