@@ -8,6 +8,9 @@ selection rules are checked on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+
 import pytest
 import torch
 
@@ -410,6 +413,73 @@ def test_gpu_one_pass_backward_matches_the_portable_passes(cfg, d, is_causal, ba
         for got, want in zip(tensors[4:7], wants, strict=True):
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        hopper.ONE_PASS_CONFIGS[128],
+        dataclasses.replace(hopper.ONE_PASS_CONFIGS[128], group_heads=1),
+        dataclasses.replace(hopper.ONE_PASS_CONFIGS[128], group_heads=2),
+        dataclasses.replace(hopper.ONE_PASS_CONFIGS[128], group_heads=6, shortest_first=True),
+        dataclasses.replace(hopper.ONE_PASS_CONFIGS[64], group_heads=3),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gpu_backward_grid_orders_cover_every_key_tile_of_every_head(cfg, is_causal):
+    """Heads in groups of 1, 2, 3, 6 of the six (b, h) ([Note: tile order]), the old shortest-first
+    order: every key tile of every head is computed once (poisoned outputs, against the tl passes)."""
+    d = 128 if cfg.dq_in_consumers else 64
+    tensors = _portable_backward((2, 3), 1025, 1025, d, is_causal, ("dkdv", "dq"))
+    wants = [t.clone() for t in tensors[4:7]]
+    for t in tensors[4:7]:
+        t.fill_(float("nan"))
+    assert hopper.flash_bwd_hopper(tensors, is_causal, cfg)
+    torch.cuda.synchronize()
+    for got, want in zip(tensors[4:7], wants, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_head_group_that_does_not_divide_the_heads_is_refused_before_any_work():
+    cfg = hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, group_heads=4)
+    tensors = [torch.zeros(2, 3, 4, 128) for _ in range(7)] + [torch.zeros(2, 3, 4)] * 2
+    with pytest.raises(ValueError, match="group_heads must divide batch x heads = 6"):
+        hopper.flash_bwd_hopper(tensors, True, cfg)
+
+
+@pytest.mark.parametrize(
+    ("heads", "n_tiles", "group"),
+    [(16, 128, 2), (32, 256, 1), (16, 64, 4), (128, 16, 16), (4, 16, 4), (25, 64, 5)],
+)
+def test_heads_are_grouped_by_the_fewest_that_fill_the_sms(heads, n_tiles, group):
+    assert hopper.group_heads(heads, n_tiles, 132) == group
+
+
+def _busy_fraction(order: list[tuple[int, int]], n: int, sms: int = 132) -> float:
+    """[Note: tile order]'s model: programs (head, causal key tile of 128) of their query steps
+    (64 each) plus three, taken in grid order by whichever SM frees first; work over SMs x makespan."""
+    free = [0] * sms
+    for _, tile in order:
+        at = heapq.heappop(free)
+        heapq.heappush(free, at + (n - 128 * tile) // 64 + 3)
+    return sum((n - 128 * t) // 64 + 3 for _, t in order) / (sms * max(free))
+
+
+@pytest.mark.parametrize(("heads", "n"), [(16, 16384), (16, 8192), (32, 32768), (32, 4096)])
+def test_grouped_heads_keep_the_sms_busy_to_the_end_in_a_model_of_the_schedule(heads, n):
+    """The grid order of `program_tile` (head-major, heads in groups of `group_heads`, tile by tile
+    within a group, longest first) against one head after the other, shortest first (the backward's
+    order before session 18)."""
+    n_tiles = n // 128
+    g = hopper.group_heads(heads, n_tiles, 132)
+    grouped = [(h0 + r % g, r // g) for h0 in range(0, heads, g) for r in range(g * n_tiles)]
+    shortest_first = [(h, n_tiles - 1 - t) for h in range(heads) for t in range(n_tiles)]
+    assert sorted(grouped) == sorted(shortest_first)  # the same programs
+    assert _busy_fraction(grouped, n) >= 0.99
+    assert _busy_fraction(grouped, n) > _busy_fraction(shortest_first, n)
 
 
 @pytest.mark.gpu

@@ -184,9 +184,9 @@ def flash_bwd_dkdv_hopper_kernel(
     G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
     off_bh = gl.program_id(0)
-    k_tile = gl.program_id(1)
-    if IS_CAUSAL:
-        k_tile = gl.num_programs(1) - 1 - k_tile  # most query steps first (keys at the start)
+    k_tile = gl.program_id(
+        1
+    )  # heads fastest: every head's first key tile (causal: the most query steps) first
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_n = k_tile * BLOCK_N

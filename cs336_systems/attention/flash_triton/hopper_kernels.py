@@ -109,15 +109,22 @@ def issue_scores(
 
 
 @gluon.jit
-def program_tile(N_ROWS, BLOCK: gl.constexpr, REVERSE: gl.constexpr, HEAD_MAJOR: gl.constexpr):
-    """(b * H + h, row tile) of this program. HEAD_MAJOR: grid (B*H * cdiv(N_ROWS, BLOCK),) with one
-    head's tiles consecutive, so that the programs resident at a time share a few heads' operands in
-    L2 (on an H100 the d = 128 forward at 32 x 32768 went 18.0 -> 16.2 ms); else grid
-    (B*H, cdiv(N_ROWS, BLOCK)), heads fastest. REVERSE (causal): the last tile, the longest, first."""
+def program_tile(N_ROWS, BLOCK: gl.constexpr, REVERSE: gl.constexpr, HEAD_MAJOR: gl.constexpr, GROUP_HEADS):
+    """(b * H + h, row tile) of this program. HEAD_MAJOR: grid (B*H * cdiv(N_ROWS, BLOCK),) in groups
+    of GROUP_HEADS heads (a divisor of B*H), one group after the other, so that the programs resident
+    at a time share a few heads' operands in L2 (on an H100 the d = 128 forward at 32 x 32768 went
+    18.0 -> 16.2 ms); within a group the tiles go tile by tile across its heads, so that the longest
+    tiles of every head start early and the GPU's last wave holds short ones ([Note: tile order]).
+    Else grid (B*H, cdiv(N_ROWS, BLOCK)), heads fastest. REVERSE: the last tile first (causal
+    forward: the last query tile has the most keys; a causal backward's first key tile has the most
+    queries, so it passes False)."""
     if HEAD_MAJOR:
         n_tiles = gl.cdiv(N_ROWS, BLOCK)
-        off_bh = gl.program_id(0) // n_tiles
-        tile = gl.program_id(0) % n_tiles
+        per_group = GROUP_HEADS * n_tiles
+        pid = gl.program_id(0)
+        within = pid % per_group
+        off_bh = (pid // per_group) * GROUP_HEADS + within % GROUP_HEADS
+        tile = within // GROUP_HEADS
     else:
         n_tiles = gl.num_programs(1)
         off_bh = gl.program_id(0)
@@ -162,7 +169,7 @@ def softmax_step(
     return p, m_new, l_i, alpha
 
 
-@gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
+@gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
 def flash_fwd_hopper_kernel(
     Q_ptr,
     K_ptr,
@@ -176,6 +183,7 @@ def flash_fwd_hopper_kernel(
     NUM_HEADS,
     N_QUERIES,
     N_KEYS,
+    GROUP_HEADS,
     qk_scale,
     D: gl.constexpr,
     D0: gl.constexpr,
@@ -194,7 +202,7 @@ def flash_fwd_hopper_kernel(
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
-    off_bh, q_tile = program_tile(N_QUERIES, BLOCK_M, IS_CAUSAL, HEAD_MAJOR)
+    off_bh, q_tile = program_tile(N_QUERIES, BLOCK_M, IS_CAUSAL, HEAD_MAJOR, GROUP_HEADS)
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_m = q_tile * BLOCK_M

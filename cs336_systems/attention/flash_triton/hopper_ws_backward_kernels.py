@@ -259,7 +259,7 @@ def _bwd_worker(
         _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE)
 
 
-@gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
+@gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
 def flash_bwd_dkdv_ws_kernel(
     Q_ptr,
     K_ptr,
@@ -279,6 +279,7 @@ def flash_bwd_dkdv_ws_kernel(
     NUM_HEADS,
     N_QUERIES,
     N_KEYS,
+    GROUP_HEADS,
     scale,
     D: gl.constexpr,
     D0: gl.constexpr,
@@ -295,6 +296,7 @@ def flash_bwd_dkdv_ws_kernel(
     DQ_IN_CONSUMERS: gl.constexpr,
     DQ_BY_PRODUCER: gl.constexpr,
     DELTA_LATE: gl.constexpr,
+    SHORTEST_FIRST: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H * cdiv(N_KEYS, CONSUMERS * 64),); num_warps 4
@@ -310,10 +312,10 @@ def flash_bwd_dkdv_ws_kernel(
     C: gl.constexpr = CONSUMERS
     BLOCK_N: gl.constexpr = C * WG_KEYS
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
-    # One-dimensional grid, key tiles of one (b, h) consecutive: the programs resident at a time
-    # share a few heads' Q, dO (and dQ buffer) in L2 instead of touching every head's. Causal: the
-    # key tiles at the start, with the most query steps, first.
-    off_bh, k_tile = program_tile(N_KEYS, BLOCK_N, IS_CAUSAL, True)
+    # One-dimensional grid in groups of GROUP_HEADS heads: the programs resident at a time share a
+    # few heads' Q, dO (and dQ buffer) in L2 instead of touching every head's. Causal: the key tiles
+    # at the start, with the most query steps, first ([Note: tile order]).
+    off_bh, k_tile = program_tile(N_KEYS, BLOCK_N, SHORTEST_FIRST, True, GROUP_HEADS)
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_n = k_tile * BLOCK_N

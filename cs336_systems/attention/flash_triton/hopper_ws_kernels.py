@@ -219,7 +219,7 @@ def _fwd_worker(
         _fwd_consumer(args, w, C, SPLIT, IS_CAUSAL, PINGPONG)
 
 
-@gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
+@gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
 def flash_fwd_ws_kernel(
     Q_ptr,
     K_ptr,
@@ -233,6 +233,7 @@ def flash_fwd_ws_kernel(
     NUM_HEADS,
     N_QUERIES,
     N_KEYS,
+    GROUP_HEADS,
     qk_scale,
     D: gl.constexpr,
     D0: gl.constexpr,
@@ -258,7 +259,7 @@ def flash_fwd_ws_kernel(
     C: gl.constexpr = CONSUMERS
     BLOCK_M: gl.constexpr = C * WG_ROWS
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
-    off_bh, q_tile = program_tile(N_QUERIES, BLOCK_M, IS_CAUSAL, HEAD_MAJOR)
+    off_bh, q_tile = program_tile(N_QUERIES, BLOCK_M, IS_CAUSAL, HEAD_MAJOR, GROUP_HEADS)
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_m = q_tile * BLOCK_M
