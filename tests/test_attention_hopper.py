@@ -443,11 +443,32 @@ def test_gpu_backward_grid_orders_cover_every_key_tile_of_every_head(cfg, is_cau
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("group", [0, 1, 2, 3, 6])
+@pytest.mark.parametrize("cfg", [hopper.WarpSpecializedFwdConfig(), hopper.HopperFwdConfig()], ids=str)
+def test_gpu_forward_grid_orders_cover_every_query_tile_of_every_head(cfg, group):
+    """The forwards' head-major grid in groups of 1, 2, 3, 6 of the six (b, h) and by the rule (0):
+    every output element written once and right (9 query tiles a head: the grid is head-major)."""
+    case = make_case((2, 3), 1025, 1025, 64, torch.bfloat16, device="cuda", is_causal=True)
+    q4, k4, v4 = (t.detach() for t in (case.q, case.k, case.v))
+    o = torch.full_like(q4, float("nan"))
+    lse = torch.full(q4.shape[:-1], float("nan"), device="cuda")
+    hopper.flash_fwd_hopper(q4, k4, v4, o, lse, True, dataclasses.replace(cfg, group_heads=group))
+    with use_configs(options=PORTABLE):
+        want, want_lse = launch.flash_fwd(q4, k4, v4, True)
+    torch.testing.assert_close(o.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-2, rtol=1e-3)
+
+
 def test_a_head_group_that_does_not_divide_the_heads_is_refused_before_any_work():
     cfg = hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, group_heads=4)
     tensors = [torch.zeros(2, 3, 4, 128) for _ in range(7)] + [torch.zeros(2, 3, 4)] * 2
     with pytest.raises(ValueError, match="group_heads must divide batch x heads = 6"):
         hopper.flash_bwd_hopper(tensors, True, cfg)
+    q = torch.zeros(2, 3, 1025, 64)  # 9 query tiles a head: a head-major grid
+    with pytest.raises(ValueError, match="group_heads must divide batch x heads = 6"):
+        hopper.flash_fwd_hopper(q, q, q, q, q[..., 0], True, hopper.WarpSpecializedFwdConfig(group_heads=4))
 
 
 @pytest.mark.parametrize(
@@ -576,21 +597,35 @@ def test_gpu_warp_specialized_backward_keeps_its_products_asynchronous():
     assert _ptxas_serialization(hopper_ws_backward_kernels.flash_bwd_dkdv_ws_kernel) == []
 
 
-def test_ab_variants_replace_fields_of_the_launchers_backward():
-    from cs336_systems.studies.attention.flash_backward_tuning import parse_variant
+def test_ab_variants_replace_fields_of_the_launchers_passes():
+    from cs336_systems.studies.attention.flash_ab import parse_variant
 
     assert parse_variant("default", 128) == hopper.heuristic_bwd(128)
     cfg = parse_variant("dq_by_producer=True+stages=3", 128)
     assert cfg.dq_by_producer and cfg.stages == 3 and cfg.dq_in_consumers
     with pytest.raises(ValueError, match="the producer reduces the dQ"):
         parse_variant("dq_in_consumers=False+dq_by_producer=True", 128)  # the config's own check
+    assert parse_variant("default", 80, "fwd") == hopper.heuristic_fwd(80)
+    assert parse_variant("group_heads=0", 128, "fwd").group_heads == 0
+    with pytest.raises(ValueError, match="is not FIELD=VALUE with FIELD of WarpSpecializedFwdConfig"):
+        parse_variant("dq_by_producer=True", 128, "fwd")
 
 
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_ab_backward_times_every_variant_and_cudnn_in_each_round():
-    from cs336_systems.studies.attention.flash_backward_tuning import ab_hopper_backward
+    from cs336_systems.studies.attention.flash_ab import ab_hopper_backward
 
     df = ab_hopper_backward(2, 512, 128, ["default", "dq_by_producer=True"], rounds=2, rep_ms=20.0)
     assert sorted(df.variant.unique()) == ["cudnn", "default", "dq_by_producer=True"]
+    assert (df.groupby("variant").size() == 2).all() and (df.ms > 0).all()
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_ab_forward_times_every_variant_and_cudnn_in_each_round():
+    from cs336_systems.studies.attention.flash_ab import ab_hopper_forward
+
+    df = ab_hopper_forward(4, 2048, 128, ["default", "group_heads=0"], rounds=2, rep_ms=20.0)
+    assert sorted(df.variant.unique()) == ["cudnn", "default", "group_heads=0"]
     assert (df.groupby("variant").size() == 2).all() and (df.ms > 0).all()

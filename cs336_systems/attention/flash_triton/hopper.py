@@ -51,6 +51,7 @@ class HopperFwdConfig:
     stages: int = 3
     num_warps: int = 8
     head_major: bool = True  # one-dimensional grid, a head's query tiles consecutive (program_tile)
+    group_heads: int = 1  # head_major: heads a group (a divisor of B * H); 0: [Note: tile order]'s rule
 
 
 PRODUCER_REGS = 24  # the producer warp's registers a thread (the least setmaxnreg allows)
@@ -96,6 +97,7 @@ class WarpSpecializedFwdConfig:
     pingpong: bool = False  # slower on an H100 in every configuration measured (session 10)
     consumer_regs: int = 240
     head_major: bool = True  # one-dimensional grid, a head's query tiles consecutive (program_tile)
+    group_heads: int = 1  # head_major: heads a group (a divisor of B * H); 0: [Note: tile order]'s rule
 
     def __post_init__(self) -> None:
         check_register_budget(self, self.consumers, self.consumer_regs)
@@ -197,7 +199,10 @@ def _strides3(t4: Tensor) -> tuple[int, int, int]:
 # hopper.py) the SMs are busy 99.9 % of a causal backward's time at 16 x 16384 and 16 x 8192 (d = 128),
 # against 93.1 % and 86.6 % with one head after the other in the backward's order before session 18
 # (shortest key tiles first; ncu: 93 % of SM cycles active at 16 x 16384 on an H100), and 99.8 % and
-# 90.0 % one head after the other, longest first.
+# 90.0 % one head after the other, longest first. Measured (the backward, H100, interleaved A/B
+# against the old order): -6.8 % at 32 x 32768 x 128, -6.1 % at 16 x 16384 x 128 (OPTIMIZATION_LOG,
+# session 18). The forwards were already longest first; their grouping (`group_heads=0`) is not yet
+# measured, so they keep one head after the other (`group_heads=1`) by default.
 
 
 def sm_count(device: torch.device) -> int:
@@ -257,6 +262,11 @@ def flash_fwd_hopper(
     # A head's tiles consecutive where a head has enough of them to keep L2 busy (on an H100, d = 80:
     # -17 % at N = 4096, -5 % at 2048, +10 % at 512 with 4 tiles a head; OPTIMIZATION_LOG "Session 12").
     head_major = cfg.head_major and n_tiles >= HEAD_MAJOR_MIN_TILES
+    groups = (
+        (cfg.group_heads or group_heads(batch * heads, n_tiles, sm_count(q4.device))) if head_major else 1
+    )
+    if (batch * heads) % groups:  # before any launch
+        raise ValueError(f"{cfg}: group_heads must divide batch x heads = {batch * heads}")
     plans.launch(
         kernel,
         (batch * heads * n_tiles,) if head_major else (batch * heads, n_tiles),
@@ -269,7 +279,7 @@ def flash_fwd_hopper(
         heads,
         n_q,
         k4.shape[2],
-        group_heads(batch * heads, n_tiles, sm_count(q4.device)) if head_major else 1,
+        groups,
         (1.0 / math.sqrt(d)) * 1.4426950408889634,
         D=d,
         D0=split_head_dim(d),

@@ -6,26 +6,19 @@ modes that is the zeroed float32 dQ buffer, the dK/dV kernel and the cast into d
 poisoned with NaN, is checked against the two-pass result (relative error <= 2e-2 for dq, dk and
 dv), and only then timed. The two-pass heuristic is timed first and last, so a drift of the GPU
 between the two shows. Rows: `name == "bwd_tuning"` in flash_leaderboard.csv.
-
-`flash_bench --ab-bwd` (`ab_hopper_backward`): configurations of the Hopper backward against each
-other and cuDNN's backward in interleaved rounds, printed only (the A/B behind a kernel change).
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
 import json
 import re
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
 import torch
 
-from cs336_systems.attention.flash_triton import hopper, launch, tiles
+from cs336_systems.attention.flash_triton import launch, tiles
 from cs336_systems.measure.results import append_rows, latest_run
-from cs336_systems.studies.attention.flash_leaderboard import bench_all
 from cs336_systems.studies.attention.flash_sweep import LEADERBOARD
 from cs336_systems.studies.attention.flash_tuning import portable_problem, rel_err, time_candidate
 
@@ -155,81 +148,3 @@ def one_pass_table(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(rows)
     out.attrs["source"] = tun
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Interleaved A/B of Hopper backward configurations (`flash_bench --ab-bwd`)
-# --------------------------------------------------------------------------------------------------
-
-
-def parse_variant(spec: str, d: int) -> hopper.WarpSpecializedBwdConfig | hopper.HopperBwdConfig:
-    """'default' (the launcher's backward for head dim d) or 'field=value[+field=value...]': the
-    default with those fields replaced, e.g. 'dq_by_producer=True'. Raises a ValueError naming a bad
-    field or value, before any GPU work."""
-    base = hopper.heuristic_bwd(d)
-    if spec == "default":
-        return base
-    fields = {f.name for f in dataclasses.fields(base)}
-    changes: dict[str, Any] = {}
-    for part in spec.split("+"):
-        name, sep, value = part.partition("=")
-        if not sep or name not in fields:
-            raise ValueError(f"--ab-variants: {part!r} is not FIELD=VALUE with FIELD of {type(base).__name__}: "
-                             f"{', '.join(sorted(fields))}")  # fmt: skip
-        try:
-            changes[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise ValueError(f"--ab-variants: {part!r}: {value!r} is not a Python literal") from None
-    return dataclasses.replace(base, **changes)
-
-
-def ab_hopper_backward(
-    heads: int, n: int, d: int, variants: Sequence[str], *, rounds: int = 3, rep_ms: float = 1500.0
-) -> pd.DataFrame:
-    """The whole Hopper backward (dQ, dK, dV; Delta excluded) of each variant (`parse_variant`) and
-    cuDNN's backward (through SDPA's autograd, its own Delta included) on one causal bf16 problem of
-    batch 1, timed in `rounds` interleaved rounds (do_bench for `rep_ms` each, median); every variant
-    is first checked against the tl passes on outputs poisoned with NaN (a wrong one raises). Prints
-    the medians over rounds, each against the first variant, and returns one row per variant and
-    round. Nothing is saved: a diagnostic for choosing a kernel change (OPTIMIZATION_LOG.md); the
-    evidence for a claim is the protocol's and the shapes' rows (`--leaderboard`)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    configs = {spec: parse_variant(spec, d) for spec in variants}
-    q, k, v, _o, _lse, tensors, opts, tma = portable_problem(heads, n, d, torch.bfloat16, "cuda")
-    base = tiles.current_config("bwd", n, n, d, torch.bfloat16, True)
-    with tiles.use_configs(options=opts):
-        launch.launch_bwd(tensors, True, base, opts, tma)
-    grads = tensors[4:7]
-    refs = [g.clone() for g in grads]
-    calls: dict[str, Callable[[], object]] = {}
-    for spec, cfg in configs.items():
-
-        def call(cfg=cfg) -> None:
-            if not hopper.flash_bwd_hopper(tensors, True, cfg):
-                with tiles.use_configs(options=opts):
-                    launch.launch_bwd(tensors, True, base, opts, tma, ("dq",))
-
-        for g in grads:
-            g.fill_(float("nan"))
-        call()
-        err = max(rel_err(g, r) for g, r in zip(grads, refs))
-        if not err <= 2e-2:
-            raise AssertionError(f"{spec} ({cfg}): relative error {err:.3g} > 2e-2 against the tl passes")
-        calls[spec] = call
-    qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        out = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
-    do = tensors[3].reshape(out.shape)
-    calls["cudnn"] = lambda: torch.autograd.grad(out, (qc, kc, vc), do, retain_graph=True)
-    rows = []
-    for r in range(rounds):
-        for spec, call in calls.items():
-            rows.append({"variant": spec, "round": r, "ms": bench_all(call, 100, rep_ms)["p50"]})
-    df = pd.DataFrame(rows)
-    med = df.groupby("variant", sort=False).ms.median()
-    first = med.iloc[0]
-    print(f"\nwhole backward, {heads} x {n} x {d} bf16 causal, {rounds} interleaved rounds (median ms)")
-    for spec, ms in med.items():
-        print(f"{ms:9.3f} ms  {ms / first:6.3f}x  {spec}  {configs.get(spec, 'SDPA cuDNN')}")
-    return df

@@ -41,11 +41,8 @@ import torch
 
 from cs336_systems.measure import cli
 from cs336_systems.measure.timing import synchronize
-from cs336_systems.studies.attention.flash_backward_tuning import (
-    ab_hopper_backward,
-    parse_variant,
-    run_backward_tuning,
-)
+from cs336_systems.studies.attention.flash_ab import ab_hopper_backward, ab_hopper_forward, parse_variant
+from cs336_systems.studies.attention.flash_backward_tuning import run_backward_tuning
 from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig, run_variants
 from cs336_systems.studies.attention.flash_leaderboard import measure as run_leaderboard
 from cs336_systems.studies.attention.flash_sweep import IMPLS, SweepConfig, quick_config
@@ -186,13 +183,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         "rounds (causal bf16, batch 1; printed only), e.g. 32x32768x128",
     )
     p.add_argument(
+        "--ab-fwd",
+        type=str,
+        default="",
+        help="HEADSxNxD: the same for the Hopper forward's --ab-variants and cuDNN's forward, e.g. 16x16384x128",
+    )
+    p.add_argument(
         "--ab-variants",
         type=_strs,
         default=("default",),
-        help="comma-separated --ab-bwd variants: 'default' (the launcher's backward) or "
+        help="comma-separated --ab-bwd / --ab-fwd variants: 'default' (the launcher's pass) or "
         "FIELD=VALUE[+FIELD=VALUE] replacing its configuration's fields, e.g. default,dq_by_producer=True",
     )
-    p.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of --ab-bwd")
+    p.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of --ab-bwd / --ab-fwd")
     p.add_argument("--lb-runs", type=int, default=1, help="how many times to run the leaderboard protocol")
     p.add_argument(
         "--lb-shapes",
@@ -241,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             or args.once
             or args.host_profile
             or args.ab_bwd
+            or args.ab_fwd
         ):
             sweep_cfg = SweepConfig(
                 seq_lens=args.seq_lens,
@@ -271,16 +275,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     results_dir = None if args.once else cli.results_dir_for(args.results_dir, quick=args.quick)
 
-    if args.ab_bwd:
+    if args.ab_bwd or args.ab_fwd:
+        flag, kind = ("--ab-bwd", "bwd") if args.ab_bwd else ("--ab-fwd", "fwd")
         with cli.usage_errors(p):
-            heads, n, d = _lb_shape(args.ab_bwd)
+            if args.ab_bwd and args.ab_fwd:
+                raise ValueError("--ab-bwd and --ab-fwd take different variants: give one of them")
+            heads, n, d = _lb_shape(args.ab_bwd or args.ab_fwd)
             for spec in args.ab_variants:  # bad variants fail here, before any GPU work
-                parse_variant(spec, d)
+                parse_variant(spec, d, kind)
             if args.ab_rounds < 1:
                 raise ValueError(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
         if args.device != "cuda":
-            p.error("--ab-bwd times the Hopper kernels: it needs --device cuda")
-        ab_hopper_backward(heads, n, d, args.ab_variants, rounds=args.ab_rounds)
+            p.error(f"{flag} times the Hopper kernels: it needs --device cuda")
+        ab = ab_hopper_backward if kind == "bwd" else ab_hopper_forward
+        ab(heads, n, d, args.ab_variants, rounds=args.ab_rounds)
         return
     if args.once and args.device != "cuda":
         p.error("--once is a GPU profiler's workload (bf16 on the GPU kernels): it needs --device cuda")

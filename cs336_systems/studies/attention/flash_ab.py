@@ -1,0 +1,136 @@
+"""Interleaved A/B of Hopper kernel configurations (`flash_bench --ab-fwd` / `--ab-bwd`).
+
+A kernel change is kept when it pays (OPTIMIZATION_LOG.md): each variant, the launcher's default
+configuration with some fields replaced (`parse_variant`), is checked against the portable tl
+kernels on outputs poisoned with NaN, then timed with cuDNN's pass through SDPA in interleaved rounds
+(do_bench medians), all in one process. Printed only: the evidence for a claim stays the protocol's
+and the shapes' rows (`flash_bench --leaderboard`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pandas as pd
+import torch
+
+from cs336_systems.attention.flash_triton import hopper, launch, tiles
+from cs336_systems.studies.attention.flash_leaderboard import bench_all
+from cs336_systems.studies.attention.flash_tuning import portable_problem, rel_err
+
+KINDS = ("fwd", "bwd")
+
+
+def parse_variant(spec: str, d: int, kind: str = "bwd") -> Any:
+    """'default' (the launcher's `kind` pass for head dim d) or 'field=value[+field=value...]': the
+    default with those fields replaced, e.g. 'dq_by_producer=True'. Raises a ValueError naming a bad
+    field or value, before any GPU work."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    base = hopper.heuristic_fwd(d) if kind == "fwd" else hopper.heuristic_bwd(d)
+    if spec == "default":
+        return base
+    fields = {f.name for f in dataclasses.fields(base)}
+    changes: dict[str, Any] = {}
+    for part in spec.split("+"):
+        name, sep, value = part.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--ab-variants: {part!r} is not FIELD=VALUE with FIELD of {type(base).__name__}: "
+                             f"{', '.join(sorted(fields))}")  # fmt: skip
+        try:
+            changes[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--ab-variants: {part!r}: {value!r} is not a Python literal") from None
+    return dataclasses.replace(base, **changes)
+
+
+def _checked(spec: str, cfg: Any, call: Callable[[], None], outs: Sequence[torch.Tensor], refs) -> None:
+    """Run `call` once on poisoned `outs` and raise unless they match `refs` (relative error <= 2e-2)."""
+    for t in outs:
+        t.fill_(float("nan"))
+    call()
+    err = max(rel_err(t, r) for t, r in zip(outs, refs, strict=True))
+    if not err <= 2e-2:
+        raise AssertionError(f"{spec} ({cfg}): relative error {err:.3g} > 2e-2 against the tl kernels")
+
+
+def _interleaved(
+    calls: dict[str, Callable[[], object]], rounds: int, rep_ms: float, title: str, configs
+) -> pd.DataFrame:
+    """Time every call once per round, rounds interleaved; print the medians against the first."""
+    rows = []
+    for r in range(rounds):
+        for spec, call in calls.items():
+            rows.append({"variant": spec, "round": r, "ms": bench_all(call, 100, rep_ms)["p50"]})
+    df = pd.DataFrame(rows)
+    med = df.groupby("variant", sort=False).ms.median()
+    first = med.iloc[0]
+    print(f"\n{title}, {rounds} interleaved rounds (median ms)")
+    for spec, ms in med.items():
+        print(f"{ms:9.3f} ms  {ms / first:6.3f}x  {spec}  {configs.get(spec, 'SDPA cuDNN')}")
+    return df
+
+
+def ab_hopper_backward(
+    heads: int, n: int, d: int, variants: Sequence[str], *, rounds: int = 3, rep_ms: float = 1500.0
+) -> pd.DataFrame:
+    """The whole Hopper backward (dQ, dK, dV; Delta excluded) of each variant and cuDNN's backward
+    (through SDPA's autograd, its own Delta included) on one causal bf16 problem of batch 1; one row
+    per variant and round."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    configs = {spec: parse_variant(spec, d, "bwd") for spec in variants}
+    q, k, v, _o, _lse, tensors, opts, tma = portable_problem(heads, n, d, torch.bfloat16, "cuda")
+    base = tiles.current_config("bwd", n, n, d, torch.bfloat16, True)
+    with tiles.use_configs(options=opts):
+        launch.launch_bwd(tensors, True, base, opts, tma)
+    grads = tensors[4:7]
+    refs = [g.clone() for g in grads]
+    calls: dict[str, Callable[[], object]] = {}
+    for spec, cfg in configs.items():
+
+        def call(cfg=cfg) -> None:
+            if not hopper.flash_bwd_hopper(tensors, True, cfg):
+                with tiles.use_configs(options=opts):
+                    launch.launch_bwd(tensors, True, base, opts, tma, ("dq",))
+
+        _checked(spec, cfg, call, grads, refs)
+        calls[spec] = call
+    qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+    do = tensors[3].reshape(out.shape)
+    calls["cudnn"] = lambda: torch.autograd.grad(out, (qc, kc, vc), do, retain_graph=True)
+    return _interleaved(calls, rounds, rep_ms, f"whole backward, {heads} x {n} x {d} bf16 causal", configs)
+
+
+def ab_hopper_forward(
+    heads: int, n: int, d: int, variants: Sequence[str], *, rounds: int = 3, rep_ms: float = 1500.0
+) -> pd.DataFrame:
+    """The Hopper forward (O and the logsumexp) of each variant and cuDNN's forward (SDPA on inputs
+    that need gradients, so it too keeps the logsumexp) on one causal bf16 problem of batch 1; one row
+    per variant and round."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    configs = {spec: parse_variant(spec, d, "fwd") for spec in variants}
+    q, k, v, o_ref, lse_ref, _tensors, _opts, _tma = portable_problem(heads, n, d, torch.bfloat16, "cuda")
+    o, lse = torch.empty_like(o_ref), torch.empty_like(lse_ref)
+    calls: dict[str, Callable[[], object]] = {}
+    for spec, cfg in configs.items():
+
+        def call(cfg=cfg) -> None:
+            hopper.flash_fwd_hopper(q, k, v, o, lse, True, cfg)
+
+        _checked(spec, cfg, call, (o, lse), (o_ref, lse_ref))
+        calls[spec] = call
+    qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))  # so cuDNN keeps its logsumexp
+
+    def cudnn() -> None:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+
+    calls["cudnn"] = cudnn
+    return _interleaved(calls, rounds, rep_ms, f"forward, {heads} x {n} x {d} bf16 causal", configs)
