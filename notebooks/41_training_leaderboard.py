@@ -256,12 +256,13 @@ if head is not None:
             streams["kernels_ms"],
             streams["lead_ms"],
         )
-        if lead <= 0:
-            verdict = "stock_tuned is the faster step"
-        elif streams["lead_is_idle"]:
-            verdict = "ours' lead is mostly stock_tuned's idle time, not faster kernels"
-        else:
-            verdict = "ours' lead is mostly in its kernels"
+        verdict = {
+            "tuned_faster": "stock_tuned is the faster step",
+            "idle": "ours' lead is mostly stock_tuned's idle time, not faster kernels",
+            "kernels": "ours' lead is mostly in its kernels",
+            "unexplained": "neither accounts for ours' lead: one profiled step of each path is not the "
+            "mean of its timed steps (kernel times in a profiled step move with what overlaps them)",
+        }[streams["verdict"]]
         idle = f"""
 
 In the profiled steps the stream that runs forward and backward holds {so["busy_ms"]:.0f} ms of kernels

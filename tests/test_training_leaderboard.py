@@ -572,3 +572,15 @@ def test_the_compute_stream_of_a_saved_trace_is_its_busiest_stream_with_its_idle
         "stock": tmp_path / "training_leaderboard__trace_stock-bf16-L34_ws2.json.gz",
     }  # stock_tuned's trace is missing: left out
     assert lf.path_traces(None) == {}
+
+
+@pytest.mark.parametrize(
+    ("lead", "kernels", "idle", "verdict"),
+    [(-20, 30, 0, "tuned_faster"), (100, 60, 0, "kernels"), (100, -26, 80, "idle"), (89, -26, 5, "unexplained")],
+)
+def test_what_accounts_for_ours_lead_over_stock_tuned(lead, kernels, idle, verdict):
+    """Half the lead or more in stock_tuned's kernels or idle time names it; neither: unexplained (the
+    profiled step is one sample, not the timed mean)."""
+    from cs336_systems.studies.training import leaderboard_facts as lf
+
+    assert lf.lead_verdict(lead, kernels, idle) == verdict

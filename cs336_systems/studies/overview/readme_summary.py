@@ -193,7 +193,7 @@ def leaderboard_section() -> str:
     )
     streams = results.stream_comparison(load_results(results.PROBLEM), results_dir(), head)
     idle = ""
-    if streams is not None and streams["lead_is_idle"]:
+    if streams is not None and streams["verdict"] == "idle":
         idle = (
             f"; ours' lead is stock_tuned's idle time: in the profiled steps its kernels take "
             f"{streams['stock_tuned']['busy_ms']:.0f} ms against ours' {streams['ours']['busy_ms']:.0f}, and its "

@@ -271,23 +271,39 @@ def path_traces(trace: Path | None) -> dict[str, Path]:
     return {p: t for p, t in found.items() if t.exists()}
 
 
+def lead_verdict(lead_ms: float, kernels_ms: float, idle_ms: float) -> str:
+    """What accounts for stock_tuned's step being `lead_ms` longer than ours, given its compute stream's
+    kernels (`kernels_ms`) and idle time (`idle_ms`) minus ours' in the profiled steps: "tuned_faster"
+    (no lead), "kernels" or "idle" (that difference is at least half of the lead), else "unexplained"
+    (the one profiled step of each path is not the timed steps' mean: neither difference covers it)."""
+    if lead_ms <= 0:
+        return "tuned_faster"
+    if kernels_ms >= lead_ms / 2:
+        return "kernels"
+    if idle_ms >= lead_ms / 2:
+        return "idle"
+    return "unexplained"
+
+
 def stream_comparison(df: pd.DataFrame, results_dir, head: dict) -> dict | None:
     """For the run `head` (a `runs_table` record), ours' and stock_tuned's compute streams in their saved
-    traces (`compute_stream_ms`), stock_tuned's step minus ours ("lead_ms"), stock_tuned's kernels minus
-    ours' ("kernels_ms") and whether the lead is mostly stock_tuned's idle time ("lead_is_idle": its
-    kernels account for less than half of it); None without both traces."""
+    traces (`compute_stream_ms`), stock_tuned's step minus ours ("lead_ms"), stock_tuned's kernels and
+    idle time minus ours' ("kernels_ms", "idle_ms") and what accounts for the lead ("verdict",
+    `lead_verdict`); None without both traces."""
     trace = trace_path(df, results_dir, head.get("mode"), head.get("GPUs"), head.get("git"))
     streams = {p: compute_stream_ms(t) for p, t in path_traces(trace).items()}
     if not {"ours", "stock_tuned"} <= set(streams):
         return None
     lead = head["stock_tuned_ms"] - head["ours_ms"]
     kernels = streams["stock_tuned"]["busy_ms"] - streams["ours"]["busy_ms"]
+    idle = streams["stock_tuned"]["idle_ms"] - streams["ours"]["idle_ms"]
     return {
         "ours": streams["ours"],
         "stock_tuned": streams["stock_tuned"],
         "lead_ms": lead,
         "kernels_ms": kernels,
-        "lead_is_idle": kernels < lead / 2,
+        "idle_ms": idle,
+        "verdict": lead_verdict(lead, kernels, idle),
     }
 
 
