@@ -382,7 +382,8 @@ if len(runs):
         font="footnotesize",
         note="entry: valid when ours ran our own attention (flash_triton); runs with SDPA or cuDNN in ours are "
         "experiments and not valid entries; trial: a run whose planned recompute was not applied to ours' step (a "
-        "study bug of two commits), never the headline; recompute: what ours' recomputed blocks recompute",
+        "study bug of two commits) or whose attention backward was changed for an A/B (`--flash-bwd`), never the "
+        "headline; recompute: what ours' recomputed blocks recompute",
     )
 
 # %% tags=["remove-input"]

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from cs336_systems.attention import FlashAttentionTriton
-from cs336_systems.attention.flash_triton import KernelOptions, hopper, launch, tiles, use_configs
+from cs336_systems.attention.flash_triton import (
+    KernelOptions,
+    hopper,
+    hopper_configs,
+    launch,
+    tiles,
+    use_configs,
+)
 from cs336_systems.studies.attention.flash_tuning import HOPPER_ONE_PASS_CANDIDATES
 from tests.attention_helpers import check_outputs, make_case, run_impl
 
@@ -32,7 +39,7 @@ def _on_hopper() -> bool:
                   (8, None), (72, None), (100, None), (112, None), (512, None)],
 )  # fmt: skip
 def test_head_dims_split_into_two_power_of_two_blocks(d, d0):
-    assert hopper.split_head_dim(d) == d0
+    assert hopper_configs.split_head_dim(d) == d0
 
 
 def test_cpu_tensors_fall_back_to_the_portable_kernels_and_forcing_is_an_error():
@@ -75,14 +82,14 @@ def test_the_launchers_launches_are_recorded_on_meta_tensors(kind, d, kernels):
 def test_warp_specialised_configs_must_fit_the_register_file():
     """setmaxnreg budgets are multiples of 8 in 24..256, and the launch (every warpgroup, the producer's
     too, at the launch cap) fits an SM's 65,536 registers: checked when the configuration is made."""
-    hopper.WarpSpecializedBwdConfig(consumer_regs=240, dq_in_consumers=True)  # 3 x 128 x 168 = 64,512
-    hopper.WarpSpecializedFwdConfig(consumers=3, consumer_regs=160)
+    hopper_configs.WarpSpecializedBwdConfig(consumer_regs=240, dq_in_consumers=True)  # 3 x 128 x 168 = 64,512
+    hopper_configs.WarpSpecializedFwdConfig(consumers=3, consumer_regs=160)
     with pytest.raises(ValueError, match="3 warpgroups need 67584 registers"):  # the cap 176 at 248
-        hopper.WarpSpecializedBwdConfig(consumer_regs=248, dq_in_consumers=True)
+        hopper_configs.WarpSpecializedBwdConfig(consumer_regs=248, dq_in_consumers=True)
     with pytest.raises(ValueError, match="4 warpgroups need 73728 registers"):
-        hopper.WarpSpecializedBwdConfig(consumer_regs=208, dq_regs=120)
+        hopper_configs.WarpSpecializedBwdConfig(consumer_regs=208, dq_regs=120)
     with pytest.raises(ValueError, match="multiples of 8"):
-        hopper.WarpSpecializedFwdConfig(consumer_regs=244)
+        hopper_configs.WarpSpecializedFwdConfig(consumer_regs=244)
 
 
 def test_spills_are_counted_inside_the_loops_that_issue_products():
@@ -147,10 +154,10 @@ def test_the_d128_backward_options_compile_for_sm90_without_a_gpu(option):
 
     code = (
         "import dataclasses, json\n"
-        "from cs336_systems.attention.flash_triton import hopper\n"
+        "from cs336_systems.attention.flash_triton import hopper_configs\n"
         "from cs336_systems.studies.attention import flash_offline as o\n"
         "out = []\n"
-        f"for cfg in (hopper.heuristic_bwd(128), dataclasses.replace(hopper.heuristic_bwd(128), {option}=True)):\n"
+        f"for cfg in (hopper_configs.heuristic_bwd(128), dataclasses.replace(hopper_configs.heuristic_bwd(128), {option}=True)):\n"
         "    rec = [r for r in o.hopper_launches('bwd', 128, True, cfg) if r.name == 'flash_bwd_dkdv_ws_kernel']\n"
         "    out.append(dataclasses.asdict(o.compile_sm90(rec[0])))\n"
         "print(json.dumps(out))\n"
@@ -167,17 +174,17 @@ def test_the_d128_backward_options_compile_for_sm90_without_a_gpu(option):
 @pytest.mark.parametrize(("d", "in_consumers"), [(64, False), (80, False), (128, True)])
 def test_the_one_pass_backward_is_the_default_where_it_was_measured_faster(d, in_consumers):
     """A dQ warpgroup at d = 64, 80; at d = 128 (no registers for a third warpgroup) the consumers."""
-    cfg = hopper.heuristic_bwd(d)
-    assert isinstance(cfg, hopper.WarpSpecializedBwdConfig) and cfg.one_pass
+    cfg = hopper_configs.heuristic_bwd(d)
+    assert isinstance(cfg, hopper_configs.WarpSpecializedBwdConfig) and cfg.one_pass
     assert cfg.dq_in_consumers is in_consumers and cfg.head_split(d) is not None
 
 
 @pytest.mark.parametrize(
     "cfg",
-    [hopper.WarpSpecializedFwdConfig(), hopper.WarpSpecializedFwdConfig(consumers=3, consumer_regs=160),
-     hopper.WarpSpecializedBwdConfig(), hopper.WarpSpecializedBwdConfig(consumers=3, consumer_regs=160),
-     *hopper.ONE_PASS_CONFIGS.values(),
-     *(hopper.WarpSpecializedBwdConfig(*c) for cands in HOPPER_ONE_PASS_CANDIDATES.values() for c in cands)],
+    [hopper_configs.WarpSpecializedFwdConfig(), hopper_configs.WarpSpecializedFwdConfig(consumers=3, consumer_regs=160),
+     hopper_configs.WarpSpecializedBwdConfig(), hopper_configs.WarpSpecializedBwdConfig(consumers=3, consumer_regs=160),
+     *hopper_configs.ONE_PASS_CONFIGS.values(),
+     *(hopper_configs.WarpSpecializedBwdConfig(*c) for cands in HOPPER_ONE_PASS_CANDIDATES.values() for c in cands)],
     ids=str,
 )  # fmt: skip
 def test_warp_specialized_register_budget_fits_one_program_per_sm(cfg):
@@ -194,15 +201,15 @@ def test_warp_specialized_register_budget_fits_one_program_per_sm(cfg):
 @pytest.mark.parametrize("bad", [dict(consumers=3, consumer_regs=160), dict(block_m=32)], ids=str)
 def test_the_one_pass_backward_takes_two_consumers_and_64_query_steps(bad):
     with pytest.raises(ValueError, match="one-pass backward takes two consumers and 64-query steps"):
-        hopper.WarpSpecializedBwdConfig(dq_regs=136, **bad)
+        hopper_configs.WarpSpecializedBwdConfig(dq_regs=136, **bad)
 
 
 def test_d128_defaults_to_the_warp_specialized_kernels():
-    assert isinstance(hopper.heuristic_fwd(128), hopper.WarpSpecializedFwdConfig)
-    assert isinstance(hopper.heuristic_bwd(128), hopper.WarpSpecializedBwdConfig)
-    assert isinstance(hopper.heuristic_bwd(96), hopper.HopperBwdConfig)
-    assert isinstance(hopper.heuristic_fwd(64), hopper.HopperFwdConfig)
-    assert isinstance(hopper.heuristic_fwd(80), hopper.HopperFwdConfig)
+    assert isinstance(hopper_configs.heuristic_fwd(128), hopper_configs.WarpSpecializedFwdConfig)
+    assert isinstance(hopper_configs.heuristic_bwd(128), hopper_configs.WarpSpecializedBwdConfig)
+    assert isinstance(hopper_configs.heuristic_bwd(96), hopper_configs.HopperBwdConfig)
+    assert isinstance(hopper_configs.heuristic_fwd(64), hopper_configs.HopperFwdConfig)
+    assert isinstance(hopper_configs.heuristic_fwd(80), hopper_configs.HopperFwdConfig)
 
 
 @pytest.mark.gpu
@@ -243,9 +250,9 @@ def test_gpu_hopper_matches_float64(batch, n_q, n_k, d, is_causal, dtype, atol, 
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("cfg", [hopper.HopperFwdConfig(128, 64, 2, 8), hopper.HopperFwdConfig(128, 128, 2, 8),
-                                 hopper.HopperFwdConfig(64, 64, 3, 4), hopper.HopperFwdConfig(128, 32, 4, 8),
-                                 hopper.HopperFwdConfig(128, 64, 3, 8, head_major=False)],
+@pytest.mark.parametrize("cfg", [hopper_configs.HopperFwdConfig(128, 64, 2, 8), hopper_configs.HopperFwdConfig(128, 128, 2, 8),
+                                 hopper_configs.HopperFwdConfig(64, 64, 3, 4), hopper_configs.HopperFwdConfig(128, 32, 4, 8),
+                                 hopper_configs.HopperFwdConfig(128, 64, 3, 8, head_major=False)],
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("n", [333, 4096])
 def test_gpu_hopper_forward_tile_candidates_and_every_element_written(cfg, n):
@@ -262,12 +269,14 @@ def test_gpu_hopper_forward_tile_candidates_and_every_element_written(cfg, n):
 
 
 WS_CONFIGS = [
-    hopper.WarpSpecializedFwdConfig(pingpong=True),
-    hopper.WarpSpecializedFwdConfig(pingpong=False),
-    hopper.WarpSpecializedFwdConfig(head_major=False),
-    hopper.WarpSpecializedFwdConfig(stages=3),
-    hopper.WarpSpecializedFwdConfig(block_n=64, stages=3, pingpong=True),
-    hopper.WarpSpecializedFwdConfig(consumers=3, block_n=64, stages=3, consumer_regs=160, pingpong=True),
+    hopper_configs.WarpSpecializedFwdConfig(pingpong=True),
+    hopper_configs.WarpSpecializedFwdConfig(pingpong=False),
+    hopper_configs.WarpSpecializedFwdConfig(head_major=False),
+    hopper_configs.WarpSpecializedFwdConfig(stages=3),
+    hopper_configs.WarpSpecializedFwdConfig(block_n=64, stages=3, pingpong=True),
+    hopper_configs.WarpSpecializedFwdConfig(
+        consumers=3, block_n=64, stages=3, consumer_regs=160, pingpong=True
+    ),
 ]
 
 
@@ -307,9 +316,9 @@ def test_gpu_warp_specialized_forward_matches_float64_and_writes_every_element(
 @pytest.mark.parametrize(
     "cfg",
     [
-        hopper.WarpSpecializedBwdConfig(),
-        hopper.WarpSpecializedBwdConfig(stages=3),
-        hopper.WarpSpecializedBwdConfig(block_m=32, stages=4, consumer_regs=160, consumers=3),
+        hopper_configs.WarpSpecializedBwdConfig(),
+        hopper_configs.WarpSpecializedBwdConfig(stages=3),
+        hopper_configs.WarpSpecializedBwdConfig(block_m=32, stages=4, consumer_regs=160, consumers=3),
     ],
     ids=str,
 )
@@ -347,18 +356,26 @@ def _portable_backward(batch, n_q, n_k, d, is_causal, passes):
 
 
 ONE_PASS_CONFIGS = [
-    hopper.WarpSpecializedBwdConfig(consumer_regs=200, dq_regs=88),
-    hopper.WarpSpecializedBwdConfig(stages=3, consumer_regs=208, dq_regs=72, ds_slots=3, dq_buffers=3),
+    hopper_configs.WarpSpecializedBwdConfig(consumer_regs=200, dq_regs=88),
+    hopper_configs.WarpSpecializedBwdConfig(
+        stages=3, consumer_regs=208, dq_regs=72, ds_slots=3, dq_buffers=3
+    ),
 ]
 DQ_IN_CONSUMERS_CONFIGS = [
-    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1),
-    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=1, dq_buffers=2),
+    hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1),
+    hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=1, dq_buffers=2),
     # the producer warp issues the reductions: one staging tile (the d = 128 default's) and two
-    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1, dq_by_producer=True),
-    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=1, dq_buffers=2, dq_by_producer=True),
+    hopper_configs.WarpSpecializedBwdConfig(
+        dq_in_consumers=True, ds_slots=2, dq_buffers=1, dq_by_producer=True
+    ),
+    hopper_configs.WarpSpecializedBwdConfig(
+        dq_in_consumers=True, ds_slots=1, dq_buffers=2, dq_by_producer=True
+    ),
     # Delta read after the exponent, alone and with the producer's reductions
-    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1, delta_late=True),
-    hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, dq_buffers=1, dq_by_producer=True, delta_late=True),
+    hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1, delta_late=True),
+    hopper_configs.WarpSpecializedBwdConfig(
+        dq_in_consumers=True, dq_buffers=1, dq_by_producer=True, delta_late=True
+    ),
 ]
 # (config, head dim): the dQ warpgroup at any split head dim; dQ in the consumers at two equal halves
 ONE_PASS_CASES = [(cfg, d) for cfg in ONE_PASS_CONFIGS for d in (16, 64, 80)] + [
@@ -370,12 +387,12 @@ ONE_PASS_CASES = [(cfg, d) for cfg in ONE_PASS_CONFIGS for d in (16, 64, 80)] + 
     ("d", "half"), [(32, 16), (64, 32), (128, 64), (256, 128), (16, None), (48, None), (80, None), (96, None)]
 )
 def test_dq_in_the_consumers_needs_two_equal_power_of_two_halves(d, half):
-    cfg = hopper.WarpSpecializedBwdConfig(dq_in_consumers=True)
+    cfg = hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True)
     assert cfg.one_pass and cfg.head_split(d) == half
 
 
 def test_a_head_dim_the_consumers_cannot_halve_is_refused_with_a_clear_error():
-    cfg = hopper.WarpSpecializedBwdConfig(dq_in_consumers=True)
+    cfg = hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True)
     tensors = [torch.zeros(1, 1, 4, 80) for _ in range(7)] + [torch.zeros(1, 1, 4)] * 2
     with pytest.raises(ValueError, match="head dim 80 cannot be split into two equal"):
         hopper.flash_bwd_hopper(tensors, True, cfg)
@@ -383,11 +400,11 @@ def test_a_head_dim_the_consumers_cannot_halve_is_refused_with_a_clear_error():
 
 def test_dq_either_in_a_warpgroup_of_its_own_or_in_the_consumers():
     with pytest.raises(ValueError, match="either in a warpgroup of its own"):
-        hopper.WarpSpecializedBwdConfig(dq_regs=88, dq_in_consumers=True)
+        hopper_configs.WarpSpecializedBwdConfig(dq_regs=88, dq_in_consumers=True)
     with pytest.raises(ValueError, match="the producer reduces the dQ that the consumers compute"):
-        hopper.WarpSpecializedBwdConfig(dq_regs=88, dq_by_producer=True)
+        hopper_configs.WarpSpecializedBwdConfig(dq_regs=88, dq_by_producer=True)
     with pytest.raises(ValueError, match="Delta read late is an option of the dQ-in-consumers step"):
-        hopper.WarpSpecializedBwdConfig(dq_regs=88, delta_late=True)
+        hopper_configs.WarpSpecializedBwdConfig(dq_regs=88, delta_late=True)
 
 
 @pytest.mark.gpu
@@ -420,11 +437,11 @@ def test_gpu_one_pass_backward_matches_the_portable_passes(cfg, d, is_causal, ba
 @pytest.mark.parametrize(
     "cfg",
     [
-        hopper.ONE_PASS_CONFIGS[128],
-        dataclasses.replace(hopper.ONE_PASS_CONFIGS[128], group_heads=1),
-        dataclasses.replace(hopper.ONE_PASS_CONFIGS[128], group_heads=2),
-        dataclasses.replace(hopper.ONE_PASS_CONFIGS[128], group_heads=6, shortest_first=True),
-        dataclasses.replace(hopper.ONE_PASS_CONFIGS[64], group_heads=3),
+        hopper_configs.ONE_PASS_CONFIGS[128],
+        dataclasses.replace(hopper_configs.ONE_PASS_CONFIGS[128], group_heads=1),
+        dataclasses.replace(hopper_configs.ONE_PASS_CONFIGS[128], group_heads=2),
+        dataclasses.replace(hopper_configs.ONE_PASS_CONFIGS[128], group_heads=6, shortest_first=True),
+        dataclasses.replace(hopper_configs.ONE_PASS_CONFIGS[64], group_heads=3),
     ],
     ids=str,
 )
@@ -446,7 +463,9 @@ def test_gpu_backward_grid_orders_cover_every_key_tile_of_every_head(cfg, is_cau
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("group", [0, 1, 2, 3, 6])
-@pytest.mark.parametrize("cfg", [hopper.WarpSpecializedFwdConfig(), hopper.HopperFwdConfig()], ids=str)
+@pytest.mark.parametrize(
+    "cfg", [hopper_configs.WarpSpecializedFwdConfig(), hopper_configs.HopperFwdConfig()], ids=str
+)
 def test_gpu_forward_grid_orders_cover_every_query_tile_of_every_head(cfg, group):
     """The forwards' head-major grid in groups of 1, 2, 3, 6 of the six (b, h) and by the rule (0):
     every output element written once and right (9 query tiles a head: the grid is head-major)."""
@@ -462,13 +481,56 @@ def test_gpu_forward_grid_orders_cover_every_query_tile_of_every_head(cfg, group
 
 
 def test_a_head_group_that_does_not_divide_the_heads_is_refused_before_any_work():
-    cfg = hopper.WarpSpecializedBwdConfig(dq_in_consumers=True, group_heads=4)
+    cfg = hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True, group_heads=4)
     tensors = [torch.zeros(2, 3, 4, 128) for _ in range(7)] + [torch.zeros(2, 3, 4)] * 2
     with pytest.raises(ValueError, match="group_heads must divide batch x heads = 6"):
         hopper.flash_bwd_hopper(tensors, True, cfg)
     q = torch.zeros(2, 3, 1025, 64)  # 9 query tiles a head: a head-major grid
     with pytest.raises(ValueError, match="group_heads must divide batch x heads = 6"):
-        hopper.flash_fwd_hopper(q, q, q, q, q[..., 0], True, hopper.WarpSpecializedFwdConfig(group_heads=4))
+        hopper.flash_fwd_hopper(
+            q, q, q, q, q[..., 0], True, hopper_configs.WarpSpecializedFwdConfig(group_heads=4)
+        )
+
+
+def test_a_backward_option_changes_the_warp_specialised_configuration_or_names_the_problem():
+    cfg = hopper_configs.changed_backward(128, "shortest_first=True+group_heads=2")
+    assert cfg == dataclasses.replace(
+        hopper_configs.ONE_PASS_CONFIGS[128], shortest_first=True, group_heads=2
+    )
+    with pytest.raises(
+        ValueError, match="'order=1' is not FIELD=VALUE with FIELD of WarpSpecializedBwdConfig"
+    ):
+        hopper_configs.changed_backward(128, "order=1")
+    with pytest.raises(ValueError, match="'x' is not a Python literal"):
+        hopper_configs.changed_backward(128, "stages=x")
+    with pytest.raises(ValueError, match="head dim 96 uses HopperBwdConfig"):
+        hopper_configs.changed_backward(96, "stages=3")
+    with (
+        pytest.raises(ValueError, match="is not FIELD=VALUE"),
+        use_configs(options=KernelOptions(hopper_bwd="x")),
+    ):
+        pass  # refused when pinned, before any call
+
+
+def test_the_pinned_backward_option_reaches_the_hopper_launcher(monkeypatch):
+    """launch.flash_bwd under KernelOptions(hopper_bwd=...) hands the changed configuration to the
+    Hopper backward (recorded here instead of launched), and the option is part of the plan's key."""
+    seen = []
+
+    def record(tensors, is_causal, cfg=None):
+        seen.append(cfg)
+        return True  # "dQ filled": no tl pass runs
+
+    monkeypatch.setattr(hopper, "use_hopper", lambda *a, **k: True)
+    monkeypatch.setattr(hopper, "flash_bwd_hopper", record)
+    q, k, v, do = (torch.randn(1, 2, 64, 128) for _ in range(4))
+    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 64)
+    with use_configs(options=KernelOptions(hopper_bwd="shortest_first=True")):
+        launch.flash_bwd(do, q, k, v, o, lse, True)
+        key = tiles.plan_state()
+    launch.flash_bwd(do, q, k, v, o, lse, True)
+    assert seen == [hopper_configs.changed_backward(128, "shortest_first=True"), None]
+    assert key != tiles.plan_state()
 
 
 @pytest.mark.parametrize(
@@ -476,7 +538,7 @@ def test_a_head_group_that_does_not_divide_the_heads_is_refused_before_any_work(
     [(16, 128, 2), (32, 256, 1), (16, 64, 4), (128, 16, 16), (4, 16, 4), (25, 64, 5)],
 )
 def test_heads_are_grouped_by_the_fewest_that_fill_the_sms(heads, n_tiles, group):
-    assert hopper.group_heads(heads, n_tiles, 132) == group
+    assert hopper_configs.group_heads(heads, n_tiles, 132) == group
 
 
 def _busy_fraction(order: list[tuple[int, int]], n: int, sms: int = 132) -> float:
@@ -495,7 +557,7 @@ def test_grouped_heads_keep_the_sms_busy_to_the_end_in_a_model_of_the_schedule(h
     within a group, longest first) against one head after the other, shortest first (the backward's
     order before session 18)."""
     n_tiles = n // 128
-    g = hopper.group_heads(heads, n_tiles, 132)
+    g = hopper_configs.group_heads(heads, n_tiles, 132)
     grouped = [(h0 + r % g, r // g) for h0 in range(0, heads, g) for r in range(g * n_tiles)]
     shortest_first = [(h, n_tiles - 1 - t) for h in range(heads) for t in range(n_tiles)]
     assert sorted(grouped) == sorted(shortest_first)  # the same programs
@@ -523,10 +585,10 @@ def test_gpu_hopper_and_portable_paths_agree_under_torch_compile(request):
 @pytest.mark.parametrize(
     "cfg",
     [
-        hopper.HopperBwdConfig(64, 64, 2, 4),
-        hopper.HopperBwdConfig(32, 64, 3, 4),
-        hopper.HopperBwdConfig(16, 64, 3, 4),
-        hopper.HopperBwdConfig(32, 128, 3, 8, maxnreg=128),
+        hopper_configs.HopperBwdConfig(64, 64, 2, 4),
+        hopper_configs.HopperBwdConfig(32, 64, 3, 4),
+        hopper_configs.HopperBwdConfig(16, 64, 3, 4),
+        hopper_configs.HopperBwdConfig(32, 128, 3, 8, maxnreg=128),
     ],
     ids=str,
 )
@@ -585,8 +647,8 @@ def test_gpu_warp_specialized_backward_keeps_its_products_asynchronous():
     consumers) at d = 64, 80 and 128."""
     from cs336_systems.attention.flash_triton import hopper_ws_backward_kernels
 
-    for d, cfg in ((64, hopper.WarpSpecializedBwdConfig()), (128, hopper.WarpSpecializedBwdConfig(stages=2)),
-                   (64, hopper.ONE_PASS_CONFIGS[64]), (80, hopper.ONE_PASS_CONFIGS[80]),
+    for d, cfg in ((64, hopper_configs.WarpSpecializedBwdConfig()), (128, hopper_configs.WarpSpecializedBwdConfig(stages=2)),
+                   (64, hopper_configs.ONE_PASS_CONFIGS[64]), (80, hopper_configs.ONE_PASS_CONFIGS[80]),
                    (128, DQ_IN_CONSUMERS_CONFIGS[0]), (64, DQ_IN_CONSUMERS_CONFIGS[1])):  # fmt: skip
         case = make_case((1, 2), 256, 256, d, torch.bfloat16, device="cuda", is_causal=True)
         q, k, v, do = (t.detach() for t in (case.q, case.k, case.v, case.do))
@@ -600,12 +662,12 @@ def test_gpu_warp_specialized_backward_keeps_its_products_asynchronous():
 def test_ab_variants_replace_fields_of_the_launchers_passes():
     from cs336_systems.studies.attention.flash_ab import parse_variant
 
-    assert parse_variant("default", 128) == hopper.heuristic_bwd(128)
+    assert parse_variant("default", 128) == hopper_configs.heuristic_bwd(128)
     cfg = parse_variant("dq_by_producer=True+stages=3", 128)
     assert cfg.dq_by_producer and cfg.stages == 3 and cfg.dq_in_consumers
     with pytest.raises(ValueError, match="the producer reduces the dQ"):
         parse_variant("dq_in_consumers=False+dq_by_producer=True", 128)  # the config's own check
-    assert parse_variant("default", 80, "fwd") == hopper.heuristic_fwd(80)
+    assert parse_variant("default", 80, "fwd") == hopper_configs.heuristic_fwd(80)
     assert parse_variant("group_heads=0", 128, "fwd").group_heads == 0
     with pytest.raises(ValueError, match="is not FIELD=VALUE with FIELD of WarpSpecializedFwdConfig"):
         parse_variant("dq_by_producer=True", 128, "fwd")

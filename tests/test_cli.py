@@ -140,6 +140,9 @@ USAGE_ERRORS = [
     ("studies.training.leaderboard", ["--size", "huge"], "--size"),
     ("studies.training.leaderboard", ["--quick", "--checkpoint-blocks", "some"], "--checkpoint-blocks"),
     ("studies.training.leaderboard", ["--rep-ms", "0"], "--rep-ms"),
+    ("studies.training.leaderboard", ["--flash-bwd", "shortest_first=maybe"], "'maybe' is not a Python literal"),
+    ("studies.training.leaderboard", ["--flash-bwd", "order=1"], "'order=1' is not FIELD=VALUE"),
+    ("studies.training.leaderboard", ["--flash-bwd", "stages=3", "--attention", "sdpa"], "needs --attention flash_triton"),
 ]  # fmt: skip
 if N_GPUS < 2:  # impossible on this machine: NCCL needs a GPU per process
     USAGE_ERRORS += [

@@ -576,7 +576,12 @@ def test_the_compute_stream_of_a_saved_trace_is_its_busiest_stream_with_its_idle
 
 @pytest.mark.parametrize(
     ("lead", "kernels", "idle", "verdict"),
-    [(-20, 30, 0, "tuned_faster"), (100, 60, 0, "kernels"), (100, -26, 80, "idle"), (89, -26, 5, "unexplained")],
+    [
+        (-20, 30, 0, "tuned_faster"),
+        (100, 60, 0, "kernels"),
+        (100, -26, 80, "idle"),
+        (89, -26, 5, "unexplained"),
+    ],
 )
 def test_what_accounts_for_ours_lead_over_stock_tuned(lead, kernels, idle, verdict):
     """Half the lead or more in stock_tuned's kernels or idle time names it; neither: unexplained (the
@@ -584,3 +589,20 @@ def test_what_accounts_for_ours_lead_over_stock_tuned(lead, kernels, idle, verdi
     from cs336_systems.studies.training import leaderboard_facts as lf
 
     assert lf.lead_verdict(lead, kernels, idle) == verdict
+
+
+def test_a_changed_attention_backward_is_checked_first_and_makes_the_run_a_trial():
+    from cs336_systems.studies.training import leaderboard_facts as lf
+    from cs336_systems.studies.training.leaderboard import LeaderboardRunConfig
+
+    cfg = LeaderboardRunConfig(flash_bwd="shortest_first=True")
+    assert cfg.flash_bwd == "shortest_first=True"
+    with pytest.raises(ValueError, match="is not FIELD=VALUE"):
+        LeaderboardRunConfig(flash_bwd="order=1")
+    with pytest.raises(ValueError, match="needs --attention flash_triton"):
+        LeaderboardRunConfig(flash_bwd="stages=3", attention="sdpa")
+    assert lf.trial_reason({"flash_bwd": "shortest_first=True"}, "4da8e85") == (
+        "ours' backward changed (shortest_first=True)"
+    )
+    assert lf.trial_reason({"keep_matmuls": True}, "c8f80c2aa") == lf.TRIAL
+    assert lf.trial_reason({"keep_matmuls": True}, "4da8e85") == ""

@@ -17,8 +17,8 @@ other's products occupy the tensor cores, instead of both contending at the same
 H100 it was slower in every configuration measured (OPTIMIZATION_LOG.md, "Session 10"), so it is off
 by default.
 
-Registers are set per partition (`setmaxnreg`): the producer keeps 24 a thread (`hopper.PRODUCER_REGS`), the consumers share
-the rest of the register file (`hopper.WarpSpecializedFwdConfig.consumer_regs`).
+Registers are set per partition (`setmaxnreg`): the producer keeps 24 a thread (`hopper_configs.PRODUCER_REGS`), the consumers share
+the rest of the register file (`hopper_configs.WarpSpecializedFwdConfig.consumer_regs`).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from cs336_systems.attention.flash_triton import (
     backward_kernels,
     buffer_kernels,
     hopper,
+    hopper_configs,
     kernels,
     plans,
     tiles,
@@ -406,7 +407,8 @@ def _flash_bwd_full(ops: dict[str, Tensor], is_causal: bool) -> None:
     tma = use_tma(opts, q4.device, *tensors[:7])
     if hopper.use_hopper(opts.hopper, *tensors[:7], kind="bwd"):
         # dK/dV by a Gluon kernel; dQ too with a one-pass configuration, else by the tl kernel.
-        passes = () if hopper.flash_bwd_hopper(tensors, is_causal) else ("dq",)
+        cfg = hopper_configs.changed_backward(d, opts.hopper_bwd) if opts.hopper_bwd else None
+        passes = () if hopper.flash_bwd_hopper(tensors, is_causal, cfg) else ("dq",)
     else:
         passes = ("dkdv", "dq")
     if not passes:

@@ -25,6 +25,8 @@ from typing import TypeVar
 import torch
 import triton
 
+from cs336_systems.attention.flash_triton import hopper_configs
+
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
 DQ_MODES = {"pass": 0, "atomic": 1, "reduce": 2}  # BwdConfig.dq -> the dK/dV kernel's DQ_MODE
 
@@ -81,12 +83,17 @@ class KernelOptions:
     hopper: the Gluon kernels for sm_90 (`hopper.py`: the forward, the dK/dV pass and the one-pass
     backward that also computes dQ): None = where they support the inputs and were measured faster than the tl kernels
     (`hopper.preferred`), False = never (the portable tl kernels), True = wherever they support the
-    inputs (a ValueError where they do not)."""
+    inputs (a ValueError where they do not).
+
+    hopper_bwd: "FIELD=VALUE[+FIELD=VALUE...]" replacing fields of the warp-specialised Hopper
+    backward's configuration (`hopper_configs.changed_backward`), e.g. "shortest_first=True": a kernel option
+    A/B'd inside a model's step (`training_leaderboard --flash-bwd`); "" = the launcher's."""
 
     skip_masked_tiles: bool = True
     split_diagonal: bool = True
     use_tma: bool | None = None
     hopper: bool | None = None
+    hopper_bwd: str = ""
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)
@@ -125,6 +132,8 @@ def check_config(cfg: FwdConfig | BwdConfig) -> None:
 def check_options(options: KernelOptions) -> None:
     if not isinstance(options, KernelOptions):
         raise ValueError(f"expected KernelOptions, got {type(options).__name__}")
+    if options.hopper_bwd:  # the spec's fields and values, against the d = 128 backward's configuration
+        hopper_configs.with_fields(hopper_configs.ONE_PASS_CONFIGS[128], options.hopper_bwd)
 
 
 # ----------------------------------------------------------------------------------------------

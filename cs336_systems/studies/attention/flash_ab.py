@@ -9,15 +9,13 @@ and the shapes' rows (`flash_bench --leaderboard`).
 
 from __future__ import annotations
 
-import ast
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
 import torch
 
-from cs336_systems.attention.flash_triton import hopper, launch, tiles
+from cs336_systems.attention.flash_triton import hopper, hopper_configs, launch, tiles
 from cs336_systems.studies.attention.flash_leaderboard import bench_all
 from cs336_systems.studies.attention.flash_tuning import portable_problem, rel_err
 
@@ -30,21 +28,13 @@ def parse_variant(spec: str, d: int, kind: str = "bwd") -> Any:
     field or value, before any GPU work."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    base = hopper.heuristic_fwd(d) if kind == "fwd" else hopper.heuristic_bwd(d)
+    base = hopper_configs.heuristic_fwd(d) if kind == "fwd" else hopper_configs.heuristic_bwd(d)
     if spec == "default":
         return base
-    fields = {f.name for f in dataclasses.fields(base)}
-    changes: dict[str, Any] = {}
-    for part in spec.split("+"):
-        name, sep, value = part.partition("=")
-        if not sep or name not in fields:
-            raise ValueError(f"--ab-variants: {part!r} is not FIELD=VALUE with FIELD of {type(base).__name__}: "
-                             f"{', '.join(sorted(fields))}")  # fmt: skip
-        try:
-            changes[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise ValueError(f"--ab-variants: {part!r}: {value!r} is not a Python literal") from None
-    return dataclasses.replace(base, **changes)
+    try:
+        return hopper_configs.with_fields(base, spec)
+    except ValueError as err:
+        raise ValueError(f"--ab-variants: {err}") from None
 
 
 def _checked(spec: str, cfg: Any, call: Callable[[], None], outs: Sequence[torch.Tensor], refs) -> None:

@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from cs336_systems.attention import FlashAttentionTriton
-from cs336_systems.attention.flash_triton import hopper, tiles
+from cs336_systems.attention.flash_triton import hopper, hopper_configs, tiles
 from cs336_systems.measure.flops import attention_flops, tflops
 from cs336_systems.measure.results import (
     append_rows,
@@ -114,8 +114,8 @@ def measure(config: LeaderboardConfig, *, results_dir=None, split: bool = True) 
         "tiles_source": "tuned" if tiles.cached("fwd", key) else "heuristic",
         # the Gluon (sm_90) kernels: chosen by default for this head dim?, and their tiles
         "hopper_default": hopper.preferred(cfg.d),
-        "hopper_fwd": repr(hopper.heuristic_fwd(cfg.d)),
-        "hopper_dkdv": repr(hopper.heuristic_bwd(cfg.d)),
+        "hopper_fwd": repr(hopper_configs.heuristic_fwd(cfg.d)),
+        "hopper_dkdv": repr(hopper_configs.heuristic_bwd(cfg.d)),
         "hopper_bwd_default": hopper.preferred(cfg.d, "bwd"),
     }
     results: dict[str, dict[str, float]] = {}

@@ -16,7 +16,7 @@ may use, and the optimisation log's offline evidence (register budgets, spills) 
 without a GPU it restarts itself with TRITON_INTERPRET=0: the package sets the interpreter on import
 when no GPU is visible, and interpreted kernels cannot be compiled). It shows that the kernels
 compile with Triton 3.7 too; they have run on GPUs with 3.6 only. ptxas does not check that
-setmaxnreg's budgets fit the register file: the configurations do (`hopper.check_register_budget`).
+setmaxnreg's budgets fit the register file: the configurations do (`hopper_configs.check_register_budget`).
 
 Caveat: the signature gives integers their plain type (i32 or i64), with none of the JIT's
 specialisations (divisibility by 16, the value 1), so the code ptxas sees can differ slightly from a
@@ -41,7 +41,7 @@ import triton
 from torch import Tensor
 from triton.backends.compiler import GPUTarget
 
-from cs336_systems.attention.flash_triton import hopper, launch, plans
+from cs336_systems.attention.flash_triton import hopper, hopper_configs, launch, plans
 from cs336_systems.attention.flash_triton.tiles import interpreting
 from cs336_systems.measure import cli
 
@@ -212,8 +212,8 @@ def loop_local_accesses(sass: str) -> int:
 def default_paths() -> list[tuple[str, int, Callable[[], Any]]]:
     """(kind, head dim, configuration factory) of the launchers' default Hopper paths."""
     dims = (64, 80, 128)
-    return [("fwd", d, lambda d=d: hopper.heuristic_fwd(d)) for d in dims] + [
-        ("bwd", d, lambda d=d: hopper.heuristic_bwd(d)) for d in dims
+    return [("fwd", d, lambda d=d: hopper_configs.heuristic_fwd(d)) for d in dims] + [
+        ("bwd", d, lambda d=d: hopper_configs.heuristic_bwd(d)) for d in dims
     ]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from cs336_systems.attention.flash_triton import hopper, launch, tiles
+from cs336_systems.attention.flash_triton import hopper, hopper_configs, launch, tiles
 from cs336_systems.measure.results import append_rows, capture_failure, failure_row, latest_run, make_row
 from cs336_systems.studies.attention.flash_leaderboard import bench_all
 from cs336_systems.studies.attention.flash_sweep import LEADERBOARD
@@ -305,8 +305,8 @@ def run_hopper_tuning(
         )
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], device=device)
-    fwd_cands = [hopper.HopperFwdConfig(*c) for c in HOPPER_FWD_CANDIDATES.get(d, [])]
-    fwd_cands += [hopper.WarpSpecializedFwdConfig(*c) for c in HOPPER_WS_FWD_CANDIDATES.get(d, [])]
+    fwd_cands = [hopper_configs.HopperFwdConfig(*c) for c in HOPPER_FWD_CANDIDATES.get(d, [])]
+    fwd_cands += [hopper_configs.WarpSpecializedFwdConfig(*c) for c in HOPPER_WS_FWD_CANDIDATES.get(d, [])]
     for cfg in fwd_cands:
 
         def fwd_check() -> float:
@@ -320,8 +320,8 @@ def run_hopper_tuning(
             fwd_check,
         )
     dk, dv = tensors[5], tensors[6]
-    dkdv_cands = [hopper.HopperBwdConfig(*c) for c in HOPPER_DKDV_CANDIDATES.get(d, [])]
-    dkdv_cands += [hopper.WarpSpecializedBwdConfig(*c) for c in HOPPER_WS_DKDV_CANDIDATES.get(d, [])]
+    dkdv_cands = [hopper_configs.HopperBwdConfig(*c) for c in HOPPER_DKDV_CANDIDATES.get(d, [])]
+    dkdv_cands += [hopper_configs.WarpSpecializedBwdConfig(*c) for c in HOPPER_WS_DKDV_CANDIDATES.get(d, [])]
     for cfg in dkdv_cands:
         dk.fill_(float("nan"))
         dv.fill_(float("nan"))
@@ -331,7 +331,7 @@ def run_hopper_tuning(
             lambda cfg=cfg: hopper.flash_bwd_hopper(tensors, True, cfg),
             lambda: max(rel_err(dk, dk_ref), rel_err(dv, dv_ref)),
         )
-    one_pass = [hopper.WarpSpecializedBwdConfig(*c) for c in HOPPER_ONE_PASS_CANDIDATES.get(d, [])]
+    one_pass = [hopper_configs.WarpSpecializedBwdConfig(*c) for c in HOPPER_ONE_PASS_CANDIDATES.get(d, [])]
     if one_pass:  # the whole backward (Delta excluded), against the tl passes and the default
         with tiles.use_configs(options=portable):
             record(
@@ -345,7 +345,9 @@ def run_hopper_tuning(
             if not hopper.flash_bwd_hopper(tensors, True):
                 launch.launch_bwd(tensors, True, bwd_cfg, portable, tma, ("dq",))
 
-        record("bwd", f"default {hopper.heuristic_bwd(d)!r} (+ tl dQ unless one pass)", default_bwd, None)
+        record(
+            "bwd", f"default {hopper_configs.heuristic_bwd(d)!r} (+ tl dQ unless one pass)", default_bwd, None
+        )
     dq = tensors[4]
     for cfg in one_pass:
         for t in (dq, dk, dv):

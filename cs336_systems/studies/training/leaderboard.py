@@ -69,6 +69,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from cs336_systems.attention.flash_triton import KernelOptions, hopper_configs, use_configs
 from cs336_systems.distributed.zero import PARAM_MODES
 from cs336_systems.measure import cli
 from cs336_systems.measure.results import append_rows, capture_failure, device_name, make_row
@@ -121,6 +122,7 @@ class LeaderboardRunConfig:
     param_modes: tuple[str, ...] = ("bf16",)
     paths: tuple[str, ...] = PATHS
     attention: str = "flash_triton"  # ours; "sdpa_cudnn" / "sdpa" are experiments, not valid entries
+    flash_bwd: str = ""  # ours (flash_triton): FIELD=VALUE[+...] of its Hopper backward; a trial when set
     checkpoint_blocks: str = "auto"
     keep_attention: bool = True
     keep_matmuls: bool = True  # ours: plan blocks that keep every matmul's output too (LEADERBOARD_LOG)
@@ -159,6 +161,12 @@ class LeaderboardRunConfig:
             raise ValueError(
                 f"--tuned-sac must be one of {tuple(SAC_MATMULS)}, --tuned-reshard one of {RESHARD}"
             )
+        if self.flash_bwd:  # the spec against the model's head dim, before any work
+            if self.attention != "flash_triton":
+                raise ValueError(
+                    "--flash-bwd changes our attention's backward: it needs --attention flash_triton"
+                )
+            hopper_configs.changed_backward(mcfg.d_model // mcfg.num_heads, self.flash_bwd)
         if self.gc not in ("auto", "manual"):
             raise ValueError(f"--gc must be 'auto' or 'manual', got {self.gc!r}")
         if self.rep_ms <= 0 or self.warmup_ms < 0 or self.estimate_calls < 1:
@@ -242,6 +250,13 @@ def _release(device) -> None:
 
 
 def _measure(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list[dict]:
+    if parse_variant(label)[0] == "ours" and cfg.flash_bwd:  # the whole variant under the changed backward
+        with use_configs(options=KernelOptions(hopper_bwd=cfg.flash_bwd)):
+            return _measure_path(cfg, label, device, results_dir)
+    return _measure_path(cfg, label, device, results_dir)
+
+
+def _measure_path(cfg: LeaderboardRunConfig, label: str, device, results_dir) -> list[dict]:
     path, mode, _ = parse_variant(label)
     rank, world = dist.get_rank(), dist.get_world_size()
     start = time.perf_counter()

@@ -36,6 +36,11 @@ def parser(doc: str, d, paths: tuple[str, ...]) -> argparse.ArgumentParser:
         default=d.attention,
         help="attention of ours (only flash_triton, our own kernels, is a valid entry)",
     )
+    p.add_argument(
+        "--flash-bwd", default=d.flash_bwd, metavar="FIELD=VALUE[+...]",
+        help="ours: fields of our Hopper backward's configuration replaced, e.g. shortest_first=True "
+        "(an A/B of a kernel option inside the step; its runs are trials, never the headline)",
+    )  # fmt: skip
     p.add_argument("--checkpoint-blocks", default=d.checkpoint_blocks, help="ours: 'auto' or how many blocks")
     p.add_argument(
         "--keep-attention",
@@ -104,7 +109,7 @@ def config_fields(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         size=args.size, layers=tuple(args.layers), context_length=args.context_length,
         batch_per_rank=args.batch_per_rank, param_modes=tuple(args.param_modes), paths=tuple(args.paths),
-        attention=args.attention, checkpoint_blocks=args.checkpoint_blocks,
+        attention=args.attention, flash_bwd=args.flash_bwd, checkpoint_blocks=args.checkpoint_blocks,
         keep_attention=args.keep_attention, loss_chunk=args.loss_chunk,
         keep_matmuls=args.keep_attention if args.keep_matmuls is None else args.keep_matmuls,
         tuned_sac=args.tuned_sac, tuned_reshard=args.tuned_reshard,

@@ -44,7 +44,10 @@ PROBLEM = "training_leaderboard"
 # set the planned counts on the step (c8f80c2 set only k; 3772a0d set nothing, so the timed step ran
 # the last plan step's counts: every block recomputed, the last keeping its matmuls), while their rows
 # recorded the plan's. Fixed in c3eb460, from which the rows record what the timed step ran.
+# Runs with ours' attention backward changed (`--flash-bwd`, an A/B of a kernel option inside the
+# step) are trials too: their backward is not the launcher's.
 TRIAL = "ours' plan not applied"
+TRIAL_KERNEL = "ours' backward changed"
 PLAN_NOT_APPLIED = ("c8f80c2", "3772a0d")
 
 
@@ -59,9 +62,18 @@ def _config(row) -> dict:
     return json.loads(row.config_json) if isinstance(row.config_json, str) and row.config_json else {}
 
 
+def trial_reason(config: dict, git_sha: str) -> str:
+    """Why a run with this configuration, at this commit, is a trial ([Note: trials]); "" if it is not."""
+    if config.get("flash_bwd"):
+        return f"{TRIAL_KERNEL} ({config['flash_bwd']})"
+    if bool(config.get("keep_matmuls", False)) and str(git_sha).startswith(PLAN_NOT_APPLIED):
+        return TRIAL
+    return ""
+
+
 def is_trial(config: dict, git_sha: str) -> bool:
     """Is a run with this configuration, at this commit, a trial ([Note: trials])?"""
-    return bool(config.get("keep_matmuls", False)) and str(git_sha).startswith(PLAN_NOT_APPLIED)
+    return bool(trial_reason(config, git_sha))
 
 
 def _ours_recompute(config: dict) -> str:
@@ -80,7 +92,7 @@ def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
     ]
     steps["attention"] = [c.get("attention", "") for c in configs]
     steps["kept"] = [_ours_recompute(c) for c in configs]
-    steps["trial"] = [is_trial(c, r.git_sha) for c, r in zip(configs, steps.itertuples())]
+    steps["trial"] = [trial_reason(c, r.git_sha) for c, r in zip(configs, steps.itertuples())]
     steps["gc"] = [c.get("gc", "auto") for c in configs]  # runs before the option: Python's default
     steps["margin_gib"] = [c.get("margin_gib", math.nan) for c in configs]  # not recorded before
     steps["tuned_sac"] = [c.get("tuned_sac", "every_second") for c in configs]  # runs before the options
@@ -122,7 +134,7 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
             "batch": int(first.batch), "attention of ours": first.attention,
             "recompute": first.kept,
             "valid": first.attention == VALID_ATTENTION,
-            "trial": TRIAL if first.trial else "",
+            "trial": first.trial,
             "tuned_sac": first.tuned_sac,
             "tuned_reshard": first.tuned_reshard, "gc": first.gc, "margin_gib": first.margin_gib,
             "git": str(first.git_sha)[:10],
