@@ -582,6 +582,22 @@ def test_gpu_hopper_and_portable_paths_agree_under_torch_compile(request):
 
 @pytest.mark.gpu
 @needs_sm90
+def test_gpu_a_pinned_backward_option_runs_under_torch_compile_and_agrees():
+    """KernelOptions(hopper_bwd=...) inside a compiled call (as in the 8B step): the changed backward
+    (the old grid order, heads in groups of two) gives the default's gradients."""
+    x = torch.randn(3, 2, 4, 1025, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = x.unbind(0)
+    flash = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
+    flash(q, k, v, True).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    with use_configs(options=KernelOptions(hopper_bwd="shortest_first=True+group_heads=2")):
+        flash(q, k, v, True).sum().backward()
+    torch.testing.assert_close(x.grad, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize(
     "cfg",
     [
