@@ -20,6 +20,7 @@ from cs336_systems.attention.flash_triton import (
     hopper,
     hopper_configs,
     launch,
+    plans,
     tiles,
     use_configs,
 )
@@ -510,6 +511,19 @@ def test_a_backward_option_changes_the_warp_specialised_configuration_or_names_t
         use_configs(options=KernelOptions(hopper_bwd="x")),
     ):
         pass  # refused when pinned, before any call
+    for bad in ("group_heads=-2", "group_heads=2.0", "group_heads=True"):
+        with pytest.raises(ValueError, match="group_heads must be an integer >= 0"):
+            hopper_configs.changed_backward(128, bad)
+
+
+def test_a_pinned_backward_option_that_cannot_apply_is_an_error_before_any_work():
+    """Names and literals are checked when pinned; the configuration for the call's head dim and
+    heads at the backward's first call, before its operands are prepared."""
+    q, k, v, do = (torch.randn(1, 2, 64, 128) for _ in range(4))
+    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 64)
+    for spec, message in (("dq_regs=80", "either in a warpgroup of its own"), ("group_heads=3", "= 2")):
+        with use_configs(options=KernelOptions(hopper_bwd=spec)), pytest.raises(ValueError, match=message):
+            launch.flash_bwd(do, q, k, v, o, lse, True)
 
 
 def test_the_pinned_backward_option_reaches_the_hopper_launcher(monkeypatch):
@@ -523,6 +537,7 @@ def test_the_pinned_backward_option_reaches_the_hopper_launcher(monkeypatch):
 
     monkeypatch.setattr(hopper, "use_hopper", lambda *a, **k: True)
     monkeypatch.setattr(hopper, "flash_bwd_hopper", record)
+    monkeypatch.setattr(launch, "_BWD_PLANS", plans.PlanCache())  # no recording left for other tests
     q, k, v, do = (torch.randn(1, 2, 64, 128) for _ in range(4))
     o, lse = torch.zeros_like(q), torch.zeros(1, 2, 64)
     with use_configs(options=KernelOptions(hopper_bwd="shortest_first=True")):
@@ -585,14 +600,24 @@ def test_gpu_hopper_and_portable_paths_agree_under_torch_compile(request):
 def test_gpu_a_pinned_backward_option_runs_under_torch_compile_and_agrees():
     """KernelOptions(hopper_bwd=...) inside a compiled call (as in the 8B step): the changed backward
     (the old grid order, heads in groups of two) gives the default's gradients."""
+    seen = []
+    launcher = hopper.flash_bwd_hopper
+
+    def recorded(tensors, is_causal, cfg=None):
+        seen.append(cfg)
+        return launcher(tensors, is_causal, cfg)
+
     x = torch.randn(3, 2, 4, 1025, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     q, k, v = x.unbind(0)
     flash = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
     flash(q, k, v, True).sum().backward()
     want = x.grad.clone()
     x.grad = None
-    with use_configs(options=KernelOptions(hopper_bwd="shortest_first=True+group_heads=2")):
+    spec = "shortest_first=True+group_heads=2"
+    with pytest.MonkeyPatch.context() as mp, use_configs(options=KernelOptions(hopper_bwd=spec)):
+        mp.setattr(hopper, "flash_bwd_hopper", recorded)
         flash(q, k, v, True).sum().backward()
+    assert seen == [hopper_configs.changed_backward(128, spec)]  # the changed backward ran
     torch.testing.assert_close(x.grad, want, atol=2e-2, rtol=2e-2)
 
 

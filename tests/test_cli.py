@@ -119,6 +119,8 @@ USAGE_ERRORS = [
     ("studies.attention.flash_bench", ["--ab-bwd", "2x64x128", "--device", "cpu"], "--ab-bwd times the Hopper"),
     ("studies.attention.flash_bench", ["--ab-fwd", "2x64x128", "--device", "cpu"], "--ab-fwd times the Hopper"),
     ("studies.attention.flash_bench", ["--ab-fwd", "2x64x128", "--ab-bwd", "2x64x128"], "give one of them"),
+    ("studies.attention.flash_bench", ["--ab-bwd", "2x64x128", "--ab-variants", "group_heads=3"],
+     "group_heads must divide batch x heads = 2"),
     ("studies.attention.flash_bench", ["--ab-fwd", "2x64x128", "--ab-variants", "dq_by_producer=True"],
      "FIELD of WarpSpecializedFwdConfig"),
     ("studies.attention.flash_model", ["--quick", "--impls", "naive", "fast"], "--impls"),
@@ -142,6 +144,7 @@ USAGE_ERRORS = [
     ("studies.training.leaderboard", ["--rep-ms", "0"], "--rep-ms"),
     ("studies.training.leaderboard", ["--flash-bwd", "shortest_first=maybe"], "'maybe' is not a Python literal"),
     ("studies.training.leaderboard", ["--flash-bwd", "order=1"], "'order=1' is not FIELD=VALUE"),
+    ("studies.training.leaderboard", ["--flash-bwd", "group_heads=3"], "group_heads must divide batch x heads = 32"),
     ("studies.training.leaderboard", ["--flash-bwd", "stages=3", "--attention", "sdpa"], "needs --attention flash_triton"),
 ]  # fmt: skip
 if N_GPUS < 2:  # impossible on this machine: NCCL needs a GPU per process

@@ -606,3 +606,33 @@ def test_a_changed_attention_backward_is_checked_first_and_makes_the_run_a_trial
     )
     assert lf.trial_reason({"keep_matmuls": True}, "c8f80c2aa") == lf.TRIAL
     assert lf.trial_reason({"keep_matmuls": True}, "4da8e85") == ""
+
+
+def test_a_kernel_trial_never_stands_in_for_the_headline_run():
+    """A later run of ours with its backward changed (`--flash-bwd`): not a headline, and neither its
+    profiled step nor its wall time is the headline's."""
+    import pandas as pd
+
+    from cs336_systems.studies.training import leaderboard_facts as results
+
+    head = _run("r1", "2026-11-26T01:00:00") + [
+        _row("ours", m, v, run="r1", when="2026-11-26T01:00:00") for m, v in (("comm_ms", 800.0),)
+    ]
+    head += [
+        _row("all", "wall_s", 350.0, name="run", note="cold caches", run="r1", when="2026-11-26T01:00:00")
+    ]
+    trial = [
+        _row("ours", m, v, run="r2", when="2026-11-26T02:00:00")
+        for m, v in (("step_ms", 4700.0), ("comm_ms", 900.0))
+    ]
+    trial += [
+        _row("all", "wall_s", 200.0, name="run", note="cold caches", run="r2", when="2026-11-26T02:00:00")
+    ]
+    for r in trial:
+        config = json.loads(r["config_json"]) | {"flash_bwd": "shortest_first=True"}
+        r["config_json"] = json.dumps(config)
+    df = pd.DataFrame(head + trial)
+    facts = results.facts(df)
+    assert facts["headline"]["git"] == ("r1" * 20)[:10] and facts["cold_wall_s"] == 350.0
+    assert results.latest_profiled(df).git_sha.unique().tolist() == ["r1" * 20]
+    assert [r["trial"] for r in facts["runs"]] == ["", "ours' backward changed (shortest_first=True)"]

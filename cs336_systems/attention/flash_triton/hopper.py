@@ -33,6 +33,7 @@ from cs336_systems.attention.flash_triton.hopper_configs import (
     HopperFwdConfig,
     WarpSpecializedBwdConfig,
     WarpSpecializedFwdConfig,
+    check_group,
     group_heads,
     heuristic_bwd,
     heuristic_fwd,
@@ -132,6 +133,7 @@ def flash_fwd_hopper(
     """Fill o4 (B, H, N_q, d) and lse (B, H, N_q) float32 from (B, H, N, d) q4, k4, v4."""
     batch, heads, n_q, d = q4.shape
     cfg = cfg or heuristic_fwd(d)
+    check_group(cfg, batch * heads)  # before any work
     _set_allocator(q4.device)
     if isinstance(cfg, WarpSpecializedFwdConfig):
         kernel = hopper_ws_kernels.flash_fwd_ws_kernel
@@ -147,14 +149,12 @@ def flash_fwd_hopper(
         kernel = hopper_kernels.flash_fwd_hopper_kernel
         specific = dict(BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
     n_tiles = triton.cdiv(n_q, cfg.block_m)
-    # A head's tiles consecutive where a head has enough of them to keep L2 busy (on an H100, d = 80:
+    # Head-major (heads in groups) where a head has enough tiles to keep L2 busy (on an H100, d = 80:
     # -17 % at N = 4096, -5 % at 2048, +10 % at 512 with 4 tiles a head; OPTIMIZATION_LOG "Session 12").
     head_major = cfg.head_major and n_tiles >= HEAD_MAJOR_MIN_TILES
     groups = (
         (cfg.group_heads or group_heads(batch * heads, n_tiles, sm_count(q4.device))) if head_major else 1
     )
-    if (batch * heads) % groups:  # before any launch
-        raise ValueError(f"{cfg}: group_heads must divide batch x heads = {batch * heads}")
     plans.launch(
         kernel,
         (batch * heads * n_tiles,) if head_major else (batch * heads, n_tiles),
@@ -192,10 +192,9 @@ def flash_bwd_hopper(
     d0 = cfg.head_split(d) if ws else split_head_dim(d)
     if d0 is None:  # before any allocation or launch
         raise ValueError(f"{cfg}: head dim {d} cannot be split into two equal power-of-two column blocks")
+    check_group(cfg, batch * heads)
     n_tiles = triton.cdiv(n_k, cfg.block_n)
     groups = (ws and cfg.group_heads) or group_heads(batch * heads, n_tiles, sm_count(q4.device))
-    if (batch * heads) % groups:
-        raise ValueError(f"{cfg}: group_heads must divide batch x heads = {batch * heads}")
     _set_allocator(q4.device)
     one_pass = ws and cfg.one_pass
     # one pass: a zeroed float32 dQ that the kernel adds into, then cast into dq4 (all planned)

@@ -183,10 +183,9 @@ def flash_bwd_dkdv_hopper_kernel(
     D1: gl.constexpr = D - D0 if SPLIT else D0
     G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
+    # Heads fastest: every head's first key tile (causal: the most query steps) first.
     off_bh = gl.program_id(0)
-    k_tile = gl.program_id(
-        1
-    )  # heads fastest: every head's first key tile (causal: the most query steps) first
+    k_tile = gl.program_id(1)
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)
     start_n = k_tile * BLOCK_N

@@ -22,8 +22,11 @@ class HopperFwdConfig:
     block_n: int = 128
     stages: int = 3
     num_warps: int = 8
-    head_major: bool = True  # one-dimensional grid, a head's query tiles consecutive (program_tile)
+    head_major: bool = True  # one-dimensional grid, heads in groups of group_heads (program_tile)
     group_heads: int = 1  # head_major: heads a group (a divisor of B * H); 0: [Note: tile order]'s rule
+
+    def __post_init__(self) -> None:
+        check_group_heads(self)
 
 
 PRODUCER_REGS = 24  # the producer warp's registers a thread (the least setmaxnreg allows)
@@ -68,11 +71,12 @@ class WarpSpecializedFwdConfig:
     stages: int = 2
     pingpong: bool = False  # slower on an H100 in every configuration measured (session 10)
     consumer_regs: int = 240
-    head_major: bool = True  # one-dimensional grid, a head's query tiles consecutive (program_tile)
+    head_major: bool = True  # one-dimensional grid, heads in groups of group_heads (program_tile)
     group_heads: int = 1  # head_major: heads a group (a divisor of B * H); 0: [Note: tile order]'s rule
 
     def __post_init__(self) -> None:
         check_register_budget(self, self.consumers, self.consumer_regs)
+        check_group_heads(self)
 
     @property
     def block_m(self) -> int:
@@ -96,7 +100,7 @@ def split_head_dim(d: int) -> int | None:
 
 # Head dims whose backward defaults to the one-pass kernel, where it was measured faster than the two
 # passes (OPTIMIZATION_LOG.md, "Session 11" and "Session 12"): dQ added by a third warpgroup at d = 64
-# and 80, by the two consumers at d = 128 (a third warpgroup does not fit there); read at call time.
+# and 80, by the two consumers at d = 128 (a third warpgroup does not fit there).
 ONE_PASS_HEAD_DIMS: frozenset[int] = frozenset({64, 80, 128})
 
 
@@ -129,6 +133,21 @@ def heuristic_fwd(d: int) -> HopperFwdConfig | WarpSpecializedFwdConfig:
 # against the old order): -6.8 % at 32 x 32768 x 128, -6.1 % at 16 x 16384 x 128 (OPTIMIZATION_LOG,
 # session 18). The forwards were already longest first; their grouping (`group_heads=0`) is not yet
 # measured, so they keep one head after the other (`group_heads=1`) by default.
+
+
+def check_group_heads(cfg) -> None:
+    """Raise a ValueError naming `cfg` unless its group_heads is an integer >= 0."""
+    g = cfg.group_heads
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+        raise ValueError(f"{cfg}: group_heads must be an integer >= 0 (0: the rule), got {g!r}")
+
+
+def check_group(cfg, heads_total: int) -> None:
+    """Raise a ValueError naming `cfg` when its group_heads (if any, and not the rule's 0) does not
+    divide `heads_total` (B * H): before any work on a problem."""
+    g = getattr(cfg, "group_heads", 0)
+    if g and heads_total % g:
+        raise ValueError(f"{cfg}: group_heads must divide batch x heads = {heads_total}")
 
 
 def group_heads(heads_total: int, n_tiles: int, sms: int) -> int:
@@ -207,6 +226,7 @@ class WarpSpecializedBwdConfig:
         if self.delta_late and not self.dq_in_consumers:
             raise ValueError(f"{self}: Delta read late is an option of the dQ-in-consumers step")
         check_register_budget(self, self.consumers, self.consumer_regs, self.dq_regs)
+        check_group_heads(self)
 
     @property
     def one_pass(self) -> bool:
@@ -228,23 +248,28 @@ class WarpSpecializedBwdConfig:
         return warp_specialized_maxnreg(self.consumers, self.consumer_regs, self.dq_regs)
 
 
-def with_fields(cfg, spec: str):
-    """`cfg` (a dataclass configuration) with the fields of `spec`, "FIELD=VALUE[+FIELD=VALUE...]" with
-    Python literals, replaced (the configuration's own checks run); a ValueError names a bad field or
-    value. What `KernelOptions.hopper_bwd` and `flash_bench --ab-variants` say."""
-    fields = {f.name for f in dataclasses.fields(cfg)}
+def parse_fields(cls, spec: str) -> dict[str, Any]:
+    """The fields of `spec`, "FIELD=VALUE[+FIELD=VALUE...]" with Python literals, checked against the
+    dataclass `cls`'s field names; a ValueError names a bad field or value."""
+    fields = {f.name for f in dataclasses.fields(cls)}
     changes: dict[str, Any] = {}
     for part in spec.split("+"):
         name, sep, value = part.partition("=")
         if not sep or name not in fields:
             raise ValueError(
-                f"{part!r} is not FIELD=VALUE with FIELD of {type(cfg).__name__}: {', '.join(sorted(fields))}"
+                f"{part!r} is not FIELD=VALUE with FIELD of {cls.__name__}: {', '.join(sorted(fields))}"
             )
         try:
             changes[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             raise ValueError(f"{part!r}: {value!r} is not a Python literal") from None
-    return dataclasses.replace(cfg, **changes)
+    return changes
+
+
+def with_fields(cfg, spec: str):
+    """`cfg` (a dataclass configuration) with `spec`'s fields (`parse_fields`) replaced; the
+    configuration's own checks run. What `KernelOptions.hopper_bwd` and `flash_bench --ab-variants` say."""
+    return dataclasses.replace(cfg, **parse_fields(type(cfg), spec))
 
 
 def changed_backward(d: int, spec: str) -> WarpSpecializedBwdConfig:
@@ -252,9 +277,7 @@ def changed_backward(d: int, spec: str) -> WarpSpecializedBwdConfig:
     (`with_fields`); a ValueError where d's backward is not warp-specialised."""
     base = heuristic_bwd(d)
     if not isinstance(base, WarpSpecializedBwdConfig):
-        raise ValueError(
-            f"hopper_bwd={spec!r} changes the warp-specialised backward; head dim {d} uses {base}"
-        )
+        raise ValueError(f"{spec!r} changes the warp-specialised backward; head dim {d} uses {base}")
     return with_fields(base, spec)
 
 

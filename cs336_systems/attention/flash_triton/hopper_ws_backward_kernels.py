@@ -305,7 +305,9 @@ def flash_bwd_dkdv_ws_kernel(
     (B*H, N_QUERIES, D) buffer that receives dQ; otherwise it is not read. DQ_IN_CONSUMERS (ONE_PASS,
     D = 2 * D0): the consumers compute dQ themselves, no dQ warpgroup (DQ_REGS is not used), and with
     DQ_BY_PRODUCER the producer warp issues its reductions; with DELTA_LATE (DQ_IN_CONSUMERS) the
-    consumers read Delta after the exponent."""
+    consumers read Delta after the exponent. The grid goes head-major in groups of GROUP_HEADS heads
+    (a divisor of B*H), each key tile's program longest first (`program_tile`); SHORTEST_FIRST
+    reverses that (the order before session 18, kept for A/B runs)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
@@ -314,7 +316,7 @@ def flash_bwd_dkdv_ws_kernel(
     dtype: gl.constexpr = Q_ptr.dtype.element_ty
     # One-dimensional grid in groups of GROUP_HEADS heads: the programs resident at a time share a
     # few heads' Q, dO (and dQ buffer) in L2 instead of touching every head's. Causal: the key tiles
-    # at the start, with the most query steps, first ([Note: tile order]).
+    # at the start, with the most query steps, first unless SHORTEST_FIRST ([Note: tile order]).
     off_bh, k_tile = program_tile(N_KEYS, BLOCK_N, SHORTEST_FIRST, True, GROUP_HEADS)
     off_b = (off_bh // NUM_HEADS).to(gl.int64)
     off_h = (off_bh % NUM_HEADS).to(gl.int64)

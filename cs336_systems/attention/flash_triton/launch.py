@@ -393,9 +393,21 @@ def flash_bwd(
     plan = _BWD_PLANS.get(key)
     if plan is None:
         _check_backward(do, q, k, v, o, lse)
+        _changed_hopper_backward(q)  # a pinned option that cannot apply: an error before any work
     ops = _bwd_operands(do, q, k, v, o, lse)
     _run_planned(_BWD_PLANS, key, plan, _flash_bwd_full, ops, is_causal)
     return ops["dq"], ops["dk"], ops["dv"]
+
+
+def _changed_hopper_backward(q: Tensor) -> hopper_configs.WarpSpecializedBwdConfig | None:
+    """The Hopper backward's configuration for q's head dim with the pinned `KernelOptions.hopper_bwd`
+    applied (None without one), checked against q's heads (a ValueError naming the problem)."""
+    spec = tiles.pinned_options().hopper_bwd
+    if not spec:
+        return None
+    cfg = hopper_configs.changed_backward(q.shape[-1], spec)
+    hopper_configs.check_group(cfg, math.prod(q.shape[:-2]))
+    return cfg
 
 
 def _flash_bwd_full(ops: dict[str, Tensor], is_causal: bool) -> None:
@@ -407,8 +419,7 @@ def _flash_bwd_full(ops: dict[str, Tensor], is_causal: bool) -> None:
     tma = use_tma(opts, q4.device, *tensors[:7])
     if hopper.use_hopper(opts.hopper, *tensors[:7], kind="bwd"):
         # dK/dV by a Gluon kernel; dQ too with a one-pass configuration, else by the tl kernel.
-        cfg = hopper_configs.changed_backward(d, opts.hopper_bwd) if opts.hopper_bwd else None
-        passes = () if hopper.flash_bwd_hopper(tensors, is_causal, cfg) else ("dq",)
+        passes = () if hopper.flash_bwd_hopper(tensors, is_causal, _changed_hopper_backward(q4)) else ("dq",)
     else:
         passes = ("dkdv", "dq")
     if not passes:

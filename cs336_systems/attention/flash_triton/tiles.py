@@ -132,8 +132,8 @@ def check_config(cfg: FwdConfig | BwdConfig) -> None:
 def check_options(options: KernelOptions) -> None:
     if not isinstance(options, KernelOptions):
         raise ValueError(f"expected KernelOptions, got {type(options).__name__}")
-    if options.hopper_bwd:  # the spec's fields and values, against the d = 128 backward's configuration
-        hopper_configs.with_fields(hopper_configs.ONE_PASS_CONFIGS[128], options.hopper_bwd)
+    if options.hopper_bwd:  # its names and literals; the configuration per head dim at the first call
+        hopper_configs.parse_fields(hopper_configs.WarpSpecializedBwdConfig, options.hopper_bwd)
 
 
 # ----------------------------------------------------------------------------------------------

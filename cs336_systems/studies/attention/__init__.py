@@ -17,7 +17,8 @@ other modules are the family's helpers.
   the studies `flash_sweep` (flash_benchmarking) and `flash_leaderboard` (+ `flash_leaderboard_runs`,
   the protocol-run history, a helper: merged it would pass 500 lines), and the tuning helpers
   `flash_tuning` (tile tuning, ncu reports) and `flash_backward_tuning` (the one-pass backward),
-  whose rows `flash_leaderboard` and `flash_hopper` read.
+  whose rows `flash_leaderboard` and `flash_hopper` read, and `flash_ab` (interleaved A/B of Hopper
+  kernel configurations against cuDNN, printed only).
 * `flash_hopper` (study): the Gluon kernels' tuning, protocol and model-shape runs, tables and facts.
 * `flash_overhead` (study): the host overhead of the flash_benchmarking calls (CUDA graph replays).
 * `flash_model` (study): our kernel inside the model (equivalence and training steps).

@@ -24,8 +24,8 @@ Leaderboard (`--leaderboard`, handout section 5.1 of the spec): bf16, causal, on
 SDPA flash vs SDPA cuDNN (the SDPA calls see the same tensors as (1, 16, N, 64) views) with ratios,
 plus forward-only/backward-only TFLOP/s and the measured bf16 matmul peak of the same GPU.
 `--variants`, `--tune` (and `--tune-hopper`, `--tune-bwd`) time kernel variants and tile candidates at the leaderboard shape (the
-evidence behind flash_triton/OPTIMIZATION_LOG.md); `--ab-bwd` times Hopper backward configurations
-and cuDNN's backward in interleaved rounds (printed only).
+evidence behind flash_triton/OPTIMIZATION_LOG.md); `--ab-bwd` / `--ab-fwd` time Hopper backward /
+forward configurations and cuDNN's pass in interleaved rounds (`flash_ab`, printed only).
 
 Rows: problem "flash_benchmarking" (sweep) and "flash_leaderboard" (everything else).
 Run: `python -m cs336_systems.studies.attention.flash_bench [--quick] [--leaderboard] [--variants] [--tune]`.
@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cs336_systems.attention.flash_triton import hopper_configs
 from cs336_systems.measure import cli
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.studies.attention.flash_ab import ab_hopper_backward, ab_hopper_forward, parse_variant
@@ -282,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise ValueError("--ab-bwd and --ab-fwd take different variants: give one of them")
             heads, n, d = _lb_shape(args.ab_bwd or args.ab_fwd)
             for spec in args.ab_variants:  # bad variants fail here, before any GPU work
-                parse_variant(spec, d, kind)
+                hopper_configs.check_group(parse_variant(spec, d, kind), heads)
             if args.ab_rounds < 1:
                 raise ValueError(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
         if args.device != "cuda":

@@ -166,7 +166,8 @@ class LeaderboardRunConfig:
                 raise ValueError(
                     "--flash-bwd changes our attention's backward: it needs --attention flash_triton"
                 )
-            hopper_configs.changed_backward(mcfg.d_model // mcfg.num_heads, self.flash_bwd)
+            changed = hopper_configs.changed_backward(mcfg.d_model // mcfg.num_heads, self.flash_bwd)
+            hopper_configs.check_group(changed, self.batch_per_rank * mcfg.num_heads)
         if self.gc not in ("auto", "manual"):
             raise ValueError(f"--gc must be 'auto' or 'manual', got {self.gc!r}")
         if self.rep_ms <= 0 or self.warmup_ms < 0 or self.estimate_calls < 1:
@@ -285,7 +286,8 @@ def _measure_path(cfg: LeaderboardRunConfig, label: str, device, results_dir) ->
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else math.nan
     comm: dict[str, float] = {}
     if cfg.trace:
-        trace = default_results_dir(results_dir) / f"{PROBLEM}__trace_{label}_ws{world}.json.gz"
+        trial = "_flash_bwd" if path == "ours" and cfg.flash_bwd else ""  # never over a headline's trace
+        trace = default_results_dir(results_dir) / f"{PROBLEM}__trace_{label}{trial}_ws{world}.json.gz"
         comm = profile_step(protocol, device, trace)
     peaks = runner.gather_to_rank0(peak)
     layers = len(step.model.layers)

@@ -76,6 +76,12 @@ def is_trial(config: dict, git_sha: str) -> bool:
     return bool(trial_reason(config, git_sha))
 
 
+def without_trials(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of runs that are not trials ([Note: trials]): what the headline's facts may read."""
+    keep = [not is_trial(_config(r), r.git_sha) for r in df.itertuples()]
+    return df[pd.Series(keep, index=df.index, dtype=bool)] if len(df) else df
+
+
 def _ours_recompute(config: dict) -> str:
     """What ours' recomputed blocks recompute, in words, from a run's configuration."""
     if not config.get("keep_attention", False):
@@ -226,6 +232,7 @@ def latest_profiled(
     comm = comm[
         comm.metric.isin(["comm_ms", "comm_exposed_ms"]) & (comm.impl == "ours") & comm["mean"].notna()
     ]
+    comm = without_trials(comm)
     if mode is not None:
         comm = comm[comm.dtype == mode]
     if world_size is not None:
@@ -395,6 +402,7 @@ def facts(df: pd.DataFrame) -> dict:
     experiments = runs[(~runs.valid | (runs.trial != "")) & runs.ours_ms.notna()]
     out["experiments"] = experiments.to_dict("records")
     out["tuned_variants"] = tuned_variants(runs, out.get("headline"))
+    df = without_trials(df)  # below: the latest run's wall time and protocol, never a trial's
     cold = df[(df.metric == "wall_s") & (df.note == "cold caches")]
     if len(cold):
         out["cold_wall_s"] = float(cold["mean"].iloc[-1])
