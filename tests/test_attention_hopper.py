@@ -714,6 +714,20 @@ def test_ab_variants_replace_fields_of_the_launchers_passes():
         parse_variant("dq_by_producer=True", 128, "fwd")
 
 
+def test_the_ab_problem_in_the_models_layout_holds_every_head_in_each_row():
+    """`--ab-layout bnhd`: (1, H, N, d) views of (1, N, H, d), as the model's projections give them;
+    the backward's operands keep that layout; the default is dense per head; a bad layout is refused."""
+    from cs336_systems.studies.attention.flash_tuning import portable_problem
+
+    q, k, _, o, lse, tensors, _, _ = portable_problem(2, 32, 16, torch.float32, "cpu", "bnhd")
+    assert q.shape == (1, 2, 32, 16) and q.stride() == k.stride() == (32 * 2 * 16, 16, 2 * 16, 1)
+    assert tensors[3].stride() == q.stride() and o.shape == q.shape and lse.shape == (1, 2, 32)
+    dense = portable_problem(2, 32, 16, torch.float32, "cpu")[0]
+    assert dense.is_contiguous()
+    with pytest.raises(ValueError, match="layout must be one of"):
+        portable_problem(2, 32, 16, torch.float32, "cpu", "nhd")
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(
@@ -724,6 +738,6 @@ def test_gpu_ab_times_every_variant_and_cudnn_in_each_round(kind, shape, option)
     from cs336_systems.studies.attention import flash_ab
 
     ab = flash_ab.ab_hopper_backward if kind == "bwd" else flash_ab.ab_hopper_forward
-    df = ab(*shape, ["default", option], rounds=2, rep_ms=20.0)
+    df = ab(*shape, ["default", option], rounds=2, rep_ms=20.0, layout="bnhd")  # the model's layout
     assert sorted(df.variant.unique()) == sorted(["cudnn", "default", option])
     assert (df.groupby("variant").size() == 2).all() and (df.ms > 0).all()

@@ -65,15 +65,16 @@ def _interleaved(
 
 
 def ab_hopper_backward(
-    heads: int, n: int, d: int, variants: Sequence[str], *, rounds: int = 3, rep_ms: float = 1500.0
-) -> pd.DataFrame:
+    heads: int, n: int, d: int, variants: Sequence[str], *, rounds: int = 3, rep_ms: float = 1500.0,
+    layout: str = "bhnd",
+) -> pd.DataFrame:  # fmt: skip
     """The whole Hopper backward (dQ, dK, dV; Delta excluded) of each variant and cuDNN's backward
-    (through SDPA's autograd, its own Delta included) on one causal bf16 problem of batch 1; one row
-    per variant and round."""
+    (through SDPA's autograd, its own Delta included) on one causal bf16 problem of batch 1 in
+    `layout` (`flash_tuning.portable_problem`); one row per variant and round."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     configs = {spec: parse_variant(spec, d, "bwd") for spec in variants}
-    q, k, v, _o, _lse, tensors, opts, tma = portable_problem(heads, n, d, torch.bfloat16, "cuda")
+    q, k, v, _o, _lse, tensors, opts, tma = portable_problem(heads, n, d, torch.bfloat16, "cuda", layout)
     base = tiles.current_config("bwd", n, n, d, torch.bfloat16, True)
     with tiles.use_configs(options=opts):
         launch.launch_bwd(tensors, True, base, opts, tma)
@@ -94,19 +95,21 @@ def ab_hopper_backward(
         out = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
     do = tensors[3].reshape(out.shape)
     calls["cudnn"] = lambda: torch.autograd.grad(out, (qc, kc, vc), do, retain_graph=True)
-    return _interleaved(calls, rounds, rep_ms, f"whole backward, {heads} x {n} x {d} bf16 causal", configs)
+    title = f"whole backward, {heads} x {n} x {d} bf16 causal, layout {layout}"
+    return _interleaved(calls, rounds, rep_ms, title, configs)
 
 
 def ab_hopper_forward(
-    heads: int, n: int, d: int, variants: Sequence[str], *, rounds: int = 3, rep_ms: float = 1500.0
-) -> pd.DataFrame:
+    heads: int, n: int, d: int, variants: Sequence[str], *, rounds: int = 3, rep_ms: float = 1500.0,
+    layout: str = "bhnd",
+) -> pd.DataFrame:  # fmt: skip
     """The Hopper forward (O and the logsumexp) of each variant and cuDNN's forward (SDPA on inputs
-    that need gradients, so it too keeps the logsumexp) on one causal bf16 problem of batch 1; one row
-    per variant and round."""
+    that need gradients, so it too keeps the logsumexp) on one causal bf16 problem of batch 1 in
+    `layout`; one row per variant and round."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     configs = {spec: parse_variant(spec, d, "fwd") for spec in variants}
-    q, k, v, o_ref, lse_ref, _tensors, _opts, _tma = portable_problem(heads, n, d, torch.bfloat16, "cuda")
+    q, k, v, o_ref, lse_ref, *_ = portable_problem(heads, n, d, torch.bfloat16, "cuda", layout)
     o, lse = torch.empty_like(o_ref), torch.empty_like(lse_ref)
     calls: dict[str, Callable[[], object]] = {}
     for spec, cfg in configs.items():
@@ -123,4 +126,6 @@ def ab_hopper_forward(
             torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
 
     calls["cudnn"] = cudnn
-    return _interleaved(calls, rounds, rep_ms, f"forward, {heads} x {n} x {d} bf16 causal", configs)
+    return _interleaved(
+        calls, rounds, rep_ms, f"forward, {heads} x {n} x {d} bf16 causal, layout {layout}", configs
+    )

@@ -48,7 +48,7 @@ from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig,
 from cs336_systems.studies.attention.flash_leaderboard import measure as run_leaderboard
 from cs336_systems.studies.attention.flash_sweep import IMPLS, SweepConfig, quick_config
 from cs336_systems.studies.attention.flash_sweep import measure as run_sweep
-from cs336_systems.studies.attention.flash_tuning import run_hopper_tuning, run_tuning
+from cs336_systems.studies.attention.flash_tuning import LAYOUTS, run_hopper_tuning, run_tuning
 from cs336_systems.studies.attention.impls import LEADERBOARD_IMPLS, leaderboard_step
 
 
@@ -197,6 +197,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "FIELD=VALUE[+FIELD=VALUE] replacing its configuration's fields, e.g. default,dq_by_producer=True",
     )
     p.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of --ab-bwd / --ab-fwd")
+    p.add_argument(
+        "--ab-layout",
+        choices=list(LAYOUTS),
+        default="bhnd",
+        help="--ab-bwd / --ab-fwd inputs: bhnd dense per head, or bnhd, the model's (heads interleaved in each row)",
+    )
     p.add_argument("--lb-runs", type=int, default=1, help="how many times to run the leaderboard protocol")
     p.add_argument(
         "--lb-shapes",
@@ -289,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.device != "cuda":
             p.error(f"{flag} times the Hopper kernels: it needs --device cuda")
         ab = ab_hopper_backward if kind == "bwd" else ab_hopper_forward
-        ab(heads, n, d, args.ab_variants, rounds=args.ab_rounds)
+        ab(heads, n, d, args.ab_variants, rounds=args.ab_rounds, layout=args.ab_layout)
         return
     if args.once and args.device != "cuda":
         p.error("--once is a GPU profiler's workload (bf16 on the GPU kernels): it needs --device cuda")
