@@ -140,38 +140,6 @@ def test_every_default_hopper_path_compiles_for_sm90_without_a_gpu():
     assert all(r["spill_stores"] < 512 for r in rows), rows
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("option", ["dq_by_producer", "delta_late"])
-def test_the_d128_backward_options_compile_for_sm90_without_a_gpu(option):
-    """The d = 128 backward's options (the producer warp issuing dQ's reductions; Delta read after the
-    exponent), not default paths and so not in the test above, compile offline with the installed
-    Triton and fit shared memory; Delta read late spills less inside the loops than the default."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from cs336_systems.studies.attention import flash_offline as offline
-
-    code = (
-        "import dataclasses, json\n"
-        "from cs336_systems.attention.flash_triton import hopper_configs\n"
-        "from cs336_systems.studies.attention import flash_offline as o\n"
-        "out = []\n"
-        f"for cfg in (hopper_configs.heuristic_bwd(128), dataclasses.replace(hopper_configs.heuristic_bwd(128), {option}=True)):\n"
-        "    rec = [r for r in o.hopper_launches('bwd', 128, True, cfg) if r.name == 'flash_bwd_dkdv_ws_kernel']\n"
-        "    out.append(dataclasses.asdict(o.compile_sm90(rec[0])))\n"
-        "print(json.dumps(out))\n"
-    )
-    env = os.environ | {"TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-4000:]
-    default, res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert 0 < res["shared_bytes"] <= offline.SM90_SHARED_BYTES and res["spill_stores"] < 512, res
-    if option == "delta_late":  # Triton 3.6: 21 local accesses in the loops against 33; 3.7: 18 against 28
-        assert res["loop_local_accesses"] < default["loop_local_accesses"], (res, default)
-
-
 @pytest.mark.parametrize(("d", "in_consumers"), [(64, False), (80, False), (128, True)])
 def test_the_one_pass_backward_is_the_default_where_it_was_measured_faster(d, in_consumers):
     """A dQ warpgroup at d = 64, 80; at d = 128 (no registers for a third warpgroup) the consumers."""
@@ -365,18 +333,6 @@ ONE_PASS_CONFIGS = [
 DQ_IN_CONSUMERS_CONFIGS = [
     hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1),
     hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=1, dq_buffers=2),
-    # the producer warp issues the reductions: one staging tile (the d = 128 default's) and two
-    hopper_configs.WarpSpecializedBwdConfig(
-        dq_in_consumers=True, ds_slots=2, dq_buffers=1, dq_by_producer=True
-    ),
-    hopper_configs.WarpSpecializedBwdConfig(
-        dq_in_consumers=True, ds_slots=1, dq_buffers=2, dq_by_producer=True
-    ),
-    # Delta read after the exponent, alone and with the producer's reductions
-    hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True, ds_slots=2, dq_buffers=1, delta_late=True),
-    hopper_configs.WarpSpecializedBwdConfig(
-        dq_in_consumers=True, dq_buffers=1, dq_by_producer=True, delta_late=True
-    ),
 ]
 # (config, head dim): the dQ warpgroup at any split head dim; dQ in the consumers at two equal halves
 ONE_PASS_CASES = [(cfg, d) for cfg in ONE_PASS_CONFIGS for d in (16, 64, 80)] + [
@@ -402,10 +358,6 @@ def test_a_head_dim_the_consumers_cannot_halve_is_refused_with_a_clear_error():
 def test_dq_either_in_a_warpgroup_of_its_own_or_in_the_consumers():
     with pytest.raises(ValueError, match="either in a warpgroup of its own"):
         hopper_configs.WarpSpecializedBwdConfig(dq_regs=88, dq_in_consumers=True)
-    with pytest.raises(ValueError, match="the producer reduces the dQ that the consumers compute"):
-        hopper_configs.WarpSpecializedBwdConfig(dq_regs=88, dq_by_producer=True)
-    with pytest.raises(ValueError, match="Delta read late is an option of the dQ-in-consumers step"):
-        hopper_configs.WarpSpecializedBwdConfig(dq_regs=88, delta_late=True)
 
 
 @pytest.mark.gpu
@@ -704,14 +656,14 @@ def test_ab_variants_replace_fields_of_the_launchers_passes():
     from cs336_systems.studies.attention.flash_ab import parse_variant
 
     assert parse_variant("default", 128) == hopper_configs.heuristic_bwd(128)
-    cfg = parse_variant("dq_by_producer=True+stages=3", 128)
-    assert cfg.dq_by_producer and cfg.stages == 3 and cfg.dq_in_consumers
-    with pytest.raises(ValueError, match="the producer reduces the dQ"):
-        parse_variant("dq_in_consumers=False+dq_by_producer=True", 128)  # the config's own check
+    cfg = parse_variant("shortest_first=True+stages=3", 128)
+    assert cfg.shortest_first and cfg.stages == 3 and cfg.dq_in_consumers
+    with pytest.raises(ValueError, match="dQ either in a warpgroup of its own"):
+        parse_variant("dq_regs=88", 128)  # the config's own check
     assert parse_variant("default", 80, "fwd") == hopper_configs.heuristic_fwd(80)
     assert parse_variant("group_heads=0", 128, "fwd").group_heads == 0
     with pytest.raises(ValueError, match="is not FIELD=VALUE with FIELD of WarpSpecializedFwdConfig"):
-        parse_variant("dq_by_producer=True", 128, "fwd")
+        parse_variant("dq_in_consumers=True", 128, "fwd")
 
 
 def test_the_ab_problem_in_the_models_layout_holds_every_head_in_each_row():
@@ -732,7 +684,7 @@ def test_the_ab_problem_in_the_models_layout_holds_every_head_in_each_row():
 @needs_sm90
 @pytest.mark.parametrize(
     ("kind", "shape", "option"),
-    [("bwd", (2, 512, 128), "dq_by_producer=True"), ("fwd", (4, 2048, 128), "group_heads=0")],
+    [("bwd", (2, 512, 128), "shortest_first=True"), ("fwd", (4, 2048, 128), "group_heads=0")],
 )
 def test_gpu_ab_times_every_variant_and_cudnn_in_each_round(kind, shape, option):
     from cs336_systems.studies.attention import flash_ab

@@ -121,7 +121,7 @@ USAGE_ERRORS = [
     ("studies.attention.flash_bench", ["--ab-fwd", "2x64x128", "--ab-bwd", "2x64x128"], "give one of them"),
     ("studies.attention.flash_bench", ["--ab-bwd", "2x64x128", "--ab-variants", "group_heads=3"],
      "group_heads must divide batch x heads = 2"),
-    ("studies.attention.flash_bench", ["--ab-fwd", "2x64x128", "--ab-variants", "dq_by_producer=True"],
+    ("studies.attention.flash_bench", ["--ab-fwd", "2x64x128", "--ab-variants", "dq_in_consumers=True"],
      "FIELD of WarpSpecializedFwdConfig"),
     ("studies.attention.flash_model", ["--quick", "--impls", "naive", "fast"], "--impls"),
     ("studies.attention", ["--quick", "--compile-sizes", "huge"], "--compile-sizes"),

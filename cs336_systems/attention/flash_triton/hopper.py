@@ -210,8 +210,6 @@ def flash_bwd_hopper(
             DS_SLOTS=cfg.ds_slots,
             DQ_BUFFERS=cfg.dq_buffers,
             DQ_IN_CONSUMERS=cfg.dq_in_consumers,
-            DQ_BY_PRODUCER=cfg.dq_by_producer,
-            DELTA_LATE=cfg.delta_late,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )

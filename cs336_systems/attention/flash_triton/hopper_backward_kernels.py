@@ -63,7 +63,6 @@ def transposed_product(a0_s, a1_s, b0_t, b1_t, zero, SPLIT: gl.constexpr):
 def scores_to_ds(
     s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout: gl.constexpr,
     a0_layout: gl.constexpr, a1_layout: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, N_KEYS=None,
-    DELTA_LATE: gl.constexpr = False,
 ):  # fmt: skip
     """A query step once S^T (keys key0.. on rows) is ready, up to dS^T: P^T = exp2(S^T c - L) (masked
     on steps that straddle or precede the diagonal), dV += P^T dO issued, dP^T waited for,
@@ -71,16 +70,12 @@ def scores_to_ds(
     operands (pt_a0, pt_a1: pass them to the wait that completes dV, so that their registers are not
     reused while the tensor cores still read them), dS^T (16-bit, S^T's layout; zero for keys >= N_KEYS
     when N_KEYS is given) and dS^T as the dK product's register operands (dst_a0, dst_a1). l2 (L * log2 e)
-    and delta: the step's queries, laid out along S^T's columns; with DELTA_LATE, delta is the
-    shared-memory tile holding Delta, read after the exponent (so that its registers are not live
-    beside S^T's and dP^T's accumulators: fewer spills at d = 128, OPTIMIZATION_LOG session 17)."""
+    and delta: the step's queries, laid out along S^T's columns."""
     G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
     KEYS: gl.constexpr = s_t.type.shape[0]
     BLOCK_M: gl.constexpr = s_t.type.shape[1]
     dtype: gl.constexpr = do0_t.dtype
     pt = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
-    if DELTA_LATE:
-        delta = delta.load(gl.SliceLayout(0, s_layout))
     if IS_CAUSAL:  # noqa: SIM102 - a constexpr test, then a run-time one
         if start_m < key0 + KEYS - 1:
             offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))

@@ -196,10 +196,7 @@ class WarpSpecializedBwdConfig:
     their dS^T tiles through a `ds_slots`-deep shared-memory ring. `dq_in_consumers` makes it one
     pass without that warpgroup: each consumer computes one column half of dQ from both dS^T tiles
     (head dims of two equal power-of-two halves: 32, 64, 128, 256), keeping registers for 128-wide
-    dK/dV accumulators; with `dq_by_producer` they only stage it and the producer warp issues its
-    reductions ([Note: dQ reduced by the producer] in hopper_ws_dq_kernels), and with `delta_late` they
-    read Delta after the exponent instead of beside L (fewer registers live during S^T's and dP^T's
-    products)."""
+    dK/dV accumulators. `group_heads` and `shortest_first`: the grid's order ([Note: tile order])."""
 
     block_m: int = 64
     stages: int = 2
@@ -209,8 +206,6 @@ class WarpSpecializedBwdConfig:
     ds_slots: int = 2  # one pass: depth of the consumers' dS^T ring that the dQ warpgroup reads
     dq_buffers: int = 2  # one pass: float32 dQ staging tiles in flight to the TMA reductions
     dq_in_consumers: bool = False  # one pass, dQ computed by the two consumers (no dQ warpgroup)
-    dq_by_producer: bool = False  # dq_in_consumers: the producer warp issues dQ's reductions
-    delta_late: bool = False  # dq_in_consumers: Delta read after the exponent (fewer spills offline)
     group_heads: int = 0  # heads a group of the grid (a divisor of B * H); 0: [Note: tile order]'s rule
     shortest_first: bool = False  # the order before session 18 (causal: last key tile first), to A/B
 
@@ -219,12 +214,6 @@ class WarpSpecializedBwdConfig:
             raise ValueError(f"{self}: the one-pass backward takes two consumers and 64-query steps")
         if self.dq_regs and self.dq_in_consumers:
             raise ValueError(f"{self}: dQ either in a warpgroup of its own (dq_regs) or in the consumers")
-        if self.dq_by_producer and not self.dq_in_consumers:
-            raise ValueError(
-                f"{self}: the producer reduces the dQ that the consumers compute (dq_in_consumers)"
-            )
-        if self.delta_late and not self.dq_in_consumers:
-            raise ValueError(f"{self}: Delta read late is an option of the dQ-in-consumers step")
         check_register_budget(self, self.consumers, self.consumer_regs, self.dq_regs)
         check_group_heads(self)
 

@@ -49,7 +49,6 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
     consumer_step_with_dq,
     dq_warpgroup,
-    producer_reduce_dq,
     publish_ds,
 )
 
@@ -58,9 +57,8 @@ WG_WARPS: gl.constexpr = gl.constexpr(4)
 
 
 @gluon.jit
-def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr, DQ_BY_PRODUCER: gl.constexpr):
-    """TMA loads of every consumer's K/V, then the Q/dO/L/Delta ring (with DQ_BY_PRODUCER also the
-    dQ reductions of the steps whose stages it refills: [Note: dQ reduced by the producer])."""
+def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
+    """TMA loads of every consumer's K/V, then the Q/dO/L/Delta ring."""
     descs, smem, bars, off_bh, start_n, start_m0, n_iters, N_QUERIES, _N_KEYS, L_ptr, Delta_ptr = args[:11]
     q0, q1, do0, do1, k0, k1, v0, v1 = descs[:8]
     q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s = smem[:10]
@@ -100,15 +98,6 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr, DQ_BY_PRODUCER: gl
         offs_m += BLOCK_M
         l2 = gl.load(l_base + offs_m, mask=offs_m < N_QUERIES, other=float("inf")) * LOG2E
         delta = gl.load(delta_base + offs_m, mask=offs_m < N_QUERIES, other=0.0)
-        if DQ_BY_PRODUCER:  # noqa: SIM102 - a constexpr test, then a run-time one
-            if it >= STAGES:  # the step whose stage was just refilled is done
-                producer_reduce_dq(
-                    it - STAGES, start_m0, descs[12], descs[13], smem[11], smem[12], bars[5], bars[6]
-                )
-    if DQ_BY_PRODUCER:
-        for j in range(n_iters - STAGES, n_iters):  # the last steps
-            if j >= 0:
-                producer_reduce_dq(j, start_m0, descs[12], descs[13], smem[11], smem[12], bars[5], bars[6])
 
 
 @gluon.jit
@@ -119,12 +108,10 @@ def _bwd_consumer(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
-    DQ_BY_PRODUCER: gl.constexpr,
-    DELTA_LATE: gl.constexpr,
 ):
     """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step
     (with ONE_PASS also publishing each step's dS^T tile for dQ, and with DQ_IN_CONSUMERS computing
-    column block w of dQ itself and reducing it, or with DQ_BY_PRODUCER staging it for the producer)."""
+    column block w of dQ itself and reducing it)."""
     descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, N_KEYS, _L, _Delta, _DQ, scale = args
     dk0_d, dk1_d, dv0_d, dv1_d = descs[8:12]
     q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s = smem[:11]
@@ -173,17 +160,13 @@ def _bwd_consumer(
         st_tok = transposed_product(k0_w, k1_w, q0_t, q1_t, zero_s, SPLIT)
         dpt_tok = transposed_product(v0_w, v1_w, do0_t, do1_t, zero_s, SPLIT)
         l2 = l_s.index(st).load(col_layout)
-        if DELTA_LATE:  # read by scores_to_ds after the exponent
-            delta = delta_s.index(st)
-        else:
-            delta = delta_s.index(st).load(col_layout)
+        delta = delta_s.index(st).load(col_layout)
         # In flight: S^T, dP^T. Wait for all but dP^T.
         s_t = warpgroup_mma_wait(G, deps=(st_tok,))
         if DQ_IN_CONSUMERS:
             dk0, dk1, dv0, dv1 = consumer_step_with_dq(
                 args, w, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
-                dv0, dv1, qk_scale, s_layout, acc0_layout, a0_layout, a1_layout, IS_CAUSAL, DQ_BY_PRODUCER,
-                DELTA_LATE,
+                dv0, dv1, qk_scale, s_layout, acc0_layout, a0_layout, a1_layout, IS_CAUSAL,
             )  # fmt: skip
         else:
             dk0, dk1, dv0, dv1, dst, dst_a0, dst_a1 = dkdv_after_scores(
@@ -220,7 +203,7 @@ def _bwd_consumer(
     if SPLIT:
         tma.async_copy_shared_to_global(dk1_d, [key0, 0], k1_w)
         tma.async_copy_shared_to_global(dv1_d, [key0, 0], v1_w)
-    tma.store_wait(0)  # dK, dV (and, unless the producer reduces dQ, this consumer's last dQ reductions)
+    tma.store_wait(0)  # dK, dV (and this consumer's last dQ reductions)
 
 
 @gluon.jit
@@ -231,10 +214,8 @@ def _bwd_consumer0(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
-    DQ_BY_PRODUCER: gl.constexpr,
-    DELTA_LATE: gl.constexpr,
 ):
-    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE)
+    _bwd_consumer(args, 0, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
 
 
 @gluon.jit
@@ -246,17 +227,15 @@ def _bwd_worker(
     IS_CAUSAL: gl.constexpr,
     ONE_PASS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
-    DQ_BY_PRODUCER: gl.constexpr,
-    DELTA_LATE: gl.constexpr,
 ):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C, the dQ warpgroup for
     w == C + 1."""
     if w == C:
-        _bwd_producer(args, C, SPLIT, DQ_BY_PRODUCER)
+        _bwd_producer(args, C, SPLIT)
     elif w == C + 1:
         dq_warpgroup(args, C, SPLIT)
     else:
-        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE)
+        _bwd_consumer(args, w, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS)
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
@@ -294,8 +273,6 @@ def flash_bwd_dkdv_ws_kernel(
     DS_SLOTS: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
-    DQ_BY_PRODUCER: gl.constexpr,
-    DELTA_LATE: gl.constexpr,
     SHORTEST_FIRST: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -303,9 +280,7 @@ def flash_bwd_dkdv_ws_kernel(
     (the default partition is consumer 0; consumers 1.., the producer warp and, with ONE_PASS, the dQ
     warpgroup are worker partitions). With ONE_PASS (two consumers), DQ_ptr is a zeroed float32
     (B*H, N_QUERIES, D) buffer that receives dQ; otherwise it is not read. DQ_IN_CONSUMERS (ONE_PASS,
-    D = 2 * D0): the consumers compute dQ themselves, no dQ warpgroup (DQ_REGS is not used), and with
-    DQ_BY_PRODUCER the producer warp issues its reductions; with DELTA_LATE (DQ_IN_CONSUMERS) the
-    consumers read Delta after the exponent. The grid goes head-major in groups of GROUP_HEADS heads
+    D = 2 * D0): the consumers compute dQ themselves, no dQ warpgroup (DQ_REGS is not used). The grid goes head-major in groups of GROUP_HEADS heads
     (a divisor of B*H), each key tile's program longest first (`program_tile`); SHORTEST_FIRST
     reverses that (the order before session 18, kept for A/B runs)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
@@ -377,14 +352,6 @@ def flash_bwd_dkdv_ws_kernel(
     else:  # not used
         ds_s, ds_ready, ds_empty, dq0_s, dq1_s = l_s, kv_bar, kv_bar, l_s, l_s
         dq0_d, dq1_d = dk0, dk0
-    if DQ_BY_PRODUCER:  # the staging tiles: filled by every consumer, emptied by the producer
-        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(DQ_BUFFERS):
-            mbarrier.init(dq_full.index(i), count=C)
-            mbarrier.init(dq_free.index(i), count=1)
-    else:  # not used
-        dq_full, dq_free = kv_bar, kv_bar
 
     # Query steps: (causal) from the step holding query start_n, else from 0.
     if IS_CAUSAL:
@@ -396,7 +363,7 @@ def flash_bwd_dkdv_ws_kernel(
     args = (
         (q0, q1, do0, do1, k0, k1, v0, v1, dk0, dk1, dv0, dv1, dq0_d, dq1_d),
         (q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s, dq0_s, dq1_s),
-        (kv_bar, ready_bar, empty_bar, ds_ready, ds_empty, dq_full, dq_free),
+        (kv_bar, ready_bar, empty_bar, ds_ready, ds_empty),
         off_bh,
         start_n,
         start_m0,
@@ -413,26 +380,24 @@ def flash_bwd_dkdv_ws_kernel(
     gl.static_assert(
         not DQ_IN_CONSUMERS or (ONE_PASS and SPLIT and D1 == D0), "dQ in the consumers: one pass, D = 2 * D0"
     )
-    gl.static_assert(not DQ_BY_PRODUCER or DQ_IN_CONSUMERS, "the producer reduces the consumers' dQ")
-    gl.static_assert(not DELTA_LATE or DQ_IN_CONSUMERS, "Delta read late: the dQ-in-consumers step")
     if ONE_PASS and not DQ_IN_CONSUMERS:
         gl.warp_specialize(
             [
                 (
                     _bwd_consumer0,
-                    (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
                 (
                     _bwd_worker,
-                    (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
                 (
                     _bwd_worker,
-                    (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, C + 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
                 (
                     _bwd_worker,
-                    (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, C, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
             ],
             [4, 4, 1],
@@ -443,15 +408,15 @@ def flash_bwd_dkdv_ws_kernel(
             [
                 (
                     _bwd_consumer0,
-                    (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
                 (
                     _bwd_worker,
-                    (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
                 (
                     _bwd_worker,
-                    (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
             ],
             [4, 1],
@@ -462,19 +427,19 @@ def flash_bwd_dkdv_ws_kernel(
             [
                 (
                     _bwd_consumer0,
-                    (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
                 (
                     _bwd_worker,
-                    (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, 1, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
                 (
                     _bwd_worker,
-                    (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, 2, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
                 (
                     _bwd_worker,
-                    (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS, DQ_BY_PRODUCER, DELTA_LATE),
+                    (args, 3, C, SPLIT, IS_CAUSAL, ONE_PASS, DQ_IN_CONSUMERS),
                 ),
             ],
             [4, 4, 1],

@@ -8,19 +8,7 @@ reductions (in a varying order: dQ is not bitwise deterministic). Two ways to co
     consumer_step_with_dq  (DQ_IN_CONSUMERS) each consumer computes one column block of dQ_i once
                            both dS^T tiles are in the ring, and reduces it itself: no warpgroup beside
                            the two consumers, so each keeps 240 registers for its 128-wide dK/dV
-                           accumulators (d = 128); with DQ_BY_PRODUCER the consumers only stage it
-                           (`stage_dq`) and the producer warp issues the reductions
-                           (`producer_reduce_dq`, [Note: dQ reduced by the producer])
-
-[Note: dQ reduced by the producer]
-FlashAttention-3's layout of the d = 128 backward: the consumers store their scaled dQ column blocks
-in the staging tile, fence, and signal `dq_full`; the producer warp, which otherwise only waits for
-free Q/dO stages, issues the two TMA reductions, waits until the engine has read the tile and signals
-`dq_free`. Step j's staging is complete before the consumers release step j's Q/dO stage, so the
-producer reduces step j in the iteration that refills that stage (after that iteration's loads, so
-they are not delayed), and the last STAGES steps after its loop. What leaves the consumers: the
-elected thread's bulk-reduction issue and its wait for the previous reduction's reads (session 16's
-profile put the staging, fence and issue at ~10 % of a consumer's samples).
+                           accumulators (d = 128)
 
 Partition arguments are those of `flash_bwd_dkdv_ws_kernel` (the `args` tuple it builds).
 
@@ -169,51 +157,21 @@ def reduce_dq(acc0, acc1, start_m, it, dq0_d, dq1_d, dq0_s, dq1_s, scale, TWO: g
 
 
 @gluon.jit
-def stage_dq(acc, it, dq_s, dq_full, dq_free, scale):
-    """DQ_BY_PRODUCER, a consumer: stage scale * acc (its dQ column block of query step `it`) in float32
-    buffer it % BUFFERS once the producer has released it, and signal dq_full (count: the consumers)."""
-    BUFFERS: gl.constexpr = dq_s.type.shape[0]
-    b = it % BUFFERS
-    mbarrier.wait(dq_free.index(b), ((it // BUFFERS) & 1) ^ 1)
-    dq_s.index(b).store(acc * scale)
-    fence_async_shared()  # generic-proxy stores before the TMA engine reads the tile
-    thread_barrier()  # the whole warpgroup's stores before the arrive below
-    mbarrier.arrive(dq_full.index(b), count=1)
-
-
-@gluon.jit
-def producer_reduce_dq(j, start_m0, dq0_d, dq1_d, dq0_s, dq1_s, dq_full, dq_free):
-    """DQ_BY_PRODUCER, the producer warp: once every consumer has staged query step j's dQ column
-    blocks, add them into the float32 dQ by TMA reductions and release the buffer when the engine has
-    read it ([Note: dQ reduced by the producer])."""
-    BUFFERS: gl.constexpr = dq0_s.type.shape[0]
-    BLOCK_M: gl.constexpr = dq0_s.type.shape[1]
-    b = j % BUFFERS
-    mbarrier.wait(dq_full.index(b), (j // BUFFERS) & 1)
-    tma_reduce_add(dq0_d, [start_m0 + j * BLOCK_M, 0], dq0_s.index(b))
-    tma_reduce_add(dq1_d, [start_m0 + j * BLOCK_M, 0], dq1_s.index(b))
-    tma.store_wait(0)  # the tiles are read
-    thread_barrier()
-    mbarrier.arrive(dq_free.index(b), count=1)
-
-
-@gluon.jit
 def consumer_step_with_dq(
     args, w: gl.constexpr, it, s_t, dpt_tok, l2, delta, start_m, key0, q0_t, q1_t, do0_t, do1_t, dk0, dk1,
     dv0, dv1, qk_scale, s_layout: gl.constexpr, acc_layout: gl.constexpr, a0_layout: gl.constexpr,
-    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_BY_PRODUCER: gl.constexpr, DELTA_LATE: gl.constexpr,
+    a1_layout: gl.constexpr, IS_CAUSAL: gl.constexpr,
 ):  # fmt: skip
     """The rest of consumer w's query step `it` once S^T is in (DQ_IN_CONSUMERS): dV, dS^T, then dK's
     first column block, the dS^T hand-off, dQ's products (this consumer's own tile first), dK's second
-    column block, and dQ staged (and reduced, unless DQ_BY_PRODUCER) while that block runs ([Note: dQ
-    between dK's halves]); with DELTA_LATE `delta` is Delta's shared-memory tile.
+    column block, and dQ staged and reduced while that block runs ([Note: dQ between dK's halves]).
     Returns (dk0, dk1, dv0, dv1), every product done."""
     descs, smem, bars, _off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _DQ, scale = args
     k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
-    ds_ready, ds_empty, dq_full, dq_free = bars[3:7]
+    ds_ready, ds_empty = bars[3:5]
     dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
         s_t, dpt_tok, l2, delta, start_m, key0, do0_t, do1_t, dv0, dv1, qk_scale, s_layout, a0_layout,
-        a1_layout, True, IS_CAUSAL, N_KEYS, DELTA_LATE,
+        a1_layout, True, IS_CAUSAL, N_KEYS,
     )  # fmt: skip
     dk0 = warpgroup_mma(dst_a0, q0_t, dk0, is_async=True)  # runs during the hand-off
     publish_ds(dst, ds_s, ds_ready, ds_empty, it, w)
@@ -224,9 +182,6 @@ def consumer_step_with_dq(
     )  # all but dK's second block: dV, dK's first and dQ done
     mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
     dq_w_d, dq_w_s = descs[12 + w], smem[11 + w]
-    if DQ_BY_PRODUCER:
-        stage_dq(dq, it, dq_w_s, dq_full, dq_free, scale)
-    else:
-        reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
+    reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
     dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dk0, dk1, dst_a0, dst_a1))
     return dk0, dk1, dv0, dv1

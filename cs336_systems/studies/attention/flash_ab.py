@@ -24,7 +24,7 @@ KINDS = ("fwd", "bwd")
 
 def parse_variant(spec: str, d: int, kind: str = "bwd") -> Any:
     """'default' (the launcher's `kind` pass for head dim d) or 'field=value[+field=value...]': the
-    default with those fields replaced, e.g. 'dq_by_producer=True'. Raises a ValueError naming a bad
+    default with those fields replaced, e.g. 'shortest_first=True'. Raises a ValueError naming a bad
     field or value, before any GPU work."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")

@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         type=_strs,
         default=("default",),
         help="comma-separated --ab-bwd / --ab-fwd variants: 'default' (the launcher's pass) or "
-        "FIELD=VALUE[+FIELD=VALUE] replacing its configuration's fields, e.g. default,dq_by_producer=True",
+        "FIELD=VALUE[+FIELD=VALUE] replacing its configuration's fields, e.g. default,shortest_first=True",
     )
     p.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of --ab-bwd / --ab-fwd")
     p.add_argument(

@@ -218,13 +218,7 @@ HOPPER_WS_DKDV_CANDIDATES = {
 HOPPER_ONE_PASS_CANDIDATES = {
     64: [(64, 2, 184, 2, 120), (64, 3, 184, 2, 120), (64, 2, 200, 2, 88), (64, 2, 184, 2, 120, 3, 3)],
     80: [(64, 2, 208, 2, 72), (64, 3, 208, 2, 72)],
-    128: [
-        (64, 2, 240, 2, 0, 2, 1, True),
-        (64, 2, 240, 2, 0, 2, 2, True),
-        (64, 2, 240, 2, 0, 2, 1, True, True),  # dQ reduced by the producer
-        (64, 2, 240, 2, 0, 2, 1, True, False, True),  # Delta read after the exponent
-        (64, 2, 240, 2, 0, 2, 1, True, True, True),  # both
-    ],
+    128: [(64, 2, 240, 2, 0, 2, 1, True), (64, 2, 240, 2, 0, 2, 2, True)],
 }
 HOPPER_DKDV_CANDIDATES = {
     64: [
