@@ -73,7 +73,8 @@ from cs336_systems.studies.distributed import trace_plot
 from cs336_systems.studies.training.leaderboard_stock import (
     SAC_MATMULS,
     PolicyBlock,
-    allocator_usable_bytes,
+    least_headroom,
+    outside_allocator_bytes,
     recompute_plan,
 )
 from cs336_systems.training.leaderboard import LeaderboardConfig, checkpointed_regions
@@ -145,17 +146,16 @@ def plan_checkpointing(step, protocol: ProtocolStep, cfg, device) -> dict[str, A
         saved = _kept_bytes(block, x, device) - region
         saved_mm = _kept_bytes(step.matmul_regions[-1], x, device) - region if matmuls else 0
         del x
-    usable = allocator_usable_bytes(device)
-    agreed = torch.tensor([peak - usable, saved, saved_mm], device=device, dtype=torch.float64)
+    agreed = torch.tensor([saved, saved_mm], device=device, dtype=torch.float64)
     if dist.get_world_size() > 1:  # the ranks plan from the least headroom and the most bytes
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     plan = {
         "peak_all_checkpointed": peak,
-        "headroom": -float(agreed[0]),
-        "block_saved": float(agreed[1]),
-        "matmuls_saved": float(agreed[2]),
+        "headroom": least_headroom(peak, device),
+        "block_saved": float(agreed[0]),
+        "matmuls_saved": float(agreed[1]),
         "keep_matmuls": matmuls,
-        "outside_allocator": torch.cuda.mem_get_info(device)[1] - usable,
+        "outside_allocator": outside_allocator_bytes(device),
     }
     return plan | apply_ours_margin(step, plan, cfg.margin_gib)
 

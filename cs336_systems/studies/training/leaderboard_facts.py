@@ -27,6 +27,7 @@ import pandas as pd
 from cs336_systems.measure.provenance import provenance
 from cs336_systems.measure.traces import load_trace
 from cs336_systems.studies.distributed import trace_plot
+from cs336_systems.studies.training.leaderboard_stock import POLICIES
 
 GOALS = {  # GPU kind: ours / stock at most ([Note: the valid entry])
     "NVIDIA H200": 0.80,
@@ -183,9 +184,7 @@ def _recomputed(df: pd.DataFrame, run: pd.DataFrame, path: str, layers: int) -> 
         if m == m and m > 0:
             return f"{k - m:.0f} blocks all but attention, {m:.0f} only elementwise work"
         return f"{k:.0f} blocks, {run.iloc[0].kept}"
-    counts = {
-        p: _run_metric(df, run, path, f"blocks_{p}") for p in ("full", "attention", "selective", "none")
-    }
+    counts = {p: _run_metric(df, run, path, f"blocks_{p}") for p in POLICIES}
     return ", ".join(f"{v:.0f} {p}" for p, v in counts.items() if v == v and v > 0)
 
 

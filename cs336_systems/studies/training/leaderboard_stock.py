@@ -51,6 +51,7 @@ import functools
 import itertools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -67,6 +68,20 @@ def allocator_usable_bytes(device: torch.device) -> int:
     allocator's retries: [Note: the planning margin] in leaderboard_bench)."""
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device)
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """The device memory out of the caching allocator's reach (`allocator_usable_bytes`), for the rows."""
+    return torch.cuda.mem_get_info(device)[1] - allocator_usable_bytes(device)
+
+
+def least_headroom(peak: float, device: torch.device) -> float:
+    """The least over the ranks of what the allocator can reach (`allocator_usable_bytes`) beyond this
+    rank's `peak`, bytes: what both recompute plans start from."""
+    short = torch.tensor([peak - allocator_usable_bytes(device)], device=device, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(short, op=dist.ReduceOp.MAX)
+    return -float(short)
 
 
 def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
@@ -271,8 +286,6 @@ class StockTunedStep(StockFsdp2Step):
     def plan(self, protocol, device: torch.device, margin_gib: float) -> dict:
         """Measure P, a_a, a_s and a_n with `protocol()` (one protocol step, a `leaderboard_bench.ProtocolStep`)
         and set the plan; on a CPU every block runs "selective". Returns the plan's numbers for the rows."""
-        import torch.distributed as dist
-
         layers = len(self.blocks)
         if device.type != "cuda":
             self.set_policies(["selective"] * layers)
@@ -295,17 +308,13 @@ class StockTunedStep(StockFsdp2Step):
         kept_attention = max(peak(["attention"] + ["full"] * (layers - 1)) - full, 1.0)
         kept_selective = max(peak(["selective"] + ["full"] * (layers - 1)) - full, kept_attention + 1.0)
         kept_none = max(peak(["none"] + ["full"] * (layers - 1)) - full, kept_selective + 1.0)
-        usable = allocator_usable_bytes(device)
-        headroom = torch.tensor([float(usable)], device=device, dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank plans from the least
-            dist.all_reduce(headroom, op=dist.ReduceOp.MIN)
         plan = {
             "peak_all_full": full,
             "kept_attention": kept_attention,
             "kept_selective": kept_selective,
             "kept_none": kept_none,
-            "headroom": float(headroom) - full,
-            "outside_allocator": torch.cuda.mem_get_info(device)[1] - usable,
+            "headroom": least_headroom(full, device),  # full: the ranks' greatest already
+            "outside_allocator": outside_allocator_bytes(device),
         }
         plan["policies"] = self.apply_margin(plan, margin_gib)
         return plan
