@@ -22,14 +22,25 @@ from cs336_systems.studies.attention.flash_tuning import portable_problem, rel_e
 KINDS = ("fwd", "bwd")
 
 
+# --ab-fwd variants may name the forward kernel: "wg" the one-warpgroup kernel, "ws" the
+# warp-specialised one, with their own defaults ("ws+block_n=64" replaces fields of those)
+FWD_KERNELS = {"wg": hopper_configs.HopperFwdConfig, "ws": hopper_configs.WarpSpecializedFwdConfig}
+
+
 def parse_variant(spec: str, d: int, kind: str = "bwd") -> Any:
     """'default' (the launcher's `kind` pass for head dim d) or 'field=value[+field=value...]': the
-    default with those fields replaced, e.g. 'shortest_first=True'. Raises a ValueError naming a bad
-    field or value, before any GPU work."""
+    default with those fields replaced, e.g. 'shortest_first=True'. A forward variant may start with
+    a kernel of `FWD_KERNELS` ('ws', 'ws+block_n=64'): that kernel's configuration defaults instead
+    of the launcher's. Raises a ValueError naming a bad field or value, before any GPU work."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     base = hopper_configs.heuristic_fwd(d) if kind == "fwd" else hopper_configs.heuristic_bwd(d)
-    if spec == "default":
+    head, _, rest = spec.partition("+")
+    if head in FWD_KERNELS:
+        if kind != "fwd":
+            raise ValueError(f"--ab-variants: {head!r} names a forward kernel; the backward takes FIELD=VALUE")
+        base, spec = FWD_KERNELS[head](), rest
+    if spec in ("default", ""):
         return base
     try:
         return hopper_configs.with_fields(base, spec)
