@@ -64,7 +64,8 @@ def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, defa
 
 
 @pytest.mark.parametrize(("kind", "d", "kernels"), [
-    ("fwd", 80, ["flash_fwd_hopper_kernel"]),
+    ("fwd", 80, ["flash_fwd_ws_kernel"]),
+    ("fwd", 96, ["flash_fwd_hopper_kernel"]),
     ("fwd", 128, ["flash_fwd_ws_kernel"]),
     ("bwd", 128, ["flash_bwd_preprocess_kernel", "zero_kernel", "flash_bwd_dkdv_ws_kernel", "cast_rows_kernel"]),
 ])  # fmt: skip
@@ -173,12 +174,13 @@ def test_the_one_pass_backward_takes_two_consumers_and_64_query_steps(bad):
         hopper_configs.WarpSpecializedBwdConfig(dq_regs=136, **bad)
 
 
-def test_d128_defaults_to_the_warp_specialized_kernels():
+def test_the_warp_specialized_kernels_are_the_defaults_at_d128_and_the_d80_forward():
     assert isinstance(hopper_configs.heuristic_fwd(128), hopper_configs.WarpSpecializedFwdConfig)
     assert isinstance(hopper_configs.heuristic_bwd(128), hopper_configs.WarpSpecializedBwdConfig)
     assert isinstance(hopper_configs.heuristic_bwd(96), hopper_configs.HopperBwdConfig)
     assert isinstance(hopper_configs.heuristic_fwd(64), hopper_configs.HopperFwdConfig)
-    assert isinstance(hopper_configs.heuristic_fwd(80), hopper_configs.HopperFwdConfig)
+    assert isinstance(hopper_configs.heuristic_fwd(80), hopper_configs.WarpSpecializedFwdConfig)
+    assert isinstance(hopper_configs.heuristic_fwd(96), hopper_configs.HopperFwdConfig)
 
 
 @pytest.mark.gpu
@@ -243,6 +245,7 @@ WS_CONFIGS = [
     hopper_configs.WarpSpecializedFwdConfig(head_major=False),
     hopper_configs.WarpSpecializedFwdConfig(stages=3),
     hopper_configs.WarpSpecializedFwdConfig(block_n=64, stages=3, pingpong=True),
+    hopper_configs.WarpSpecializedFwdConfig(block_n=64, stages=3),  # d = 80's default
     hopper_configs.WarpSpecializedFwdConfig(
         consumers=3, block_n=64, stages=3, consumer_regs=160, pingpong=True
     ),
