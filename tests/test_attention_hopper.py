@@ -688,6 +688,33 @@ def test_the_ab_problem_in_the_models_layout_holds_every_head_in_each_row():
         portable_problem(2, 32, 16, torch.float32, "cpu", "nhd")
 
 
+def test_the_ab_problem_in_the_steps_layout_matches_the_compiled_attention(monkeypatch):
+    """`--ab-layout step` gives our backward the strides the compiled model's attention gives it: q and
+    k dense per head (RoPE's outputs), v and dO views with the heads interleaved in each row (compiled
+    for the CPU here; Inductor's layout choices for these ops do not depend on the device)."""
+    from cs336_systems.attention.flash_triton import launch
+    from cs336_systems.model.attention import CausalMultiHeadSelfAttention
+    from cs336_systems.model.layers import RotaryEmbedding
+    from cs336_systems.studies.attention.flash_tuning import portable_problem
+
+    heads, n, d = 2, 32, 16
+    seen = []
+    real = launch._bwd_operands
+
+    def spy(do, q, k, v, o, lse):
+        seen.append(tuple(t.stride() for t in (q, k, v, do)))
+        return real(do, q, k, v, o, lse)
+
+    monkeypatch.setattr(launch, "_bwd_operands", spy)
+    torch.manual_seed(0)
+    attn = CausalMultiHeadSelfAttention(heads * d, heads, RotaryEmbedding(n, d), "flash_triton")
+    x = torch.randn(1, n, heads * d, requires_grad=True)
+    torch.compile(attn)(x).sum().backward()
+    q, k, v, _o, _lse, tensors, _, _ = portable_problem(heads, n, d, torch.float32, "cpu", "step")
+    assert seen and seen[-1] == (q.stride(), k.stride(), v.stride(), tensors[3].stride())
+    assert q.is_contiguous() and k.is_contiguous() and v.stride() == (n * heads * d, d, heads * d, 1)
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(

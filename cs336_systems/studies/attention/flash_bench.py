@@ -202,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--ab-layout",
         choices=list(LAYOUTS),
         default="bhnd",
-        help="--ab-bwd / --ab-fwd inputs: bhnd dense per head, or bnhd, the model's (heads interleaved in each row)",
+        help="--ab-bwd / --ab-fwd inputs: bhnd dense per head; bnhd heads interleaved in each row (as the "
+        "projections give them); step, the compiled model's: q and k dense, v and dO interleaved",
     )
     p.add_argument("--lb-runs", type=int, default=1, help="how many times to run the leaderboard protocol")
     p.add_argument(

@@ -247,21 +247,28 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
-LAYOUTS = ("bhnd", "bnhd")  # (1, H, N, d) dense; (1, H, N, d) views of (1, N, H, d): the model's
+# (1, H, N, d) dense; views of (1, N, H, d) (heads interleaved in each row); "step": q and k dense, v and
+# dO interleaved, as the compiled block gives them (q and k come out of RoPE, v and dO are views of a
+# projection's output and of the output projection's gradient)
+LAYOUTS = ("bhnd", "bnhd", "step")
 
 
 def portable_problem(heads: int, n: int, d: int, dtype: torch.dtype, device: str, layout: str = "bhnd"):
     """Random causal inputs (batch 1, seed 0), the tl kernels' forward on them, and the backward's
     operands (`launch.prepare_backward`). Returns (q, k, v, o, lse, tensors, options, tma). With
     layout "bnhd" q, k, v and dO are (1, H, N, d) views of (1, N, H, d) tensors, as the model's
-    attention gets them from its projections (each row holds every head's d values)."""
+    attention gets them from its projections (each row holds every head's d values); with "step" only
+    v and dO are such views, q and k dense, as in the compiled model's step."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     torch.manual_seed(0)
-    shape = (1, heads, n, d) if layout == "bhnd" else (1, n, heads, d)
-    q, k, v, do = (torch.randn(*shape, device=device, dtype=dtype) for _ in range(4))
-    if layout == "bnhd":
-        q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
+    interleaved = {"bhnd": (), "bnhd": (0, 1, 2, 3), "step": (2, 3)}[layout]  # which of q, k, v, dO
+    q, k, v, do = (
+        torch.randn(1, n, heads, d, device=device, dtype=dtype).transpose(1, 2)
+        if i in interleaved
+        else torch.randn(1, heads, n, d, device=device, dtype=dtype)
+        for i in range(4)
+    )
     portable = tiles.KernelOptions(hopper=False)
     with tiles.use_configs(options=portable):
         o, lse = launch.flash_fwd(q, k, v, True)
