@@ -34,10 +34,10 @@
 # dQ is then not bitwise deterministic). All split a head dim that is not a power of two into two
 # power-of-two blocks (80 = 64 + 16) instead of padding it. `FlashAttentionTriton` picks them by
 # default where they were measured faster (`hopper.preferred`: split head dims, the warp-specialised
-# kernels at d = 128, the one-pass backward at d = 64 and 80); `KernelOptions(hopper=True/False)`
-# forces either way. Kernels: `cs336_systems/attention/flash_triton/hopper_kernels.py`,
+# kernels at d = 128 and the d = 80 forward, the one-pass backward at d = 64, 80 and 128);
+# `KernelOptions(hopper=True/False)` forces either way. Kernels: `cs336_systems/attention/flash_triton/hopper_kernels.py`,
 # `hopper_backward_kernels.py`, `hopper_ws_kernels.py`, `hopper_ws_backward_kernels.py`; the
-# measurement log: `OPTIMIZATION_LOG.md` ("Sessions 7-8" to "Session 12").
+# measurement log: `OPTIMIZATION_LOG.md` ("Sessions 7-8" to "Session 19").
 
 # %% tags=["parameters"]
 measure = "auto"  # "auto": measure on an sm_90 GPU, else render the committed results
@@ -144,15 +144,21 @@ if len(per_shape) and len(passes) and not quick:
             if len(lead) == 1
             else ""
         )
-        + ". Below N = 2048 the 2.7B model's eager steps time the host more than the kernels: captured in CUDA "
-        "graphs, our step takes "
-        + " and ".join(f"{gr[g][short]:.2f}x ({g})" for g in gpus if short in gr.get(g, {}))
-        + " cuDNN's captured step at N = 512 (eager: "
-        + " and ".join(f"{vs[g][short]:.2f}x" for g in gpus if short in gr.get(g, {}))
-        + ") and "
-        + " and ".join(f"{gr[g][mid]:.2f}x" for g in gpus if mid in gr.get(g, {}))
-        + " at N = 1024"
-        + (", where both passes alone are slower than cuDNN's too" if slower_mid else "")
+        + ". Below N = 2048 the 2.7B model's eager steps time the host more than the kernels"
+        + (
+            ": captured in CUDA graphs, our step takes "
+            + "; ".join(
+                " and ".join(f"{gr[g][n]:.2f}x ({g})" for g in gpus if n in gr.get(g, {}))
+                + f" cuDNN's captured step at N = {label} (eager: "
+                + " and ".join(f"{vs[g][n]:.2f}x" for g in gpus if n in gr.get(g, {}))
+                + ")"
+                for n, label in ((short, 512), (mid, 1024))
+                if any(n in gr.get(g, {}) for g in gpus)
+            )
+            if any(n in gr.get(g, {}) for g in gpus for n in (short, mid))
+            else ""
+        )
+        + (", and at N = 1024 both passes alone are slower than cuDNN's too" if slower_mid else "")
         + (
             f"; on the H100 a step built like ours that launches nothing already takes "
             f"{fl['custom_op_floor']:.2f} ms at N = 512 (ours {fl['flash_triton']:.2f} ms, SDPA-flash's eager "
