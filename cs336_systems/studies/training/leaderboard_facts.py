@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import statistics
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from cs336_systems.measure.provenance import provenance
 from cs336_systems.measure.traces import load_trace
 from cs336_systems.studies.distributed import trace_plot
+from cs336_systems.studies.profiling.kernel_tables import classify_kernel
 from cs336_systems.studies.training.leaderboard_stock import POLICIES
 
 GOALS = {  # GPU kind: ours / stock at most ([Note: the valid entry])
@@ -263,22 +267,41 @@ def trace_path(
     return path if path.exists() else None
 
 
-def compute_stream_ms(trace: Path) -> dict[str, float]:
+def compute_stream_ms(trace: Path) -> dict[str, Any]:
     """In a saved one-step trace, the stream with the most kernel time (the one running forward and
-    backward): its kernels' summed time ("busy_ms") and the time it stood idle between its first and
-    last kernel ("idle_ms": the GPU waiting for the host, a collective or another stream)."""
+    backward): its kernels' summed time ("busy_ms"), the time it stood idle between its first and last
+    kernel ("idle_ms": the GPU waiting for the host, a collective or another stream), its kernel time
+    by class ("classes": `kernel_tables.classify_kernel`'s, ms) and the median of the attention
+    backward's main kernel ("attention_bwd_median_ms": the attention kernel named for a backward with
+    the most time; one call a layer)."""
     events = [
         e for e in load_trace(trace)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
     ]
     if not events:
-        return {"busy_ms": math.nan, "idle_ms": math.nan}
+        return {"busy_ms": math.nan, "idle_ms": math.nan, "classes": {}, "attention_bwd_median_ms": math.nan}
     busy: dict = {}
     for e in events:
         busy[e["args"].get("stream")] = busy.get(e["args"].get("stream"), 0.0) + e["dur"]
     stream = max(busy, key=busy.get)
     mine = [e for e in events if e["args"].get("stream") == stream]
     span = max(e["ts"] + e["dur"] for e in mine) - min(e["ts"] for e in mine)
-    return {"busy_ms": busy[stream] / 1e3, "idle_ms": (span - busy[stream]) / 1e3}
+    classes: dict[str, float] = {}
+    backward: dict[str, list[float]] = {}
+    for e in mine:
+        cls = classify_kernel(e["name"], e.get("cat"))
+        classes[cls] = classes.get(cls, 0.0) + e["dur"] / 1e3
+        if cls == "attention" and _BACKWARD.search(e["name"]):
+            backward.setdefault(e["name"], []).append(e["dur"] / 1e3)
+    main = max(backward.values(), key=sum) if backward else []
+    return {
+        "busy_ms": busy[stream] / 1e3,
+        "idle_ms": (span - busy[stream]) / 1e3,
+        "classes": classes,
+        "attention_bwd_median_ms": statistics.median(main) if main else math.nan,
+    }
+
+
+_BACKWARD = re.compile(r"bwd|bprop|backward", re.I)
 
 
 def path_traces(trace: Path | None) -> dict[str, Path]:
