@@ -13,7 +13,8 @@ Every study (listed in `STUDIES`) has its config, `measure(config, *, results_di
 * `accumulation` (study): mixed_precision_accumulation (the four fp32/fp16 loops, computed live).
 * `mixed_precision` (study): benchmarking_mixed_precision (autocast dtypes, LayerNorm precision, timings).
 * `kernel_profile` (study; + `kernel_tables`, the trace's kernel tables; `kernel_facts`, the answers'
-  numbers): nsys_profile with torch.profiler and NVTX ranges.
+  numbers): nsys_profile with torch.profiler and NVTX ranges. `kernel_tables` is shared too: its
+  `classify_kernel` names the kernel classes of other families' traces (the 8B step's).
 * `memory_run` (study; `facts` from `memory_facts`): memory_profiling, whose helpers are `memory`
   (the capture harness), `memory_block` (one block's saved bytes), `memory_timeline` (snapshot
   timelines) and `memory_facts` (the answers' numbers).
@@ -24,5 +25,5 @@ Every study (listed in `STUDIES`) has its config, `measure(config, *, results_di
   the host it is on (a time budget only with `--budget-s`).
 """
 
-SHARED = ("end_to_end",)
+SHARED = ("end_to_end", "kernel_tables")
 STUDIES = ("end_to_end", "accumulation", "mixed_precision", "kernel_profile", "memory_run", "checkpointing")
