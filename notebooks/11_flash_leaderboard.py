@@ -28,7 +28,12 @@ model_contexts = [512, 1024, 2048]  # batch 4; context 4096 is measured at batch
 
 # %% tags=["remove-input"]
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies.attention import flash_leaderboard, flash_model, flash_tuning
+from cs336_systems.studies.attention import (
+    flash_leaderboard,
+    flash_leaderboard_facts,
+    flash_model,
+    flash_tuning,
+)
 
 results_dir = nb.setup(quick)
 
@@ -45,11 +50,11 @@ if nb.should_measure(measure, gpus=1, quick=quick):
         flash_model.training_sweep(model_size, model_contexts, results_dir=results_dir)
         flash_model.training_sweep(model_size, [4096], batch_size=2, results_dir=results_dir)
 df = load_results(flash_leaderboard.LEADERBOARD, results_dir)
-runs = flash_leaderboard.protocol_runs(df, target)
+runs = flash_leaderboard_facts.protocol_runs(df, target)
 protocol, split, variants, tuning = (
-    flash_leaderboard.leaderboard_table(df, cfg),  # the latest run with cfg's do_bench budget
-    flash_leaderboard.split_table(df),
-    flash_leaderboard.variants_table(df),
+    flash_leaderboard_facts.leaderboard_table(df, cfg),  # the latest run with cfg's do_bench budget
+    flash_leaderboard_facts.split_table(df),
+    flash_leaderboard_facts.variants_table(df),
     flash_tuning.tuning_table(df),
 )
 ncu = flash_tuning.ncu_table(nb.results_dir())
@@ -136,7 +141,7 @@ if nb.have_results(protocol, "flash_leaderboard"):
     )
 if len(protocol):
     save_figure(
-        flash_leaderboard.plot_leaderboard(protocol, variants, target),
+        flash_leaderboard_facts.plot_leaderboard(protocol, variants, target),
         "flash_leaderboard__protocol_and_versions",
     )
 

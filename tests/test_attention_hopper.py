@@ -668,8 +668,13 @@ def test_ab_variants_replace_fields_of_the_launchers_passes():
     with pytest.raises(ValueError, match="is not FIELD=VALUE with FIELD of WarpSpecializedFwdConfig"):
         parse_variant("dq_in_consumers=True", 128, "fwd")
     ws = parse_variant("ws", 80, "fwd")  # the warp-specialised forward where the launcher takes the other
-    assert ws == hopper_configs.WarpSpecializedFwdConfig() and parse_variant("wg", 80, "fwd") == hopper_configs.HopperFwdConfig()
-    assert parse_variant("ws+block_n=64+stages=3", 80, "fwd") == hopper_configs.WarpSpecializedFwdConfig(block_n=64, stages=3)
+    assert (
+        ws == hopper_configs.WarpSpecializedFwdConfig()
+        and parse_variant("wg", 80, "fwd") == hopper_configs.HopperFwdConfig()
+    )
+    assert parse_variant("ws+block_n=64+stages=3", 80, "fwd") == hopper_configs.WarpSpecializedFwdConfig(
+        block_n=64, stages=3
+    )
     with pytest.raises(ValueError, match="names a forward kernel"):
         parse_variant("ws", 128, "bwd")
 

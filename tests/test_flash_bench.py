@@ -11,7 +11,12 @@ import torch
 
 from cs336_systems.attention.flash_triton import launch
 from cs336_systems.measure.results import REPO_ROOT
-from cs336_systems.studies.attention import flash_leaderboard, flash_model, flash_tuning
+from cs336_systems.studies.attention import (
+    flash_leaderboard,
+    flash_leaderboard_facts,
+    flash_model,
+    flash_tuning,
+)
 
 FWD = repr(launch.heuristic_fwd(16384, 16384, 64, torch.bfloat16, interpreter=False))
 BWD = launch.heuristic_bwd(16384, 16384, 64, torch.bfloat16, interpreter=False)
@@ -52,7 +57,7 @@ def test_runs_are_grouped_by_run_id_and_final_runs_follow_the_heuristic_table():
         + _run(3, 5.0, 7.0, rep=3000.0)
         + _run(4, 5.3, 7.1, bwd=streams, order=("flash_triton", "sdpa_cudnn", "sdpa_flash"))
     )
-    runs = flash_leaderboard.protocol_runs(df, target=0.72)
+    runs = flash_leaderboard_facts.protocol_runs(df, target=0.72)
     assert list(runs["git sha"]) == ["sha1", "sha2", "sha3", "sha4"]
     assert runs["ours / sdpa_flash"].round(6).tolist() == [
         round(5.0 / 7.0, 6),
@@ -61,7 +66,7 @@ def test_runs_are_grouped_by_run_id_and_final_runs_follow_the_heuristic_table():
         round(5.3 / 7.1, 6),
     ]
     assert runs["<= target"].tolist() == [True, False, True, False]
-    assert list(flash_leaderboard.final_runs(runs)["git sha"]) == ["sha1", "sha4"]
+    assert list(flash_leaderboard_facts.final_runs(runs)["git sha"]) == ["sha1", "sha4"]
 
 
 @pytest.mark.parametrize(
@@ -77,9 +82,9 @@ def test_runs_are_grouped_by_run_id_and_final_runs_follow_the_heuristic_table():
 def test_a_run_whose_backward_was_the_gluon_one_pass_kernel_is_not_a_tl_final_run(recorded, one_pass):
     df = pd.DataFrame(_run(1, 4.5, 7.0))
     df["config_json"] = [json.dumps(json.loads(c) | recorded) for c in df.config_json]
-    runs = flash_leaderboard.protocol_runs(df)
+    runs = flash_leaderboard_facts.protocol_runs(df)
     assert runs["our backward"].tolist() == ["Gluon one pass" if one_pass else "tl"]
-    assert len(flash_leaderboard.final_runs(runs)) == (0 if one_pass else 1)
+    assert len(flash_leaderboard_facts.final_runs(runs)) == (0 if one_pass else 1)
 
 
 NCU_TEXT = """\
@@ -129,8 +134,8 @@ def test_leaderboard_facts_on_the_committed_results():
     ncu = flash_tuning.ncu_table(REPO_ROOT / "figures" / "data")
     facts = flash_leaderboard.facts(df, 0.72, ncu=ncu)
     # direct: the full-protocol runs whose tiles are today's heuristic ones, on the H100 (the default)
-    runs = flash_leaderboard.protocol_runs(df)
-    final = flash_leaderboard.final_runs(runs)
+    runs = flash_leaderboard_facts.protocol_runs(df)
+    final = flash_leaderboard_facts.final_runs(runs)
     ratio = final["ours ms"] / final["sdpa_flash ms"]
     h100_final = final.gpu.str.contains("H100")
     assert facts["final_runs"] == h100_final.sum() >= 2 and facts["final_gpu"] == "H100 80GB HBM3"
@@ -245,7 +250,7 @@ def test_hopper_facts_on_the_committed_results():
         assert any(v > 1 for n, v in ratios.items() if n < start)  # host overhead below it (the text says so)
     # the H200's protocol shape: the latest H200 protocol runs are 51d1c8d's (the full protocol budget),
     # beside older H200 protocol rows of other commits (b04f68b's at rep 1500), none mixed into its figures
-    runs = flash_leaderboard.protocol_runs(df)
+    runs = flash_leaderboard_facts.protocol_runs(df)
     for gpu in ("H100", "H200"):
         mine = runs[runs.gpu.map(flash_hopper.gpu_kind) == gpu]
         latest = mine[mine["git sha"] == mine["git sha"].iloc[-1]]
@@ -373,7 +378,7 @@ def test_throughput_table_on_the_committed_results():
 
     df = load_results(flash_tuning.LEADERBOARD)
     t = flash_hopper.throughput_table(df).set_index("pass")
-    split = flash_leaderboard.split_table(df, gpu="H100").set_index(
+    split = flash_leaderboard_facts.split_table(df, gpu="H100").set_index(
         ["impl", "mode"]
     )  # FA3 publishes H100 figures
     for mode in ("fwd", "bwd"):

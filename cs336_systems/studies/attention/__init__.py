@@ -14,8 +14,8 @@ other modules are the family's helpers.
   `profiling.end_to_end`).
 * `impls`: the attention implementations the FlashAttention benchmarks time, by name.
 * `flash_bench`: the CLI of the FlashAttention benchmarks (sweep, leaderboard, tuning); what it runs:
-  the studies `flash_sweep` (flash_benchmarking) and `flash_leaderboard` (+ `flash_leaderboard_runs`,
-  the protocol-run history, a helper: merged it would pass 500 lines), and the tuning helpers
+  the studies `flash_sweep` (flash_benchmarking) and `flash_leaderboard` (+ `flash_leaderboard_facts`,
+  its runs' history, tables, plot and facts), and the tuning helpers
   `flash_tuning` (tile tuning, ncu reports) and `flash_backward_tuning` (the one-pass backward),
   whose rows `flash_leaderboard` and `flash_hopper` read, and `flash_ab` (interleaved A/B of Hopper
   kernel configurations against cuDNN, printed only).

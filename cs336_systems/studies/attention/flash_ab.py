@@ -38,7 +38,9 @@ def parse_variant(spec: str, d: int, kind: str = "bwd") -> Any:
     head, _, rest = spec.partition("+")
     if head in FWD_KERNELS:
         if kind != "fwd":
-            raise ValueError(f"--ab-variants: {head!r} names a forward kernel; the backward takes FIELD=VALUE")
+            raise ValueError(
+                f"--ab-variants: {head!r} names a forward kernel; the backward takes FIELD=VALUE"
+            )
         base, spec = FWD_KERNELS[head](), rest
     if spec in ("default", ""):
         return base

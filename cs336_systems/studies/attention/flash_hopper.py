@@ -25,14 +25,11 @@ from cs336_systems.accounting.hardware import peak_flops
 from cs336_systems.measure import cli
 from cs336_systems.measure.results import latest_run
 from cs336_systems.studies.attention import flash_backward_tuning
-from cs336_systems.studies.attention.flash_leaderboard import (
-    LeaderboardConfig,
-    protocol_runs,
-    split_table,
-)
+from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig
 from cs336_systems.studies.attention.flash_leaderboard import (
     measure as run_leaderboard,  # the leaderboard study's measure
 )
+from cs336_systems.studies.attention.flash_leaderboard_facts import protocol_runs, split_table
 from cs336_systems.studies.attention.flash_sweep import LEADERBOARD
 from cs336_systems.studies.attention.flash_tuning import run_hopper_tuning
 from cs336_systems.studies.attention.impls import LEADERBOARD_IMPLS

@@ -82,7 +82,7 @@ PROBLEMS: tuple[Problem, ...] = (
             notebook="10_flash_benchmarking", modules=("studies.attention.flash_sweep", "studies.attention.flash_overhead"),
             tests=("test_flash_bench",), results="flash_benchmarking"),
     Problem(problem="FlashAttention-2 leaderboard", handout="2025 §1.3.3", part="2025", kind="measured",
-            notebook="11_flash_leaderboard", modules=("studies.attention.flash_leaderboard", "studies.attention.flash_model"),
+            notebook="11_flash_leaderboard", modules=("studies.attention.flash_leaderboard", "studies.attention.flash_leaderboard_facts", "studies.attention.flash_model"),
             tests=("test_flash_bench", "test_attention_hopper"), results="flash_leaderboard"),
     Problem(problem="distributed_communication_single_node", handout="2025 §2.1", part="2025",
             kind="measured", notebook="12_distributed_communication_single_node",

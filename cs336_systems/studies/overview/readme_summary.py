@@ -21,7 +21,7 @@ def _device(df: pd.DataFrame) -> str:
 
 
 def flash_section() -> str:
-    from cs336_systems.studies.attention.flash_leaderboard import final_runs, protocol_runs
+    from cs336_systems.studies.attention.flash_leaderboard_facts import final_runs, protocol_runs
 
     df = load_results("flash_leaderboard")
     runs = protocol_runs(df)
