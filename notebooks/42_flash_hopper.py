@@ -47,7 +47,12 @@ quick = False  # a tiny float32 run of the tl path on the CPU; results go to a s
 import torch
 
 from cs336_systems.report import load_results, nb, save_figure, show_table
-from cs336_systems.studies.attention import flash_backward_tuning, flash_hopper, flash_leaderboard
+from cs336_systems.studies.attention import (
+    flash_backward_tuning,
+    flash_hopper,
+    flash_hopper_facts,
+    flash_leaderboard,
+)
 
 results_dir = nb.setup(quick)
 on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -60,8 +65,8 @@ if quick:  # the measuring path on the CPU: the portable kernels under the inter
 elif nb.should_measure(measure) and on_hopper:
     flash_hopper.measure(flash_hopper.HopperConfig(), results_dir=results_dir)
 df = load_results(flash_hopper.PROBLEM, results_dir)
-passes, shapes = flash_hopper.pass_table(df), flash_hopper.shapes_table(df)
-per_shape = flash_hopper.shape_throughput_table(df)  # ours against cuDNN, per GPU model and shape
+passes, shapes = flash_hopper_facts.pass_table(df), flash_hopper_facts.shapes_table(df)
+per_shape = flash_hopper_facts.shape_throughput_table(df)  # ours against cuDNN, per GPU model and shape
 
 # %% tags=["remove-input"]
 if len(per_shape) and len(passes) and not quick:
@@ -229,7 +234,7 @@ if nb.have_results(per_shape, "the per-shape comparison with cuDNN"):
             **{c: "{:.0f}" for c in per_shape.columns if c.startswith(("fwd ", "bwd "))},
         },
     )
-    save_figure(flash_hopper.plot_vs_cudnn(per_shape), "flash_hopper__shapes")
+    save_figure(flash_hopper_facts.plot_vs_cudnn(per_shape), "flash_hopper__shapes")
 
 # %% [markdown] tags=["appendix"]
 # **Setup** (`flash_bench --leaderboard --lb-runs 3 --lb-shapes ...`): the protocol's step (compiled
@@ -270,13 +275,13 @@ if nb.have_results(passes, "the per-pass Gluon timings"):
 # measured here).
 
 # %% tags=["remove-input", "remove-cell"]
-throughput = flash_hopper.throughput_table(df)
+throughput = flash_hopper_facts.throughput_table(df)
 if nb.have_results(throughput, "the forward/backward throughput"):
     show_table(
         throughput,
         caption=f"TFLOP/s per pass on the {throughput.attrs['gpu']} (measured matmul peak "
         f"{throughput.attrs['peak']:.0f}, datasheet {throughput.attrs['datasheet']:.0f}; FA3: forward "
-        f"{flash_hopper.FA3_PUBLISHED['fwd'][1]}, backward {flash_hopper.FA3_PUBLISHED['bwd'][1]})",
+        f"{flash_hopper_facts.FA3_PUBLISHED['fwd'][1]}, backward {flash_hopper_facts.FA3_PUBLISHED['bwd'][1]})",
         provenance_from=throughput.attrs["source"],
         formats={"ours": "{:.0f}", "cuDNN": "{:.0f}", "FA3 (published)": "{:.0f}",
                  "ours / measured peak": "{:.0%}", "ours / datasheet": "{:.0%}"},

@@ -196,7 +196,7 @@ def test_hopper_facts_on_the_committed_results():
     import json
 
     from cs336_systems.report import load_results
-    from cs336_systems.studies.attention import flash_hopper
+    from cs336_systems.studies.attention import flash_hopper, flash_hopper_facts
 
     df = load_results(flash_hopper.PROBLEM)
     f = flash_hopper.facts(df)
@@ -228,13 +228,13 @@ def test_hopper_facts_on_the_committed_results():
     # latest run of that shape on that model, its ratio from that one run (never across models)
     fb = df[df.name.isin(["protocol", "shapes"]) & (df.metric == "latency")]
     fb = fb.assign(
-        gpu=fb.gpu_name.map(flash_hopper.gpu_kind),
+        gpu=fb.gpu_name.map(flash_hopper_facts.gpu_kind),
         shape=[f"{int(h)} x {int(n)} x {int(d)}" for h, n, d in zip(fb.heads, fb.n, fb.d)],
         run=[str(json.loads(c).get("run_id", sha)) for c, sha in zip(fb.config_json, fb.git_sha)],
     )
     assert f["gpus"] == ["H100", "H200"]
     for gpu in ("H100", "H200"):
-        assert set(f["vs_cudnn"][gpu]) == set(flash_hopper.SHAPE_ORDER)
+        assert set(f["vs_cudnn"][gpu]) == set(flash_hopper_facts.SHAPE_ORDER)
         for shape, ratio in f["vs_cudnn"][gpu].items():
             rows = fb[(fb.gpu == gpu) & (fb["shape"] == shape)].sort_values("timestamp")
             run = rows[rows.run == rows.run.iloc[-1]].set_index("impl").p50
@@ -252,7 +252,7 @@ def test_hopper_facts_on_the_committed_results():
     # beside older H200 protocol rows of other commits (b04f68b's at rep 1500), none mixed into its figures
     runs = flash_leaderboard_facts.protocol_runs(df)
     for gpu in ("H100", "H200"):
-        mine = runs[runs.gpu.map(flash_hopper.gpu_kind) == gpu]
+        mine = runs[runs.gpu.map(flash_hopper_facts.gpu_kind) == gpu]
         latest = mine[mine["git sha"] == mine["git sha"].iloc[-1]]
         p = f["protocol"][gpu]
         assert p["sha"] == latest["git sha"].iloc[-1][:7] and p["runs"] == len(latest) >= 3
@@ -267,11 +267,13 @@ def test_shape_table_on_the_committed_results_never_mixes_gpu_models_or_runs():
     """Notebook 42's table: a row per GPU model and shape, the protocol shape included; the forward +
     backward ratio from one run on one GPU model, each pass alone from one split run on the same model."""
     from cs336_systems.report import load_results
-    from cs336_systems.studies.attention import flash_hopper
+    from cs336_systems.studies.attention import flash_hopper, flash_hopper_facts
 
     df = load_results(flash_hopper.PROBLEM)
-    t = flash_hopper.shape_throughput_table(df)
-    assert set(zip(t.gpu, t["shape"])) == {(g, s) for g in ("H100", "H200") for s in flash_hopper.SHAPE_ORDER}
+    t = flash_hopper_facts.shape_throughput_table(df)
+    assert set(zip(t.gpu, t["shape"])) == {
+        (g, s) for g in ("H100", "H200") for s in flash_hopper_facts.SHAPE_ORDER
+    }
     assert t[["fwd ours", "fwd cuDNN", "bwd ours", "bwd cuDNN", "fwd+bwd / cuDNN"]].notna().all().all()
     src = t.attrs["source"]
     fb, split = src[src.metric == "latency"], src[src.metric == "throughput"]
@@ -303,7 +305,7 @@ def _shape_rows(gpu, run_id, ms, *, name="shapes", heads=128, n=1024, d=80, t=0)
 def test_the_shape_table_keeps_each_gpu_models_latest_run():
     """A later run on one GPU model never replaces, or mixes into, another model's latest run; a split
     run of one model never lends its passes to another."""
-    from cs336_systems.studies.attention import flash_hopper
+    from cs336_systems.studies.attention import flash_hopper_facts
 
     rows = (
         _shape_rows("NVIDIA H100 80GB HBM3", 1, {"flash_triton": 3.0, "sdpa_cudnn": 1.0}, t=1)
@@ -312,12 +314,15 @@ def test_the_shape_table_keeps_each_gpu_models_latest_run():
         + [r | {"name": "shapes_split", "metric": "throughput", "mode": "fwd", "p50": 100.0}
            for r in _shape_rows("NVIDIA H200", 4, {"flash_triton": 0, "sdpa_cudnn": 0}, t=4)]
     )  # fmt: skip
-    t = flash_hopper.shape_throughput_table(pd.DataFrame(rows)).set_index("gpu")
+    t = flash_hopper_facts.shape_throughput_table(pd.DataFrame(rows)).set_index("gpu")
     assert t.loc["H100", "fwd+bwd / cuDNN"] == 2.0 and t.loc["H200", "fwd+bwd / cuDNN"] == 0.5
     assert t.loc["H200", "fwd ours"] == 100.0 and math.isnan(t.loc["H100", "fwd ours"])
     runs = t.attrs["runs"].set_index("gpu")
     assert runs.loc["H100", "runs"] == 1 and runs.loc["H100", "sha"] == "sha2"
-    assert flash_hopper.gpu_kind("NVIDIA H100 80GB HBM3") == "H100" and flash_hopper.gpu_kind("cpu") == "cpu"
+    assert (
+        flash_hopper_facts.gpu_kind("NVIDIA H100 80GB HBM3") == "H100"
+        and flash_hopper_facts.gpu_kind("cpu") == "cpu"
+    )
 
 
 def test_a_tuning_candidate_is_timed_only_when_it_runs_and_matches_the_reference():
@@ -374,10 +379,10 @@ def test_throughput_table_on_the_committed_results():
     the datasheet, beside the published FlashAttention-3 figures."""
     from cs336_systems.accounting.hardware import peak_flops
     from cs336_systems.report import load_results
-    from cs336_systems.studies.attention import flash_hopper
+    from cs336_systems.studies.attention import flash_hopper_facts
 
     df = load_results(flash_tuning.LEADERBOARD)
-    t = flash_hopper.throughput_table(df).set_index("pass")
+    t = flash_hopper_facts.throughput_table(df).set_index("pass")
     split = flash_leaderboard_facts.split_table(df, gpu="H100").set_index(
         ["impl", "mode"]
     )  # FA3 publishes H100 figures
@@ -387,7 +392,7 @@ def test_throughput_table_on_the_committed_results():
         assert t.loc[mode, "ours / measured peak"] == pytest.approx(ours / split.attrs["peak"])
         datasheet = peak_flops(split.attrs["gpu"], "bf16") / 1e12
         assert t.loc[mode, "ours / datasheet"] == pytest.approx(ours / datasheet)
-        assert t.loc[mode, "FA3 (published)"] == flash_hopper.FA3_PUBLISHED[mode][0]
+        assert t.loc[mode, "FA3 (published)"] == flash_hopper_facts.FA3_PUBLISHED[mode][0]
     assert split.attrs["source"].git_sha.nunique() == 1  # one run's rows, peak included
     # the text: the backward above cuDNN's, the forward short of it
     assert t.loc["bwd", "ours"] > t.loc["bwd", "cuDNN"] and t.loc["fwd", "ours"] < t.loc["fwd", "cuDNN"]
@@ -401,7 +406,7 @@ def test_pass_table_keeps_the_two_gluon_families_apart():
 
     import pandas as pd
 
-    from cs336_systems.studies.attention import flash_hopper
+    from cs336_systems.studies.attention import flash_hopper_facts
 
     def row(impl, mode, p50, d=64, t=0):
         return {"name": "hopper_tuning", "metric": "latency", "impl": impl, "mode": mode, "p50": p50,
@@ -422,7 +427,7 @@ def test_pass_table_keeps_the_two_gluon_families_apart():
                 "dq_regs=88, ds_slots=2, dq_buffers=2)", "bwd", 3.2),
         ]
     )  # fmt: skip
-    t = flash_hopper.pass_table(df).set_index("pass")
+    t = flash_hopper_facts.pass_table(df).set_index("pass")
     assert t.loc["fwd", "Gluon ms"] == 2.2 and math.isclose(t.loc["fwd", "Gluon / tl"], 1.1)
     assert t.loc["fwd", "WS ms"] == 1.8 and math.isclose(t.loc["fwd", "WS / tl"], 0.9)
     assert t.loc["fwd", "WS tiles"] == "2 x 64 rows, 128 keys, 2 stages"
@@ -430,7 +435,9 @@ def test_pass_table_keeps_the_two_gluon_families_apart():
     # the whole backward: the one-pass kernel is warp-specialised; the default row is not a candidate
     assert math.isnan(t.loc["bwd", "Gluon ms"]) and t.loc["bwd", "WS ms"] == 3.2
     assert t.loc["bwd", "WS tiles"] == "2 x 64 keys, 64 queries, 2 stages, one pass"
-    f = flash_hopper._tiles("WarpSpecializedBwdConfig(block_m=64, stages=5, consumer_regs=240, consumers=2)")
+    f = flash_hopper_facts._tiles(
+        "WarpSpecializedBwdConfig(block_m=64, stages=5, consumer_regs=240, consumers=2)"
+    )
     assert f == "2 x 64 keys, 64 queries, 5 stages"
 
 

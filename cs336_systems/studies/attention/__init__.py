@@ -19,7 +19,8 @@ other modules are the family's helpers.
   `flash_tuning` (tile tuning, ncu reports) and `flash_backward_tuning` (the one-pass backward),
   whose rows `flash_leaderboard` and `flash_hopper` read, and `flash_ab` (interleaved A/B of Hopper
   kernel configurations against cuDNN, printed only).
-* `flash_hopper` (study): the Gluon kernels' tuning, protocol and model-shape runs, tables and facts.
+* `flash_hopper` (study): the Gluon kernels' tuning, protocol and model-shape runs (+ `flash_hopper_facts`,
+  their tables, plot and facts).
 * `flash_overhead` (study): the host overhead of the flash_benchmarking calls (CUDA graph replays).
 * `flash_model` (study): our kernel inside the model (equivalence and training steps).
 * `flash_offline`: the Hopper (Gluon) kernels compiled for sm_90a without a GPU, their registers,

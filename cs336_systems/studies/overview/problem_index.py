@@ -136,7 +136,7 @@ PROBLEMS: tuple[Problem, ...] = (
             modules=("training.leaderboard", "distributed.zero", "studies.training.leaderboard"),
             tests=("test_training_leaderboard",), results="training_leaderboard"),
     Problem(problem="flash_hopper", handout="2026 (beyond the handouts)", part="2026", kind="measured",
-            notebook="42_flash_hopper", modules=("attention.flash_triton", "studies.attention.flash_hopper"),
+            notebook="42_flash_hopper", modules=("attention.flash_triton", "studies.attention.flash_hopper", "studies.attention.flash_hopper_facts"),
             tests=("test_attention_hopper", "test_flash_bench"), results="flash_leaderboard"),
     Problem(problem="training_run (train entry point)", handout="2026 (beyond the handouts)", part="2026",
             kind="measured", notebook="43_training_run",

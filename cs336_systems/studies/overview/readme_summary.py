@@ -59,13 +59,13 @@ def model_shape_sentence(df: pd.DataFrame) -> str:
     """The models' attention shapes against cuDNN per GPU model (flash_hopper's table: the latest run of each
     shape on each GPU model, never a ratio across models): the 8B shape's forward + backward time and
     each pass alone, and the shapes where ours is at or below cuDNN's time."""
-    from cs336_systems.studies.attention import flash_hopper
+    from cs336_systems.studies.attention import flash_hopper_facts
 
-    table = flash_hopper.shape_throughput_table(df)
+    table = flash_hopper_facts.shape_throughput_table(df)
     key = "32 x 32768 x 128"
     if table.empty or key not in set(table["shape"]):
         return ""
-    shapes = flash_hopper.shapes_table(df).set_index(["gpu", "shape"])
+    shapes = flash_hopper_facts.shapes_table(df).set_index(["gpu", "shape"])
     runs = table.attrs["runs"].set_index(["gpu", "shape"])
     t = table.set_index(["gpu", "shape"])
     gpus = [g for g in dict.fromkeys(table.gpu) if (g, key) in t.index and (g, key) in shapes.index]
@@ -88,7 +88,7 @@ def model_shape_sentence(df: pd.DataFrame) -> str:
         g: [
             s
             for s in t.loc[g].index
-            if s in flash_hopper.SHAPE_ORDER and t.loc[(g, s), "fwd+bwd / cuDNN"] <= 1
+            if s in flash_hopper_facts.SHAPE_ORDER and t.loc[(g, s), "fwd+bwd / cuDNN"] <= 1
         ]
         for g in dict.fromkeys(table.gpu)
     }
@@ -110,7 +110,7 @@ def _span(lo: float, hi: float) -> str:
 def hopper_sentence(runs: pd.DataFrame) -> str:
     """The protocol with the default backward on Hopper (the Gluon one-pass kernel): per GPU model, the
     runs of the latest commit measured with it, ours against SDPA's backends in the same runs."""
-    from cs336_systems.studies.attention.flash_hopper import gpu_kind
+    from cs336_systems.studies.attention.flash_hopper_facts import gpu_kind
 
     one = runs[runs["our backward"] == "Gluon one pass"] if len(runs) else runs
     if one.empty:
