@@ -667,7 +667,8 @@ def test_ab_variants_replace_fields_of_the_launchers_passes():
     assert parse_variant("group_heads=0", 128, "fwd").group_heads == 0
     with pytest.raises(ValueError, match="is not FIELD=VALUE with FIELD of WarpSpecializedFwdConfig"):
         parse_variant("dq_in_consumers=True", 128, "fwd")
-    ws = parse_variant("ws", 80, "fwd")  # the warp-specialised forward where the launcher takes the other
+    ws = parse_variant("ws", 80, "fwd")  # a kernel's prefix starts from that class's defaults, not d's
+    assert parse_variant("wg+block_n=64", 80, "fwd") == hopper_configs.HopperFwdConfig(128, 64, 3, 8)
     assert (
         ws == hopper_configs.WarpSpecializedFwdConfig()
         and parse_variant("wg", 80, "fwd") == hopper_configs.HopperFwdConfig()
@@ -715,9 +716,16 @@ def test_the_ab_problem_in_the_steps_layout_matches_the_compiled_attention(monke
     attn = CausalMultiHeadSelfAttention(heads * d, heads, RotaryEmbedding(n, d), "flash_triton")
     x = torch.randn(1, n, heads * d, requires_grad=True)
     torch.compile(attn)(x).sum().backward()
+    assert seen
+    model = seen[-1]  # what the compiled model's backward received
+    monkeypatch.undo()  # the problem's own backward operands are not recorded
+    dense, interleaved = (n * d * heads, n * d, d, 1), (n * heads * d, d, heads * d, 1)
+    assert model == (dense, dense, interleaved, interleaved)
     q, k, v, _o, _lse, tensors, _, _ = portable_problem(heads, n, d, torch.float32, "cpu", "step")
-    assert seen and seen[-1] == (q.stride(), k.stride(), v.stride(), tensors[3].stride())
-    assert q.is_contiguous() and k.is_contiguous() and v.stride() == (n * heads * d, d, heads * d, 1)
+    assert (q.stride(), k.stride(), v.stride(), tensors[3].stride()) == model
+    for other in ("bhnd", "bnhd"):  # the other layouts are not the step's
+        q, k, v, _o, _lse, tensors, _, _ = portable_problem(heads, n, d, torch.float32, "cpu", other)
+        assert (q.stride(), k.stride(), v.stride(), tensors[3].stride()) != model
 
 
 @pytest.mark.gpu

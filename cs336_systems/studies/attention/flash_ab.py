@@ -23,7 +23,8 @@ KINDS = ("fwd", "bwd")
 
 
 # --ab-fwd variants may name the forward kernel: "wg" the one-warpgroup kernel, "ws" the
-# warp-specialised one, with their own defaults ("ws+block_n=64" replaces fields of those)
+# warp-specialised one, starting from their classes' defaults, not from head dim d's configuration
+# ("wg" has 128-key tiles; "wg+block_n=64" is the one-warpgroup configuration d = 80 had before session 19)
 FWD_KERNELS = {"wg": hopper_configs.HopperFwdConfig, "ws": hopper_configs.WarpSpecializedFwdConfig}
 
 

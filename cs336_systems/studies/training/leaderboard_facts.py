@@ -271,7 +271,8 @@ def compute_stream_ms(trace: Path) -> dict[str, Any]:
     """In a saved one-step trace, the stream with the most kernel time (the one running forward and
     backward): its kernels' summed time ("busy_ms"), the time it stood idle between its first and last
     kernel ("idle_ms": the GPU waiting for the host, a collective or another stream), its kernel time
-    by class ("classes": `kernel_tables.classify_kernel`'s, ms) and the median of the attention
+    by class ("classes": `kernel_tables.classify_kernel`'s, ms; "attention" includes the few Inductor
+    kernels named after the attention op, in every path alike) and the median of the attention
     backward's main kernel ("attention_bwd_median_ms": the attention kernel named for a backward with
     the most time; one call a layer)."""
     events = [
