@@ -272,9 +272,12 @@ for {so["idle_ms"]:.0f} and {st["idle_ms"]:.0f} ms. stock_tuned's step is {abs(l
         } than ours, its kernels {abs(kernels):.0f} ms {"longer" if kernels > 0 else "shorter"}: {verdict}."""
         cls = {c: (so["classes"].get(c, 0.0), st["classes"].get(c, 0.0)) for c in ("attention", "matmul")}
         if all(a and b for a, b in cls.values()):
-            idle += f""" On that stream, by kernel class: attention {cls["attention"][0]:.0f} ms in ours' step
-against {cls["attention"][1]:.0f} in stock_tuned's (the backward kernel a median {so["attention_bwd_median_ms"]:.1f} ms a
-layer against cuDNN's {st["attention_bwd_median_ms"]:.1f}), matmuls {cls["matmul"][0]:.0f} against {cls["matmul"][1]:.0f} ms."""
+            (att_o, att_t), (mm_o, mm_t) = cls["attention"], cls["matmul"]
+            med_o, med_t = so["attention_bwd_median_ms"], st["attention_bwd_median_ms"]
+            sdpa = facts.get("stock_sdpa_backend", "backend not recorded")
+            idle += f""" On that stream, by kernel class: attention {att_o:.0f} ms in ours' step against
+{att_t:.0f} in stock_tuned's (the backward kernel a median {med_o:.1f} ms a layer against SDPA's ({sdpa})
+{med_t:.1f}), matmuls {mm_o:.0f} against {mm_t:.0f} ms."""
     retries = [r["alloc_retries"] for r in (o, t)]
     if all(r == r for r in retries):
         idle += f""" The caching allocator fell back to freeing its cache and retrying {retries[0]:.0f} times in

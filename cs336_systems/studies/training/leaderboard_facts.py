@@ -267,6 +267,9 @@ def trace_path(
     return path if path.exists() else None
 
 
+_BACKWARD = re.compile(r"bwd|bprop|backward", re.I)  # kernel names of an attention backward
+
+
 def compute_stream_ms(trace: Path) -> dict[str, Any]:
     """In a saved one-step trace, the stream with the most kernel time (the one running forward and
     backward): its kernels' summed time ("busy_ms"), the time it stood idle between its first and last
@@ -300,9 +303,6 @@ def compute_stream_ms(trace: Path) -> dict[str, Any]:
         "classes": classes,
         "attention_bwd_median_ms": statistics.median(main) if main else math.nan,
     }
-
-
-_BACKWARD = re.compile(r"bwd|bprop|backward", re.I)
 
 
 def path_traces(trace: Path | None) -> dict[str, Path]:
