@@ -81,7 +81,9 @@ def _lb_shape(spec: str) -> tuple[int, int, int]:
 def host_profile(impls: Sequence[str], shapes: Sequence[tuple[int, int, int]], steps: int = 20) -> None:
     """Where the time of one protocol step goes when the GPU waits for the host: per shape and impl,
     the wall time per step (a loop of `steps` steps, one synchronize at the end), the GPU kernel time
-    per step, and the host operations with the most self CPU time (torch.profiler). Prints only."""
+    per step, the host operations with the most self CPU time and the kernels with the most GPU time
+    (torch.profiler). Prints only."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from cs336_systems.studies.attention.impls import leaderboard_step
@@ -110,6 +112,12 @@ def host_profile(impls: Sequence[str], shapes: Sequence[tuple[int, int, int]], s
             top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
             for e in top:
                 print(f"  {e.self_cpu_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3} {e.key[:90]}")
+            print("  GPU time per step by kernel (self device time):")
+            kernels = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)
+            for e in [e for e in kernels if e.device_type == DeviceType.CUDA][:10]:
+                print(
+                    f"  {e.self_device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3} {e.key[:90]}"
+                )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
