@@ -75,7 +75,7 @@ def _reference(model: BasicsTransformerLM, mode: str, x, y) -> list[float]:
 
 def _compare(
     rank, world_size, device, mode: str, attention: str, compile_blocks: bool, keep_attention: bool = True,
-    keep_matmuls: bool = False,
+    keep_matmuls: bool = False, defer_gather: bool = False,
 ) -> None:  # fmt: skip
     torch.manual_seed(0)
     ref = BasicsTransformerLM(**SMALL, attention_impl="sdpa", device=device)
@@ -92,8 +92,18 @@ def _compare(
         loss_chunk=100,  # ragged chunks: 256 = 100 + 100 + 56
         lr=LR,
         eps=EPS[mode],
+        defer_gather=defer_gather,
     )
     step = build_leaderboard_step(ours, cfg)
+    held = []  # with defer_gather: the gathers held back at each issue
+    if defer_gather:
+        issue = step.optimizer._issue_deferred_gathers
+
+        def counted():
+            held.append(len(step.optimizer._deferred))
+            issue()
+
+        step.optimizer._issue_deferred_gathers = counted
     mine = slice(rank, rank + 1) if world_size > 1 else slice(None)
     losses = []
     for _ in range(STEPS):
@@ -113,6 +123,9 @@ def _compare(
         bound = update_rtol[0] if p_ref.ndim >= 2 else update_rtol[1]
         assert error <= bound, f"{mode} {name}: update differs from the reference's by {error:.3f} (relative)"
     assert [n for n, _ in transformer_units(ours)][-1] == "head"
+    if defer_gather and world_size > 1:  # per step: none at the first hook, then one unit at each
+        units = len(transformer_units(ours))  # later hook and the last one at step()
+        assert held == ([0] + [1] * units) * STEPS, held
 
 
 @pytest.mark.distributed
@@ -121,6 +134,13 @@ def _compare(
 def test_leaderboard_step_on_two_ranks_matches_the_single_process_step(mode, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # gloo ranks compute on the CPU, also on a GPU host
     spawn(_compare, 2, mode, "sdpa", False, timeout_s=200)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_deferred_gathers_on_two_ranks_match_the_single_process_step(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spawn(_compare, 2, "fp32", "sdpa", False, True, False, True, timeout_s=200)
 
 
 @pytest.mark.parametrize("keep_attention,keep_matmuls", [(True, False), (True, True), (False, False)])

@@ -21,7 +21,8 @@ With `overlap=True` all three run as soon as the unit's gradients are final, on 
 backward computes the earlier units (the update of a unit reads no tensor that backward still needs:
 every node that reads one of its weights also produces that weight's gradient, and the side stream
 waits for everything queued before the hook). `step()` then handles units that are not done yet
-and makes the caller's stream wait for the last all-gathers. With `overlap=False` everything
+and makes the caller's stream wait for the last all-gathers. With `defer_gather` a unit's all-gather
+is issued at the next unit's hook instead of right after its update ([Note: deferred gathers]). With `overlap=False` everything
 happens in `step()`, unit by unit in registration order. With one rank there is no communication.
 
 Parameter modes (`PARAM_MODES`; bytes per parameter: weights + gradients + optimizer / N):
@@ -34,6 +35,16 @@ With overlap the gradients of a unit live only from its last accumulation to its
 gradient term is one or two units, not the model. Per step each rank sends one reduce-scatter and one
 all-gather of the compute dtype: the volume of one all-reduce, as in ZeRO (Rajbhandari et al. 2020,
 https://arxiv.org/abs/1910.02054). `zero_state_bytes` gives the persistent part.
+
+[Note: deferred gathers]
+On the side stream a unit's update waits for SMs that backward leaves idle, so it ends well after
+its hook (two H200s, 8B config: ~12.5 ms for ~0.4 ms of work beside the next block's matmuls), and an
+all-gather issued behind it started just before the next block's attention backward: a long grid of
+short programs whose freed SMs NCCL's channels took one by one, holding them while they waited for
+the peer's (~25 ms per gather, beside ~30 of 34 attention backwards). Issued at the next unit's hook
+instead, the gather of unit i runs at the start of unit i-1's matmuls, when its update is long done.
+Nothing waits for the gathered weights before the next forward, so the lag costs nothing; `step()`
+issues the last one.
 
 Caveats: every parameter of a unit must receive a gradient in every backward (the units of the
 Basics LM do); one backward per `step()` (no gradient accumulation); dense gradients only; every rank
@@ -102,6 +113,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     param_mode: one of `PARAM_MODES`; lr, betas, eps, weight_decay, decay_before_update: as
         `cs336_systems.model.AdamW`. overlap: update each unit from inside backward.
     process_group: the group to shard over (None: the default group, or one rank without any).
+    defer_gather: with overlap, issue a unit's all-gather at the next unit's hook ([Note: deferred
+        gathers]).
     sync_module_states: broadcast every unit from rank 0 first, so the ranks start identical.
     max_grad_norm: > 0 clips the averaged gradient to this global norm (as `model.clip_gradient`)
         before any update. The norm needs every unit's gradient, so backward then only
@@ -120,6 +133,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         decay_before_update: bool = False,
         overlap: bool = True,
+        defer_gather: bool = False,
         process_group: dist.ProcessGroup | None = None,
         sync_module_states: bool = True,
         max_grad_norm: float = 0.0,
@@ -142,6 +156,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.compute_dtype, self.state_dtype, _ = PARAM_MODES[param_mode]
         self.decay_before_update = decay_before_update
         self.overlap = overlap
+        self.defer_gather = defer_gather
+        self._deferred: list[_Unit] = []  # updated units whose all-gather is not issued yet
         self.num_steps = 0  # completed steps; the kernel counts from 1
         if max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {max_grad_norm}")
@@ -241,6 +257,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(grad.device))  # the gradients were made there
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            self._issue_deferred_gathers()  # before this unit's reduce-scatter on NCCL's stream
             shard_grad = grad
             if self.world_size > 1:
                 shard_grad = reduce_scatter_grad(grad, name=unit.name, group=self.group).wait()
@@ -274,8 +291,17 @@ class ZeroAdamW(torch.optim.Optimizer):
                 copy_dtype=self.compute_dtype if unit.copies is not None else None,
                 table_cache=unit.table_cache,
             )
-        if self.world_size > 1:
+        if self.world_size > 1 and self.defer_gather and self.overlap:
+            self._deferred.append(unit)
+        elif self.world_size > 1:
             unit.gather = all_gather_in_place(unit.flat, name=unit.name, group=self.group)
+
+    def _issue_deferred_gathers(self) -> None:
+        """Issue the all-gathers held back by `defer_gather` (call with the side stream current: NCCL's
+        stream then waits for the updates queued on it)."""
+        for unit in self._deferred:
+            unit.gather = all_gather_in_place(unit.flat, name=unit.name, group=self.group)
+        self._deferred.clear()
 
     def _clip_and_apply(self) -> None:
         """The global norm of the averaged gradient (the shards' squares summed over the ranks), the
@@ -295,7 +321,10 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def abandon_step(self) -> None:
         """Forget a step that failed half-way (e.g. out of memory): wait for what was issued, drop the
-        gradients, start counting afresh. Units updated before the failure stay updated."""
+        gradients, start counting afresh. Units updated before the failure stay updated (and gathered)."""
+        side = self._side_stream
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            self._issue_deferred_gathers()
         for unit in self._units:
             if unit.gather is not None:
                 unit.gather.wait()
@@ -322,6 +351,9 @@ class ZeroAdamW(torch.optim.Optimizer):
                 )
         if self.max_grad_norm:
             self._clip_and_apply()
+        side = self._side_stream
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            self._issue_deferred_gathers()
         for unit in self._units:
             if unit.gather is not None:
                 unit.gather.wait()  # NCCL: the caller's stream waits; gloo: the host waits

@@ -131,6 +131,7 @@ class LeaderboardRunConfig:
     loss_chunk: int = 4096
     compile: bool = True
     overlap: bool = True
+    defer_gather: bool = False  # ours: a unit's all-gather issued at the next unit's hook
     rep_ms: float = 30_000.0
     warmup_ms: float = 10_000.0
     estimate_calls: int = 5
@@ -214,6 +215,7 @@ def build_path(cfg: LeaderboardRunConfig, label: str, device: torch.device):
         keep_attention=cfg.keep_attention,
         loss_chunk=cfg.loss_chunk,
         overlap=cfg.overlap,
+        defer_gather=cfg.defer_gather,
     )
     return build_leaderboard_step(model, ours), mcfg
 

@@ -66,6 +66,12 @@ def parser(doc: str, d, paths: tuple[str, ...]) -> argparse.ArgumentParser:
     p.add_argument(
         "--overlap", type=cli.boolean, default=d.overlap, help="ours: update units inside backward"
     )
+    p.add_argument(
+        "--defer-gather",
+        type=cli.boolean,
+        default=d.defer_gather,
+        help="ours, with --overlap: issue a unit's all-gather at the next unit's hook (zero.py's [Note: deferred gathers])",
+    )
     p.add_argument("--rep-ms", type=float, default=d.rep_ms, help="do_bench rep (ms of timed calls)")
     p.add_argument("--warmup-ms", type=float, default=d.warmup_ms, help="do_bench warmup (ms)")
     p.add_argument(
@@ -113,7 +119,7 @@ def config_fields(args: argparse.Namespace) -> dict[str, Any]:
         keep_attention=args.keep_attention, loss_chunk=args.loss_chunk,
         keep_matmuls=args.keep_attention if args.keep_matmuls is None else args.keep_matmuls,
         tuned_sac=args.tuned_sac, tuned_reshard=args.tuned_reshard,
-        compile=args.compile, overlap=args.overlap, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
+        compile=args.compile, overlap=args.overlap, defer_gather=args.defer_gather, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
         estimate_calls=args.estimate_calls, trace=args.trace, margin_gib=args.margin_gib, cold=args.cold,
         estimate_recompute=args.estimate_recompute, gc=args.gc,
         backend=args.backend,
