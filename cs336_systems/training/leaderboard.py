@@ -73,7 +73,7 @@ class LeaderboardConfig:
     fused_loss: bool = True
     loss_chunk: int | None = None  # tokens per LM-head chunk (None: the kernel's default)
     overlap: bool = True  # reduce-scatter / update / all-gather of a unit from inside backward
-    defer_gather: bool = False  # a unit's all-gather at the next unit's hook ([Note: deferred gathers])
+    defer_gather: bool = True  # a unit's all-gather at the next unit's hook ([Note: deferred gathers])
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8

@@ -131,7 +131,7 @@ class LeaderboardRunConfig:
     loss_chunk: int = 4096
     compile: bool = True
     overlap: bool = True
-    defer_gather: bool = False  # ours: a unit's all-gather issued at the next unit's hook
+    defer_gather: bool = True  # ours: a unit's all-gather issued at the next unit's hook
     rep_ms: float = 30_000.0
     warmup_ms: float = 10_000.0
     estimate_calls: int = 5
