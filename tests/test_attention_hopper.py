@@ -245,7 +245,8 @@ WS_CONFIGS = [
     hopper_configs.WarpSpecializedFwdConfig(head_major=False),
     hopper_configs.WarpSpecializedFwdConfig(stages=3),
     hopper_configs.WarpSpecializedFwdConfig(block_n=64, stages=3, pingpong=True),
-    hopper_configs.WarpSpecializedFwdConfig(block_n=64, stages=3),  # d = 80's default
+    hopper_configs.WarpSpecializedFwdConfig(block_n=64, stages=3),  # d = 80's default in session 19
+    hopper_configs.WarpSpecializedFwdConfig(consumers=3, consumer_regs=152, block_n=64, stages=3),  # d = 80's
     hopper_configs.WarpSpecializedFwdConfig(
         consumers=3, block_n=64, stages=3, consumer_regs=160, pingpong=True
     ),

@@ -106,11 +106,14 @@ ONE_PASS_HEAD_DIMS: frozenset[int] = frozenset({64, 80, 128})
 
 def heuristic_fwd(d: int) -> HopperFwdConfig | WarpSpecializedFwdConfig:
     """Forward tiles by head dim (the fastest of the H100 sweeps in OPTIMIZATION_LOG.md, "Sessions 7-8"
-    and "Session 10", "Session 12"; d = 80's from the A/Bs of "Session 19", on an H200 and an H100):
-    the warp-specialised kernel at d = 128 (two consumer warpgroups, 128-key tiles, three stages, no
-    ping-pong) and d = 80 (64-key tiles), the one-warpgroup kernel elsewhere."""
-    if d == 80:  # 128 x 2048 x 80 causal: 0.468 -> 0.371 ms, 128 x 4096: 1.424 -> 1.086 (H200, session 19)
-        return WarpSpecializedFwdConfig(consumers=2, block_n=64, stages=3)
+    and "Session 10", "Session 12"; d = 80's from the A/Bs of "Session 19" and "Session 20", on an H200
+    and an H100): the warp-specialised kernel at d = 128 (two consumer warpgroups, 128-key tiles, three
+    stages, no ping-pong) and d = 80 (three consumer warpgroups, 64-key tiles, three stages), the
+    one-warpgroup kernel elsewhere."""
+    if (
+        d == 80
+    ):  # 128 x 2048 x 80 causal (H200): one warpgroup 0.468 ms, two consumers 0.371-0.372, three 0.322
+        return WarpSpecializedFwdConfig(consumers=3, consumer_regs=152, block_n=64, stages=3)
     if split_head_dim(d) != d:  # two column blocks (d = 96, ...)
         return HopperFwdConfig(128, 64, 3, 8)
     if d <= 64:
