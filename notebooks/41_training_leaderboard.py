@@ -17,7 +17,8 @@
 # d_model 4096, d_ff 11008, 32 heads, vocabulary 151936, context 32768, batch 2, causal, bf16) on two
 # GPUs, from empty caches within 10 minutes. One command
 # (`python -m cs336_systems.studies.training.leaderboard --nproc 2 --cold`) runs, in one invocation,
-# **ours** (ZeRO-2 over flat per-unit buffers with the updates inside backward, our fused AdamW, our
+# **ours** (ZeRO-2 over flat per-unit buffers with the updates inside backward and each unit's all-gather
+# issued at the next unit's gradient hook, beside that unit's matmuls; our fused AdamW, our
 # chunked LM-head + loss, **our FlashAttention**, compiled blocks, as few recomputed blocks as memory
 # needs, each keeping its attention's outputs and, as far as memory allows, its matmuls' too, so that
 # only elementwise work is recomputed), **stock_tuned** (torchtitan's recipe: FSDP2, selective
