@@ -22,8 +22,9 @@ backward computes the earlier units (the update of a unit reads no tensor that b
 every node that reads one of its weights also produces that weight's gradient, and the side stream
 waits for everything queued before the hook). `step()` then handles units that are not done yet
 and makes the caller's stream wait for the last all-gathers. A unit's all-gather is issued at the
-next unit's hook, not right after its update (`defer_gather`, [Note: deferred gathers]). With `overlap=False` everything
-happens in `step()`, unit by unit in registration order. With one rank there is no communication.
+next unit's hook, not right after its update (`defer_gather`, [Note: deferred gathers]). With
+`overlap=False` everything happens in `step()`, unit by unit in registration order. With one rank
+there is no communication.
 
 Parameter modes (`PARAM_MODES`; bytes per parameter: weights + gradients + optimizer / N):
   "bf16":        weights, gradients, m and v in bf16 (the leaderboard config's `torch_dtype` read
@@ -37,17 +38,18 @@ all-gather of the compute dtype: the volume of one all-reduce, as in ZeRO (Rajbh
 https://arxiv.org/abs/1910.02054). `zero_state_bytes` gives the persistent part.
 
 [Note: deferred gathers]
-On the side stream a unit's update waits for SMs that backward leaves idle, so it ends well after
-its hook (two H200s, 8B config: ~12.5 ms for ~0.4 ms of work beside the next block's matmuls), and an
-all-gather issued behind it started just before the next block's attention backward: a long grid of
-short programs whose freed SMs NCCL's channels took one by one, holding them while they waited for
-the peer's (~25 ms per gather, beside ~30 of 34 attention backwards). Issued at the next unit's hook
-instead, the gather of unit i runs at the start of unit i-1's matmuls, when its update is long done.
-Nothing waits for the gathered weights before the next forward, so the lag costs nothing; `step()`
-issues the last one. Measured (two H200s, 8B config, one machine, git f2c9e9a, alternating
-invocations): 4493 and 4478 ms a step deferred against 4635 right after the update; in the profiled
-steps the reduce-scatters took a median 0.9-1.5 ms deferred against 9.5, the matmuls 2038-2046 ms
-against 2096 (LEADERBOARD_LOG, session 20).
+On the side stream a unit's update gets only the SMs that backward leaves idle, so it ends well after
+its hook (two H200s, 8B config: ~12.5 ms for ~0.4 ms of work, beside the next block's matmuls), and an
+all-gather issued behind it starts just before, or inside, the next block's attention backward. What
+it then costs depends on the machine: in session 19's profiled step each such gather took ~26 ms
+beside the attention backward (the attention backward 49.5 ms median against cuDNN's 45.2 in
+stock_tuned); in session 20's, 3.1 ms, while the reduce-scatters took 9.5 ms. Issued at the next
+unit's hook instead, the gather of unit i starts with unit i-1's matmuls, its update long done, and
+nothing waits for the gathered weights before the next forward; `step()` issues the last one.
+Measured (two H200s, 8B config, one machine, git f2c9e9a, alternating invocations): 4493 and 4478 ms
+a step deferred against 4635 right after the update; in the profiled steps the reduce-scatters took
+a median 0.9-1.5 ms deferred against 9.5, the matmuls 2038-2046 ms against 2096 (LEADERBOARD_LOG,
+session 20).
 
 Caveats: every parameter of a unit must receive a gradient in every backward (the units of the
 Basics LM do); one backward per `step()` (no gradient accumulation); dense gradients only; every rank
