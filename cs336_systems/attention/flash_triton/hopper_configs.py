@@ -110,9 +110,8 @@ def heuristic_fwd(d: int) -> HopperFwdConfig | WarpSpecializedFwdConfig:
     and an H100): the warp-specialised kernel at d = 128 (two consumer warpgroups, 128-key tiles, three
     stages, no ping-pong) and d = 80 (three consumer warpgroups, 64-key tiles, three stages), the
     one-warpgroup kernel elsewhere."""
-    if (
-        d == 80
-    ):  # 128 x 2048 x 80 causal (H200): one warpgroup 0.468 ms, two consumers 0.371-0.372, three 0.322
+    # d = 80, 128 x 2048 x 80 causal (H200): one warpgroup 0.468 ms, two consumers 0.371-0.372, three 0.322
+    if d == 80:
         return WarpSpecializedFwdConfig(consumers=3, consumer_regs=152, block_n=64, stages=3)
     if split_head_dim(d) != d:  # two column blocks (d = 96, ...)
         return HopperFwdConfig(128, 64, 3, 8)
