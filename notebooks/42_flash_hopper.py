@@ -225,12 +225,14 @@ if nb.have_results(per_shape, "the per-shape comparison with cuDNN"):
     show_table(
         per_shape.rename(columns={"gpu": "GPU"}),
         caption="Ours against cuDNN per GPU and shape (heads x N x d, causal, bf16): the fwd+bwd time ratio of "
-        "the eager steps and of the steps captured in CUDA graphs, and each pass alone in TFLOP/s; the latest "
+        "the steps (ours compiled), of ours called without torch.compile (\"eager\", where timed) and of the steps "
+        "captured in CUDA graphs, and each pass alone in TFLOP/s; the latest "
         f"run of each shape on each GPU ({commits})",
         provenance_from=per_shape.attrs["source"],
         formats={
             "fwd+bwd / cuDNN": "{:.2f}",
             "graphed / cuDNN": "{:.2f}",
+            "eager / cuDNN": "{:.2f}",
             **{c: "{:.0f}" for c in per_shape.columns if c.startswith(("fwd ", "bwd "))},
         },
     )
@@ -315,7 +317,8 @@ if nb.have_results(one_pass, "the one-pass backward timings"):
 # %% tags=["remove-input", "remove-cell"]
 if nb.have_results(shapes, "the model-shape comparison"):
     short = {"flash_triton": "ours", "flash_triton_portable": "portable", "flash_triton_gluon": "gluon",
-             "custom_op_floor": "host floor", "flash_triton_graphed": "ours graphed",
+             "custom_op_floor": "host floor", "flash_triton_eager": "ours eager",
+             "flash_triton_graphed": "ours graphed",
              "sdpa_flash_graphed": "flash graphed", "sdpa_cudnn_graphed": "cuDNN graphed"}  # fmt: skip
     wide = shapes[[c for c in shapes.columns if not c.startswith("ours /")]].rename(columns=short)
     show_table(

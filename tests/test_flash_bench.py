@@ -311,13 +311,15 @@ def test_the_shape_table_keeps_each_gpu_models_latest_run():
     rows = (
         _shape_rows("NVIDIA H100 80GB HBM3", 1, {"flash_triton": 3.0, "sdpa_cudnn": 1.0}, t=1)
         + _shape_rows("NVIDIA H100 80GB HBM3", 2, {"flash_triton": 2.0, "sdpa_cudnn": 1.0}, t=2)
-        + _shape_rows("NVIDIA H200", 3, {"flash_triton": 1.0, "sdpa_cudnn": 2.0}, t=3)
+        + _shape_rows("NVIDIA H200", 3, {"flash_triton": 1.0, "sdpa_cudnn": 2.0, "flash_triton_eager": 3.0}, t=3)
         + [r | {"name": "shapes_split", "metric": "throughput", "mode": "fwd", "p50": 100.0}
            for r in _shape_rows("NVIDIA H200", 4, {"flash_triton": 0, "sdpa_cudnn": 0}, t=4)]
     )  # fmt: skip
     t = flash_hopper_facts.shape_throughput_table(pd.DataFrame(rows)).set_index("gpu")
     assert t.loc["H100", "fwd+bwd / cuDNN"] == 2.0 and t.loc["H200", "fwd+bwd / cuDNN"] == 0.5
     assert t.loc["H200", "fwd ours"] == 100.0 and math.isnan(t.loc["H100", "fwd ours"])
+    # the eager call against cuDNN's, only where that run timed it
+    assert t.loc["H200", "eager / cuDNN"] == 1.5 and math.isnan(t.loc["H100", "eager / cuDNN"])
     runs = t.attrs["runs"].set_index("gpu")
     assert runs.loc["H100", "runs"] == 1 and runs.loc["H100", "sha"] == "sha2"
     assert (
@@ -444,12 +446,12 @@ def test_pass_table_keeps_the_two_gluon_families_apart():
 
 def test_a_model_shape_run_records_its_forward_and_backward_and_survives_the_floor(tmp_path):
     """`flash_bench --leaderboard` at a model shape (CPU, float32, tiny): the forward/backward split
-    comes as rows "shapes_split" for the attention implementations (the host floor is a step, not an
-    attention, and has none), and the timed rows are stored before the split runs."""
+    comes as rows "shapes_split" for the attention implementations (the host floor and the eager call are
+    steps, not attentions of their own, and have none), and the timed rows are stored before the split runs."""
     from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig, measure
 
     cfg = LeaderboardConfig(heads=1, seq_len=16, d=16, rep_ms=1, warmup_ms=1, dtype="float32", device="cpu", matmul_n=64,
-                            impls=("flash_triton", "custom_op_floor"), name="shapes")  # fmt: skip
+                            impls=("flash_triton", "custom_op_floor", "flash_triton_eager"), name="shapes")  # fmt: skip
     rows = measure(cfg, results_dir=tmp_path, split=True)
     stored = pd.read_csv(tmp_path / "flash_leaderboard.csv")
     assert len(stored) == len(rows)

@@ -172,7 +172,8 @@ def shape_throughput_table(df: pd.DataFrame) -> pd.DataFrame:
     """Ours against cuDNN at every shape (the 2025 protocol's, rows "protocol"/"split", and the models',
     rows "shapes"/"shapes_split"), one row per GPU model and shape. Forward + backward: ours / cuDNN's time
     in the latest run of that shape on that GPU model (one process), and the same for the steps captured
-    in CUDA graphs where that run timed them ("graphed / cuDNN"); each pass alone ("fwd ours", "fwd cuDNN",
+    in CUDA graphs where that run timed them ("graphed / cuDNN"), and ours called eagerly, without
+    torch.compile, against cuDNN's (eager) call where that run timed it ("eager / cuDNN"); each pass alone ("fwd ours", "fwd cuDNN",
     "bwd ours", "bwd cuDNN"): TFLOP/s in the latest split run of that shape on that GPU model. No ratio
     mixes GPU models or runs.
     `attrs["runs"]`: per row the commit of each run, and the spread of the forward + backward ratio over
@@ -188,6 +189,9 @@ def shape_throughput_table(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame({"fwd+bwd / cuDNN": ms["flash_triton"] / ms["sdpa_cudnn"]})
     graphed = {"flash_triton_graphed", "sdpa_cudnn_graphed"} <= set(ms.columns)
     out["graphed / cuDNN"] = ms["flash_triton_graphed"] / ms["sdpa_cudnn_graphed"] if graphed else math.nan
+    # ours called eagerly (no torch.compile) against cuDNN's eager SDPA call: the host paths side by side
+    eager = "flash_triton_eager" in ms.columns
+    out["eager / cuDNN"] = ms["flash_triton_eager"] / ms["sdpa_cudnn"] if eager else math.nan
     tf = (
         sp.pivot_table(index=["gpu", "shape"], columns=["mode", "impl"], values="p50", aggfunc="last")
         if len(sp)
@@ -342,6 +346,7 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
     out["vs_cudnn"], out["at_or_below_cudnn"], out["above_cudnn"] = {}, {}, {}
     out["same_verdict_every_run"], out["runs_per_shape"], out["shas"], out["split_shas"] = {}, {}, {}, {}
     out["shape_passes"], out["graphed_vs_cudnn"], out["passes_faster"] = {}, {}, {}
+    out["eager_vs_cudnn"] = {}
     for g in gpus:
         ratio = t.loc[g, "fwd+bwd / cuDNN"]
         out["vs_cudnn"][g] = ratio.to_dict()
@@ -362,6 +367,7 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
                         "ours / cuDNN time": float(cudnn / ours),
                     }
         out["graphed_vs_cudnn"][g] = t.loc[g, "graphed / cuDNN"].dropna().to_dict()
+        out["eager_vs_cudnn"][g] = t.loc[g, "eager / cuDNN"].dropna().to_dict()
         out["passes_faster"][g] = {  # the shapes where that pass alone is no slower than cuDNN's
             mode: [
                 s

@@ -23,6 +23,8 @@ from cs336_systems.model import get_attention
 # inputs, ours with the PyTorch backward, SDPA's two fastest backends, and `custom_op_floor`: an
 # attention that launches nothing, built like ours (an autograd.Function around two operators,
 # compiled), whose step time is the host floor of that design (outputs uninitialised: time only).
+# "flash_triton_eager": ours called without torch.compile (its host path is the autograd.Function and
+# our launchers only, no Dynamo guards or AOTAutograd wrappers: what a single attention call costs eagerly).
 # "<impl>_graphed": that attention's forward and backward captured in CUDA graphs
 # (`torch.cuda.make_graphed_callables`) and replayed, so no host work per call is left (GPU only).
 LEADERBOARD_IMPLS = (
@@ -33,12 +35,19 @@ LEADERBOARD_IMPLS = (
     "sdpa_flash",
     "sdpa_cudnn",
     "custom_op_floor",
+    "flash_triton_eager",
     "flash_triton_graphed",
     "sdpa_flash_graphed",
     "sdpa_cudnn_graphed",
 )
 # Implementations timed only as the protocol's step (no attention callable of their own).
-STEP_ONLY = ("custom_op_floor", "flash_triton_graphed", "sdpa_flash_graphed", "sdpa_cudnn_graphed")
+STEP_ONLY = (
+    "custom_op_floor",
+    "flash_triton_eager",
+    "flash_triton_graphed",
+    "sdpa_flash_graphed",
+    "sdpa_cudnn_graphed",
+)
 # Our implementations that pin the kernel choice (tiles.KernelOptions.hopper).
 _PINNED_HOPPER = {"flash_triton_portable": False, "flash_triton_gluon": True}
 
@@ -150,6 +159,8 @@ def leaderboard_step(impl: str, x: torch.Tensor) -> Callable[[], None]:
         flash = _graphed(attention_fn(base, x.device.type), q, k, v)
     elif impl == "flash_triton" or impl in _PINNED_HOPPER:
         flash = torch.compile(FlashAttentionTriton.apply)
+    elif impl == "flash_triton_eager":
+        flash = FlashAttentionTriton.apply
     elif impl == "custom_op_floor":
         flash = torch.compile(CustomOpFloor.apply)
     elif impl == "flash_pytorch_compiled_bwd":
