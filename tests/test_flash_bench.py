@@ -281,13 +281,16 @@ def test_shape_table_on_the_committed_results_never_mixes_gpu_models_or_runs():
         per_row = rows.groupby(["gpu", "shape"])
         assert (per_row.gpu_name.nunique() == 1).all() and (per_row.run_id.nunique() == 1).all()
     h200 = t[t.gpu == "H200"]
-    # on the H200 the latest runs: 51d1c8d and 463ae9e at two shapes each (no CUDA-graph steps timed),
-    # b04f68b at two
-    sha = src[src.gpu == "H200"].groupby("shape").git_sha.agg(lambda x: set(x.str[:7]))
-    assert set(sha.map(tuple)) == {("51d1c8d",), ("463ae9e",), ("b04f68b",)}
-    graphed = h200.set_index("shape")["graphed / cuDNN"]
-    assert all(graphed[s] == graphed[s] for s in sha.index if sha[s] == {"b04f68b"})  # timed there
-    assert all(graphed[s] != graphed[s] for s in sha.index if sha[s] != {"b04f68b"})  # blank, never borrowed
+    # on the H200 the latest runs: 51d1c8d at two shapes (no CUDA-graph steps timed), b04f68b at one and
+    # ceb9620 at three (CUDA-graph steps and the eager call timed at N = 512 and 1024, the eager call at 2048)
+    h200_src = src[(src.gpu == "H200") & (src.metric == "latency")]
+    sha = h200_src.groupby("shape").git_sha.agg(lambda x: set(x.str[:7]))
+    assert set(sha.map(tuple)) == {("51d1c8d",), ("ceb9620",), ("b04f68b",)}
+    timed = h200_src.groupby("shape").impl.agg(set)
+    for col, impl in (("graphed / cuDNN", "flash_triton_graphed"), ("eager / cuDNN", "flash_triton_eager")):
+        ratio = h200.set_index("shape")[col]
+        assert any(impl in timed[s] for s in sha.index)
+        assert all((ratio[s] == ratio[s]) == (impl in timed[s]) for s in sha.index)  # blank, never borrowed
     runs = t.attrs["runs"]
     assert (runs["min"] <= t["fwd+bwd / cuDNN"] + 1e-12).all() and (
         t["fwd+bwd / cuDNN"] <= runs["max"] + 1e-12
