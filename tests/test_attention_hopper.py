@@ -250,6 +250,8 @@ WS_CONFIGS = [
     hopper_configs.WarpSpecializedFwdConfig(
         consumers=3, block_n=64, stages=3, consumer_regs=160, pingpong=True
     ),
+    # the wait for P V where ptxas puts it (before the softmax): kept for A/Bs
+    hopper_configs.WarpSpecializedFwdConfig(stages=3, late_pv_wait=False),
 ]
 
 

@@ -140,6 +140,7 @@ def flash_fwd_hopper(
         specific = dict(
             CONSUMERS=cfg.consumers,
             PINGPONG=cfg.pingpong,
+            LATE_PV_WAIT=cfg.late_pv_wait,
             CONSUMER_REGS=cfg.consumer_regs,
             PRODUCER_REGS=PRODUCER_REGS,
             num_warps=4,

@@ -73,6 +73,8 @@ class WarpSpecializedFwdConfig:
     consumer_regs: int = 240
     head_major: bool = True  # one-dimensional grid, heads in groups of group_heads (program_tile)
     group_heads: int = 1  # head_major: heads a group (a divisor of B * H); 0: [Note: tile order]'s rule
+    # the wait for P V kept after the softmax ([Note: the wait for P V after the softmax], hopper_ws_kernels)
+    late_pv_wait: bool = True
 
     def __post_init__(self) -> None:
         check_register_budget(self, self.consumers, self.consumer_regs)

@@ -17,6 +17,9 @@ other's products occupy the tensor cores, instead of both contending at the same
 H100 it was slower in every configuration measured (OPTIMIZATION_LOG.md, "Session 10"), so it is off
 by default.
 
+With LATE_PV_WAIT (the default) the consumers re-wait, just before the wait for P_{t-1} V_{t-1}, on
+the K barrier they already passed for tile t ([Note: the wait for P V after the softmax]).
+
 Registers are set per partition (`setmaxnreg`): the producer keeps 24 a thread (`hopper_configs.PRODUCER_REGS`), the consumers share
 the rest of the register file (`hopper_configs.WarpSpecializedFwdConfig.consumer_regs`).
 """
@@ -41,6 +44,19 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
     softmax_step,
 )
 
+# [Note: the wait for P V after the softmax]
+# The source issues S_t = Q K_t^T and O += P_{t-1} V_{t-1}, waits for S_t, runs the softmax of S_t,
+# and only then waits for P_{t-1} V_{t-1}, so that the softmax runs while the tensor cores finish the
+# product. The PTX keeps that order, but ptxas (CUDA 12.8, the one Triton 3.6 bundles) moves
+# `wgmma.wait_group 0` up to the start of the basic block that holds it (sm_90a SASS: the
+# WARPGROUP.DEPBAR for P V right after the wait for S_t, or after the first instruction past the
+# masking branch, before the softmax's FMNMX/MUFU chain), at d = 80 and at d = 128 alike, with no
+# register that would force it and whatever follows the wait (it moved with the rescale and the
+# stage's release taken away). So each consumer ran its softmax with no product in flight. It does not move a wait past a block
+# boundary: re-waiting on the K barrier of tile t (a phase this warpgroup already passed, which
+# cannot flip before this warpgroup releases that stage at step t + 1, so it returns at once) puts
+# its try-wait loop, a block boundary, between the softmax and the wait; the SASS then has the
+# DEPBAR after the last MUFU. The cost: one try-wait and the warpgroup barrier Triton puts before it.
 WG_ROWS: gl.constexpr = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 WG_WARPS: gl.constexpr = gl.constexpr(4)
 
@@ -96,6 +112,7 @@ def _fwd_consumer(
     SPLIT: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr,
+    LATE_PV_WAIT: gl.constexpr,
 ):
     """One warpgroup: rows [start_m + 64 w, start_m + 64 (w + 1)) against every key tile of the program."""
     (descs, smem, bars, off_bh, start_m, n_tiles, N_QUERIES, N_KEYS, qk_scale, L_ptr) = args
@@ -161,6 +178,8 @@ def _fwd_consumer(
         p, m_i, l_i, alpha = softmax_step(
             s_t, m_i, l_i, t * BLOCK_N, row0, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
         )
+        if LATE_PV_WAIT:  # [Note: the wait for P V after the softmax]
+            mbarrier.wait(k_bar.index(st), (t // STAGES) & 1)
         if SPLIT:
             acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
             acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
@@ -198,9 +217,14 @@ def _fwd_consumer(
 
 @gluon.jit
 def _fwd_consumer0(
-    args, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr
+    args,
+    C: gl.constexpr,
+    SPLIT: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    LATE_PV_WAIT: gl.constexpr,
 ):
-    _fwd_consumer(args, 0, C, SPLIT, IS_CAUSAL, PINGPONG)
+    _fwd_consumer(args, 0, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT)
 
 
 @gluon.jit
@@ -211,12 +235,13 @@ def _fwd_worker(
     SPLIT: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr,
+    LATE_PV_WAIT: gl.constexpr,
 ):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C."""
     if w == C:
         _fwd_producer(args, C, SPLIT)
     else:
-        _fwd_consumer(args, w, C, SPLIT, IS_CAUSAL, PINGPONG)
+        _fwd_consumer(args, w, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT)
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
@@ -242,6 +267,7 @@ def flash_fwd_ws_kernel(
     STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr,
+    LATE_PV_WAIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     HEAD_MAJOR: gl.constexpr,
@@ -319,9 +345,9 @@ def flash_fwd_ws_kernel(
     if C == 2:
         gl.warp_specialize(
             [
-                (_fwd_consumer0, (args, C, SPLIT, IS_CAUSAL, PINGPONG)),
-                (_fwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, PINGPONG)),
-                (_fwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, PINGPONG)),
+                (_fwd_consumer0, (args, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT)),
+                (_fwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT)),
+                (_fwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -329,10 +355,10 @@ def flash_fwd_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_fwd_consumer0, (args, C, SPLIT, IS_CAUSAL, PINGPONG)),
-                (_fwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, PINGPONG)),
-                (_fwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, PINGPONG)),
-                (_fwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, PINGPONG)),
+                (_fwd_consumer0, (args, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT)),
+                (_fwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT)),
+                (_fwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT)),
+                (_fwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
