@@ -246,7 +246,10 @@ WS_CONFIGS = [
     hopper_configs.WarpSpecializedFwdConfig(stages=3),
     hopper_configs.WarpSpecializedFwdConfig(block_n=64, stages=3, pingpong=True),
     hopper_configs.WarpSpecializedFwdConfig(block_n=64, stages=3),  # d = 80's default in session 19
-    hopper_configs.WarpSpecializedFwdConfig(consumers=3, consumer_regs=152, block_n=64, stages=3),  # d = 80's
+    hopper_configs.WarpSpecializedFwdConfig(consumers=3, consumer_regs=152, block_n=64, stages=3),
+    hopper_configs.WarpSpecializedFwdConfig(  # d = 80's
+        consumers=3, consumer_regs=152, block_n=64, stages=3, late_pv_wait=False
+    ),
     hopper_configs.WarpSpecializedFwdConfig(
         consumers=3, block_n=64, stages=3, consumer_regs=160, pingpong=True
     ),

@@ -110,17 +110,21 @@ def heuristic_fwd(d: int) -> HopperFwdConfig | WarpSpecializedFwdConfig:
     """Forward tiles by head dim (the fastest of the H100 sweeps in OPTIMIZATION_LOG.md, "Sessions 7-8"
     and "Session 10", "Session 12"; d = 80's from the A/Bs of "Session 19" and "Session 20", on an H200
     and an H100): the warp-specialised kernel at d = 128 (two consumer warpgroups, 128-key tiles, three
-    stages, no ping-pong) and d = 80 (three consumer warpgroups, 64-key tiles, three stages), the
-    one-warpgroup kernel elsewhere."""
-    # d = 80, 128 x 2048 x 80 causal (H200): one warpgroup 0.468 ms, two consumers 0.371-0.372, three 0.322
+    stages, no ping-pong, the wait for P V after the softmax) and d = 80 (three consumer warpgroups,
+    64-key tiles, three stages, the wait where ptxas puts it), the one-warpgroup kernel elsewhere."""
+    # d = 80, 128 x 2048 x 80 causal (H200): one warpgroup 0.468 ms, two consumers 0.371-0.372, three 0.322.
+    # The late wait for P V costs the three 64-key consumers 1.8 % there (0.332 against 0.326 ms, H100),
+    # while it saves 3.6 % at d = 128 (14.27 against 14.80 ms at 32 x 32768): OPTIMIZATION_LOG, session 21.
     if d == 80:
-        return WarpSpecializedFwdConfig(consumers=3, consumer_regs=152, block_n=64, stages=3)
+        return WarpSpecializedFwdConfig(
+            consumers=3, consumer_regs=152, block_n=64, stages=3, late_pv_wait=False
+        )
     if split_head_dim(d) != d:  # two column blocks (d = 96, ...)
         return HopperFwdConfig(128, 64, 3, 8)
     if d <= 64:
         return HopperFwdConfig(128, 64, 4, 8)
     if d == 128:  # three K/V stages (229.7 KB of shared memory): 16.1 -> 14.1 ms at 32 x 32768 (H100)
-        return WarpSpecializedFwdConfig(consumers=2, block_n=128, stages=3)
+        return WarpSpecializedFwdConfig(consumers=2, block_n=128, stages=3, late_pv_wait=True)
     return HopperFwdConfig(64, 64, 3, 4)
 
 
