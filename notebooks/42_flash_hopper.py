@@ -149,12 +149,12 @@ if len(per_shape) and len(passes) and not quick:
             if len(lead) == 1
             else ""
         )
-        + ". Below N = 2048 the 2.7B model's eager steps time the host more than the kernels"
+        + ". Below N = 2048 the 2.7B model's steps, when not captured in CUDA graphs, time the host more than the kernels"
         + (
             ": captured in CUDA graphs, our step takes "
             + "; ".join(
                 " and ".join(f"{gr[g][n]:.2f}x ({g})" for g in gpus if n in gr.get(g, {}))
-                + f" cuDNN's captured step at N = {label} (eager: "
+                + f" cuDNN's captured step at N = {label} (not captured, ours compiled: "
                 + " and ".join(f"{vs[g][n]:.2f}x" for g in gpus if n in gr.get(g, {}))
                 + ")"
                 for n, label in ((short, 512), (mid, 1024))
@@ -166,8 +166,17 @@ if len(per_shape) and len(passes) and not quick:
         + (", and at N = 1024 both passes alone are slower than cuDNN's too" if slower_mid else "")
         + (
             f"; on the H100 a step built like ours that launches nothing already takes "
-            f"{fl['custom_op_floor']:.2f} ms at N = 512 (ours {fl['flash_triton']:.2f} ms, SDPA-flash's eager "
-            f"step {fl['sdpa_flash']:.2f} ms)"
+            f"{fl['custom_op_floor']:.2f} ms at N = 512 (ours compiled {fl['flash_triton']:.2f} ms, SDPA-flash's eager "
+            f"step {fl['sdpa_flash']:.2f} ms"
+            + (
+                f", cuDNN's {fl['sdpa_cudnn']:.2f}; ours called without torch.compile "
+                f"{fl['flash_triton_eager']:.2f} ms: the compiled custom-op path's floor alone is above SDPA's "
+                "eager step, and eagerly our autograd.Function and launchers in Python take more host time than "
+                "cuDNN's C++ path (OPTIMIZATION_LOG.md, session 21)"
+                if {"sdpa_cudnn", "flash_triton_eager"} <= set(fl)
+                else ""
+            )
+            + ")"
             if (fl := f["d80"].get("H100", {}).get("floor_512"))
             else ""
         )
@@ -225,7 +234,7 @@ if nb.have_results(per_shape, "the per-shape comparison with cuDNN"):
     show_table(
         per_shape.rename(columns={"gpu": "GPU"}),
         caption="Ours against cuDNN per GPU and shape (heads x N x d, causal, bf16): the fwd+bwd time ratio of "
-        "the steps (ours compiled), of ours called without torch.compile (\"eager\", where timed) and of the steps "
+        'the steps (ours compiled), of ours called without torch.compile ("eager", where timed) and of the steps '
         "captured in CUDA graphs, and each pass alone in TFLOP/s; the latest "
         f"run of each shape on each GPU ({commits})",
         provenance_from=per_shape.attrs["source"],

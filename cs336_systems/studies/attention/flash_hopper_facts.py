@@ -311,7 +311,9 @@ def _d80_facts(shapes: pd.DataFrame) -> dict[str, Any]:
         and rows.loc[short, "custom_op_floor"] == rows.loc[short, "custom_op_floor"]
     ):
         out["floor_512"] = {
-            c: float(rows.loc[short, c]) for c in ("custom_op_floor", "flash_triton", "sdpa_flash")
+            c: float(rows.loc[short, c])
+            for c in ("custom_op_floor", "flash_triton", "flash_triton_eager", "sdpa_flash", "sdpa_cudnn")
+            if c in rows.columns and rows.loc[short, c] == rows.loc[short, c]  # timed in that run
         }
     return out
 
