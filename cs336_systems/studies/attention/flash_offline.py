@@ -7,7 +7,9 @@ runs a launcher (`hopper.flash_fwd_hopper` / `hopper.flash_bwd_hopper`) on "meta
 it; `compile_sm90` compiles one recorded launch with the installed Triton for an sm_90a target and
 reads ptxas's report of the cubin: registers a thread, stack (local memory: spills and scratch
 arrays), spill stores and loads, the kernel's shared memory, and from the SASS the local loads and
-stores inside the loops that issue tensor-core products (`loop_local_accesses`).
+stores inside the loops that issue tensor-core products (`loop_local_accesses`) and how many of those
+loops' exponentials come before their wait for every product (`exponentials_under_products`: whether a
+softmax overlaps its warpgroup's products in the code ptxas scheduled, not only in the source).
 
 What it is for: a CPU test that every default Hopper path compiles with the Triton the project
 admits (Triton 3.6 and 3.7 differ in Gluon's API) and fits the 227 KB of shared memory an sm_90 block
@@ -82,6 +84,10 @@ class Resources:
     spill_loads: int
     shared_bytes: int
     loop_local_accesses: int  # LDL/STL inside the loops that issue HGMMA (`loop_local_accesses`)
+    # exponentials (MUFU.EX2) in those loops, and how many of them are issued before the loop's wait for
+    # every product (`exponentials_under_products`): what the softmax overlaps with the tensor cores
+    loop_exponentials: int = 0
+    exponentials_under_products: int = 0
 
 
 @contextlib.contextmanager
@@ -184,29 +190,51 @@ def compile_sm90(rec: Recorded) -> Resources:
         spill_loads=number(r"(\d+) bytes spill loads"),
         shared_bytes=int(compiled.metadata.shared),
         loop_local_accesses=loop_local_accesses(sass),
+        loop_exponentials=sum(n for n, _ in exponentials_under_products(sass)),
+        exponentials_under_products=sum(k for _, k in exponentials_under_products(sass)),
     )
 
 
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
-def loop_local_accesses(sass: str) -> int:
-    """Local-memory loads and stores (LDL/STL: spills) inside the innermost loops that issue tensor-core
-    products (HGMMA), per iteration summed over those loops: the spills a kernel pays every step, not
-    once. A loop is the span of a predicated backward branch (an unpredicated one returns from
-    out-of-line code, such as a barrier's retry, into the body)."""
-    code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
+def _product_loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last address) of the innermost loops that issue tensor-core products (HGMMA). A loop is
+    the span of a predicated backward branch (an unpredicated one returns from out-of-line code, such
+    as a barrier's retry, into the body)."""
     loops = []
     for address, ins in code:
         back = re.match(r"@!?P\d+\s+BRA\s+0x([0-9a-f]+)", ins)
         if back and int(back.group(1), 16) < address:
             loops.append((int(back.group(1), 16), address))
     products = [(a, b) for a, b in loops if any(a <= x <= b and "HGMMA" in ins for x, ins in code)]
-    innermost = [
-        (a, b) for a, b in products if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in products)
-    ]
+    return [(a, b) for a, b in products if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in products)]
+
+
+def loop_local_accesses(sass: str) -> int:
+    """Local-memory loads and stores (LDL/STL: spills) inside the innermost loops that issue tensor-core
+    products (HGMMA), per iteration summed over those loops: the spills a kernel pays every step, not
+    once."""
+    code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
     local = [x for x, ins in code if re.match(r"(@!?P\d+\s+)?(LDL|STL)\b", ins)]
-    return sum(a <= x <= b for a, b in innermost for x in local)
+    return sum(a <= x <= b for a, b in _product_loops(code) for x in local)
+
+
+def exponentials_under_products(sass: str) -> list[tuple[int, int]]:
+    """Per innermost product loop with exponentials: (its MUFU.EX2 count, how many come before its first
+    wait for every outstanding product, `WARPGROUP.DEPBAR.LE gsb0, 0x0`). A softmax that overlaps its
+    warpgroup's products has them all before that wait; ptxas moving the wait up leaves none
+    ([Note: the wait for P V after the softmax] in hopper_ws_kernels.py)."""
+    code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
+    out = []
+    for a, b in _product_loops(code):
+        exps = [x for x, ins in code if a <= x <= b and re.match(r"(@!?P\d+\s+)?MUFU\.EX2\b", ins)]
+        waits = [
+            x for x, ins in code if a <= x <= b and re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0, 0x0\b", ins)
+        ]
+        if exps:
+            out.append((len(exps), sum(x < min(waits, default=b + 1) for x in exps)))
+    return out
 
 
 def default_paths() -> list[tuple[str, int, Callable[[], Any]]]:
@@ -249,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{row['kind']} d={row['d']:<4} {row['kernel']:<32} {row['registers']:>4} regs  "
             f"stack {row['stack_bytes']:>4} B  spills {row['spill_stores']}/{row['spill_loads']} B  "
-            f"shared {row['shared_bytes']:>6} B  LDL/STL in product loops {row['loop_local_accesses']}"
+            f"shared {row['shared_bytes']:>6} B  LDL/STL in product loops {row['loop_local_accesses']}  "
+            f"exponentials under products {row['exponentials_under_products']}/{row['loop_exponentials']}"
         )
 
 
