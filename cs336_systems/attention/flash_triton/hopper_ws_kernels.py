@@ -17,8 +17,9 @@ other's products occupy the tensor cores, instead of both contending at the same
 H100 it was slower in every configuration measured (OPTIMIZATION_LOG.md, "Session 10"), so it is off
 by default.
 
-With LATE_PV_WAIT (the default) the consumers re-wait, just before the wait for P_{t-1} V_{t-1}, on
-the K barrier they already passed for tile t ([Note: the wait for P V after the softmax]).
+With LATE_PV_WAIT (`heuristic_fwd` sets it at d = 128) the consumers re-wait, just before the wait for
+P_{t-1} V_{t-1}, on the K barrier they already passed for tile t ([Note: the wait for P V after the
+softmax]).
 
 Registers are set per partition (`setmaxnreg`): the producer keeps 24 a thread (`hopper_configs.PRODUCER_REGS`), the consumers share
 the rest of the register file (`hopper_configs.WarpSpecializedFwdConfig.consumer_regs`).
@@ -52,11 +53,14 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
 # WARPGROUP.DEPBAR for P V right after the wait for S_t, or after the first instruction past the
 # masking branch, before the softmax's FMNMX/MUFU chain), at d = 80 and at d = 128 alike, with no
 # register that would force it and whatever follows the wait (it moved with the rescale and the
-# stage's release taken away). So each consumer ran its softmax with no product in flight. It does not move a wait past a block
-# boundary: re-waiting on the K barrier of tile t (a phase this warpgroup already passed, which
-# cannot flip before this warpgroup releases that stage at step t + 1, so it returns at once) puts
-# its try-wait loop, a block boundary, between the softmax and the wait; the SASS then has the
-# DEPBAR after the last MUFU. The cost: one try-wait and the warpgroup barrier Triton puts before it.
+# stage's release taken away). So each consumer ran its softmax with no product in flight. ptxas
+# does not move the wait past a block boundary: re-waiting on the K barrier of tile t (a phase this
+# warpgroup already passed, which cannot flip before this warpgroup releases that stage at step
+# t + 1, so it returns at once) puts its try-wait loop, a block boundary, between the softmax and the
+# wait; the SASS then has the DEPBAR after the last MUFU (`flash_offline.exponentials_under_products`
+# counts it; a CPU test checks it). The cost: one try-wait and the warpgroup barrier Triton puts
+# before it, more than the overlap gives three 64-key consumers (d = 80), less than it gives two
+# 128-key ones (d = 128): OPTIMIZATION_LOG.md, session 21.
 WG_ROWS: gl.constexpr = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 WG_WARPS: gl.constexpr = gl.constexpr(4)
 
