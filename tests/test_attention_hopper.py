@@ -709,6 +709,9 @@ def test_ab_variants_replace_fields_of_the_launchers_passes():
     )
     with pytest.raises(ValueError, match="names a forward kernel"):
         parse_variant("ws", 128, "bwd")
+    assert parse_variant("tl", 64, "fwd") == "tl"  # the portable forward, the protocol's default at d = 64
+    with pytest.raises(ValueError, match="'tl' is the portable forward"):
+        parse_variant("tl", 64, "bwd")
 
 
 def test_the_ab_problem_in_the_models_layout_holds_every_head_in_each_row():

@@ -26,15 +26,24 @@ KINDS = ("fwd", "bwd")
 # warp-specialised one, starting from their classes' defaults, not from head dim d's configuration
 # ("wg" has 128-key tiles; "wg+block_n=64" is the one-warpgroup configuration d = 80 had before session 19)
 FWD_KERNELS = {"wg": hopper_configs.HopperFwdConfig, "ws": hopper_configs.WarpSpecializedFwdConfig}
+# --ab-fwd "tl": the portable tl forward with the launcher's tiles for the problem (the default forward
+# wherever `hopper.preferred` is false, such as the 2025 protocol's d = 64)
+TL = "tl"
 
 
 def parse_variant(spec: str, d: int, kind: str = "bwd") -> Any:
     """'default' (the launcher's `kind` pass for head dim d) or 'field=value[+field=value...]': the
     default with those fields replaced, e.g. 'shortest_first=True'. A forward variant may start with
     a kernel of `FWD_KERNELS` ('ws', 'ws+block_n=64'): that kernel's configuration defaults instead
-    of the launcher's. Raises a ValueError naming a bad field or value, before any GPU work."""
+    of the launcher's; 'tl' (forward only) is the portable tl forward. Raises a ValueError naming a bad field or value, before any GPU work."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if spec == TL:
+        if kind != "fwd":
+            raise ValueError(
+                "--ab-variants: 'tl' is the portable forward; --ab-bwd takes FIELD=VALUE variants"
+            )
+        return TL
     base = hopper_configs.heuristic_fwd(d) if kind == "fwd" else hopper_configs.heuristic_bwd(d)
     head, _, rest = spec.partition("+")
     if head in FWD_KERNELS:
@@ -129,7 +138,11 @@ def ab_hopper_forward(
     for spec, cfg in configs.items():
 
         def call(cfg=cfg) -> None:
-            hopper.flash_fwd_hopper(q, k, v, o, lse, True, cfg)
+            if cfg == TL:
+                with tiles.use_configs(options=tiles.KernelOptions(hopper=False)):
+                    launch._flash_fwd_full({"q": q, "k": k, "v": v, "o": o, "lse": lse}, True)
+            else:
+                hopper.flash_fwd_hopper(q, k, v, o, lse, True, cfg)
 
         _checked(spec, cfg, call, (o, lse), (o_ref, lse_ref))
         calls[spec] = call

@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="comma-separated --ab-bwd / --ab-fwd variants: 'default' (the launcher's pass) or "
         "FIELD=VALUE[+FIELD=VALUE] replacing its configuration's fields, e.g. default,shortest_first=True; "
         "a forward variant may name the kernel first, ws (warp-specialised) or wg (one warpgroup), from that "
-        "kernel's own defaults: ws+block_n=64",
+        "kernel's own defaults: ws+block_n=64; tl (forward only) is the portable tl forward",
     )
     p.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of --ab-bwd / --ab-fwd")
     p.add_argument(
