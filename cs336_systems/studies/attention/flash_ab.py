@@ -35,7 +35,8 @@ def parse_variant(spec: str, d: int, kind: str = "bwd") -> Any:
     """'default' (the launcher's `kind` pass for head dim d) or 'field=value[+field=value...]': the
     default with those fields replaced, e.g. 'shortest_first=True'. A forward variant may start with
     a kernel of `FWD_KERNELS` ('ws', 'ws+block_n=64'): that kernel's configuration defaults instead
-    of the launcher's; 'tl' (forward only) is the portable tl forward. Raises a ValueError naming a bad field or value, before any GPU work."""
+    of the launcher's; 'tl' (forward only) is the portable tl forward. Raises a ValueError naming a bad
+    field or value, before any GPU work."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if spec == TL:

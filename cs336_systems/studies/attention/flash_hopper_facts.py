@@ -173,9 +173,9 @@ def shape_throughput_table(df: pd.DataFrame) -> pd.DataFrame:
     rows "shapes"/"shapes_split"), one row per GPU model and shape. Forward + backward: ours / cuDNN's time
     in the latest run of that shape on that GPU model (one process), and the same for the steps captured
     in CUDA graphs where that run timed them ("graphed / cuDNN"), and ours called eagerly, without
-    torch.compile, against cuDNN's (eager) call where that run timed it ("eager / cuDNN"); each pass alone ("fwd ours", "fwd cuDNN",
-    "bwd ours", "bwd cuDNN"): TFLOP/s in the latest split run of that shape on that GPU model. No ratio
-    mixes GPU models or runs.
+    torch.compile, against cuDNN's (eager) call where that run timed it ("eager / cuDNN"); each pass
+    alone ("fwd ours", "fwd cuDNN", "bwd ours", "bwd cuDNN"): TFLOP/s in the latest split run of that
+    shape on that GPU model. No ratio mixes GPU models or runs.
     `attrs["runs"]`: per row the commit of each run, and the spread of the forward + backward ratio over
     every run of that commit on that GPU model (`runs`, `min`, `max`)."""
     fb_rows = df[df.name.isin(["protocol", "shapes"]) & (df.metric == "latency")]
