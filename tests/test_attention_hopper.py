@@ -248,7 +248,8 @@ def test_gpu_hopper_matches_float64(batch, n_q, n_k, d, is_causal, dtype, atol, 
 @needs_sm90
 @pytest.mark.parametrize("cfg", [hopper_configs.HopperFwdConfig(128, 64, 2, 8), hopper_configs.HopperFwdConfig(128, 128, 2, 8),
                                  hopper_configs.HopperFwdConfig(64, 64, 3, 4), hopper_configs.HopperFwdConfig(128, 32, 4, 8),
-                                 hopper_configs.HopperFwdConfig(128, 64, 3, 8, head_major=False)],
+                                 hopper_configs.HopperFwdConfig(128, 64, 3, 8, head_major=False),
+                                 hopper_configs.HopperFwdConfig(128, 64, 4, 8, late_pv_wait=True)],
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("n", [333, 4096])
 def test_gpu_hopper_forward_tile_candidates_and_every_element_written(cfg, n):

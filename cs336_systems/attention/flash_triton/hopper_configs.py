@@ -24,6 +24,9 @@ class HopperFwdConfig:
     num_warps: int = 8
     head_major: bool = True  # one-dimensional grid, heads in groups of group_heads (program_tile)
     group_heads: int = 1  # head_major: heads a group (a divisor of B * H); 0: [Note: tile order]'s rule
+    # the wait for P V kept after the softmax, as the warp-specialised forward's (hopper_ws_kernels'
+    # [Note: the wait for P V after the softmax]); off until measured on this kernel
+    late_pv_wait: bool = False
 
     def __post_init__(self) -> None:
         check_group_heads(self)

@@ -192,6 +192,7 @@ def flash_fwd_hopper_kernel(
     STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HEAD_MAJOR: gl.constexpr,
+    LATE_PV_WAIT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """O = softmax(Q K^T * scale) V and L = logsumexp (natural log, (B*H, N_QUERIES) contiguous).
@@ -297,6 +298,8 @@ def flash_fwd_hopper_kernel(
         p, m_i, l_i, alpha = softmax_step(
             s_t, m_i, l_i, t * BLOCK_N, start_m, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
         )
+        if LATE_PV_WAIT:  # hopper_ws_kernels' [Note: the wait for P V after the softmax]; stage st is
+            mbarrier.wait(k_bar.index(st), (t // STAGES) & 1)  # refilled only after the next step
         if SPLIT:
             acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
             acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
