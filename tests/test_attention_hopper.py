@@ -133,6 +133,20 @@ def test_exponentials_count_as_overlapped_only_before_the_loops_wait_for_every_p
     assert offline.exponentials_under_products(sass) == [(3, 2)]
 
 
+def test_barriers_count_inside_the_product_loops_only():
+    from cs336_systems.studies.attention import flash_offline as offline
+
+    sass = """
+        /*0000*/  BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0010*/  BAR.SYNC.DEFER_BLOCKING 0x2, 0x80 ;
+        /*0020*/  HGMMA.64x64x16.F32 R24, gdesc[UR4], RZ ;
+        /*0030*/  @P2 BAR.SYNC.DEFER_BLOCKING 0x2, 0x80 ;
+        /*0040*/  @P0 BRA 0x10 ;
+        /*0050*/  BAR.SYNC.DEFER_BLOCKING 0x0 ;
+    """
+    assert offline.loop_barriers(sass) == 2  # the two of the loop 0x10-0x40
+
+
 @pytest.mark.timeout(900)
 def test_every_default_hopper_path_compiles_for_sm90_without_a_gpu():
     """The Gluon kernels do not run under the interpreter; compiled offline for sm_90a with the installed

@@ -9,7 +9,8 @@ reads ptxas's report of the cubin: registers a thread, stack (local memory: spil
 arrays), spill stores and loads, the kernel's shared memory, and from the SASS the local loads and
 stores inside the loops that issue tensor-core products (`loop_local_accesses`) and how many of those
 loops' exponentials come before their wait for every product (`exponentials_under_products`: whether a
-softmax overlaps its warpgroup's products in the code ptxas scheduled, not only in the source).
+softmax overlaps its warpgroup's products in the code ptxas scheduled, not only in the source) and
+the barriers those loops execute a step (`loop_barriers`).
 
 What it is for: a CPU test that every default Hopper path compiles with the Triton the project
 admits (Triton 3.6 and 3.7 differ in Gluon's API) and fits the 227 KB of shared memory an sm_90 block
@@ -88,6 +89,7 @@ class Resources:
     # every product (`exponentials_under_products`): what the softmax overlaps with the tensor cores
     loop_exponentials: int = 0
     exponentials_under_products: int = 0
+    loop_barriers: int = 0  # BAR.SYNC in those loops (`loop_barriers`): warpgroup barriers a step
 
 
 @contextlib.contextmanager
@@ -192,6 +194,7 @@ def compile_sm90(rec: Recorded) -> Resources:
         loop_local_accesses=loop_local_accesses(sass),
         loop_exponentials=sum(n for n, _ in exponentials_under_products(sass)),
         exponentials_under_products=sum(k for _, k in exponentials_under_products(sass)),
+        loop_barriers=loop_barriers(sass),
     )
 
 
@@ -218,6 +221,15 @@ def loop_local_accesses(sass: str) -> int:
     code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
     local = [x for x, ins in code if re.match(r"(@!?P\d+\s+)?(LDL|STL)\b", ins)]
     return sum(a <= x <= b for a, b in _product_loops(code) for x in local)
+
+
+def loop_barriers(sass: str) -> int:
+    """Barrier instructions (BAR.SYNC, named or not) inside the innermost product loops, summed over those
+    loops: the barriers each step pays (Triton puts one before every mbarrier wait and every elected
+    arrive of a multi-warp partition; OPTIMIZATION_LOG.md, session 21)."""
+    code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
+    bars = [x for x, ins in code if re.match(r"(@!?P\d+\s+)?BAR\.SYNC", ins)]
+    return sum(a <= x <= b for a, b in _product_loops(code) for x in bars)
 
 
 def exponentials_under_products(sass: str) -> list[tuple[int, int]]:
@@ -278,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['kind']} d={row['d']:<4} {row['kernel']:<32} {row['registers']:>4} regs  "
             f"stack {row['stack_bytes']:>4} B  spills {row['spill_stores']}/{row['spill_loads']} B  "
             f"shared {row['shared_bytes']:>6} B  LDL/STL in product loops {row['loop_local_accesses']}  "
-            f"exponentials under products {row['exponentials_under_products']}/{row['loop_exponentials']}"
+            f"exponentials under products {row['exponentials_under_products']}/{row['loop_exponentials']}  "
+            f"barriers in product loops {row['loop_barriers']}"
         )
 
 
