@@ -141,6 +141,7 @@ def flash_fwd_hopper(
             CONSUMERS=cfg.consumers,
             PINGPONG=cfg.pingpong,
             LATE_PV_WAIT=cfg.late_pv_wait,
+            PAIRED=cfg.paired_release,
             CONSUMER_REGS=cfg.consumer_regs,
             PRODUCER_REGS=PRODUCER_REGS,
             num_warps=4,
