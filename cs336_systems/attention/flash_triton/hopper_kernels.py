@@ -169,6 +169,19 @@ def softmax_step(
     return p, m_new, l_i, alpha
 
 
+@gluon.jit
+def rescaled_after_products(acc0, acc1, p0, p1, alpha, SPLIT: gl.constexpr):
+    """Wait for the step's P V products (O's column blocks, P as their register operand) and rescale O's
+    rows by alpha, the softmax's correction for the step's new row maxima. Returns (acc0, acc1)."""
+    if SPLIT:
+        acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
+        acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout)), 1)
+    else:
+        acc0, p0 = warpgroup_mma_wait(0, deps=(acc0, p0))
+    acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc0.type.layout)), 1)
+    return acc0, acc1
+
+
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
 def flash_fwd_hopper_kernel(
     Q_ptr,
@@ -268,8 +281,7 @@ def flash_fwd_hopper_kernel(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     acc0 = gl.zeros([BLOCK_M, D0], gl.float32, o0_layout)
-    if SPLIT:
-        acc1 = gl.zeros([BLOCK_M, D1], gl.float32, o1_layout)
+    acc1 = gl.zeros([BLOCK_M, D1], gl.float32, o1_layout)  # unused without a second column block
 
     # Tile 0: S_0 and its softmax, nothing to overlap with yet.
     mbarrier.wait(q_bar, 0)
@@ -293,6 +305,7 @@ def flash_fwd_hopper_kernel(
             acc1 = warpgroup_mma(p1, v1_s.index(prev), acc1, is_async=True)
             s_t = warpgroup_mma_wait(2, deps=(s_tok,))
         else:
+            p1 = p0  # no second column block
             s_t = warpgroup_mma_wait(1, deps=(s_tok,))
         # The softmax of tile t runs on the CUDA cores while P_{t-1} V_{t-1} runs on the tensor cores.
         p, m_i, l_i, alpha = softmax_step(
@@ -300,12 +313,7 @@ def flash_fwd_hopper_kernel(
         )
         if LATE_PV_WAIT:  # hopper_ws_kernels' [Note: the wait for P V after the softmax]; stage st is
             mbarrier.wait(k_bar.index(st), (t // STAGES) & 1)  # refilled only after the next step
-        if SPLIT:
-            acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
-            acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
-        else:
-            acc0, p0 = warpgroup_mma_wait(0, deps=(acc0, p0))
-        acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
+        acc0, acc1 = rescaled_after_products(acc0, acc1, p0, p1, alpha, SPLIT)
         # Every warp is done with stage `prev` (K_{t-1} and V_{t-1}): refill it with tile t-1+STAGES.
         thread_barrier()
         _load_kv(

@@ -42,6 +42,7 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
     head_descriptor,
     issue_scores,
     program_tile,
+    rescaled_after_products,
     softmax_step,
 )
 
@@ -151,10 +152,8 @@ def _fwd_step(
     issued, the softmax of S_t while the product runs, O rescaled. Returns (P_t, m, l, O's blocks)."""
     _q0_s, _q1_s, k0_s, k1_s, v0_s, v1_s = smem
     s_layout: gl.constexpr = layouts[0]
-    o0_layout: gl.constexpr = layouts[1]
-    o1_layout: gl.constexpr = layouts[2]
-    p0_layout: gl.constexpr = layouts[3]
-    p1_layout: gl.constexpr = layouts[4]
+    p0_layout: gl.constexpr = layouts[1]
+    p1_layout: gl.constexpr = layouts[2]
     STAGES: gl.constexpr = k0_s.type.shape[0]
     BLOCK_N: gl.constexpr = k0_s.type.shape[1]
     st = t % STAGES
@@ -167,6 +166,8 @@ def _fwd_step(
     if SPLIT:
         p1 = gl.convert_layout(pb, p1_layout)
         acc1 = warpgroup_mma(p1, v1_s.index(prev), acc1, is_async=True)
+    else:
+        p1 = p0  # no second column block
     _turn_pass(turn_bar, w, C, PINGPONG)
     if SPLIT:
         s_t = warpgroup_mma_wait(2, deps=(s_tok,))
@@ -178,27 +179,18 @@ def _fwd_step(
     )
     if LATE_PV_WAIT:  # [Note: the wait for P V after the softmax]
         mbarrier.wait(k_bar.index(st), (t // STAGES) & 1)
-    if SPLIT:
-        acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
-        acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
-    else:
-        acc0, p0 = warpgroup_mma_wait(0, deps=(acc0, p0))
-    acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
+    acc0, acc1 = rescaled_after_products(acc0, acc1, p0, p1, alpha, SPLIT)
     return p, m_i, l_i, acc0, acc1
 
 
 @gluon.jit
-def _fwd_consumer(
-    args,
-    w: gl.constexpr,
-    C: gl.constexpr,
-    SPLIT: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    LATE_PV_WAIT: gl.constexpr,
-    PAIRED: gl.constexpr,
-):
-    """One warpgroup: rows [start_m + 64 w, start_m + 64 (w + 1)) against every key tile of the program."""
+def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, FLAGS: gl.constexpr):
+    """One warpgroup: rows [start_m + 64 w, start_m + 64 (w + 1)) against every key tile of the program.
+    FLAGS: the kernel's (IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)."""
+    IS_CAUSAL: gl.constexpr = FLAGS[0]
+    PINGPONG: gl.constexpr = FLAGS[1]
+    LATE_PV_WAIT: gl.constexpr = FLAGS[2]
+    PAIRED: gl.constexpr = FLAGS[3]
     (descs, smem, bars, off_bh, start_m, n_tiles, N_QUERIES, N_KEYS, qk_scale, L_ptr) = args
     _q0, _q1, _k0, _k1, _v0, _v1, o0, o1 = descs
     q0_s, q1_s, k0_s, k1_s, v0_s, v1_s = smem
@@ -222,7 +214,7 @@ def _fwd_consumer(
     p0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o0_layout, k_width=2)
     p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    layouts: gl.constexpr = (s_layout, o0_layout, o1_layout, p0_layout, p1_layout)
+    layouts: gl.constexpr = (s_layout, p0_layout, p1_layout)  # what a step (`_fwd_step`) needs
 
     q0_w = q0_s.index(w)
     q1_w = q1_s.index(w)
@@ -310,34 +302,17 @@ def _fwd_consumer(
 
 
 @gluon.jit
-def _fwd_consumer0(
-    args,
-    C: gl.constexpr,
-    SPLIT: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    LATE_PV_WAIT: gl.constexpr,
-    PAIRED: gl.constexpr,
-):
-    _fwd_consumer(args, 0, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)
+def _fwd_consumer0(args, C: gl.constexpr, SPLIT: gl.constexpr, FLAGS: gl.constexpr):
+    _fwd_consumer(args, 0, C, SPLIT, FLAGS)
 
 
 @gluon.jit
-def _fwd_worker(
-    args,
-    w: gl.constexpr,
-    C: gl.constexpr,
-    SPLIT: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    LATE_PV_WAIT: gl.constexpr,
-    PAIRED: gl.constexpr,
-):
+def _fwd_worker(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, FLAGS: gl.constexpr):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C."""
     if w == C:
-        _fwd_producer(args, C, SPLIT, PAIRED)
+        _fwd_producer(args, C, SPLIT, FLAGS[3])
     else:
-        _fwd_consumer(args, w, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)
+        _fwd_consumer(args, w, C, SPLIT, FLAGS)
 
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
@@ -449,13 +424,14 @@ def flash_fwd_ws_kernel(
         qk_scale,
         L_ptr,
     )
+    FLAGS: gl.constexpr = (IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)
     gl.static_assert(C == 2 or C == 3, "two or three consumer warpgroups")
     if C == 2:
         gl.warp_specialize(
             [
-                (_fwd_consumer0, (args, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)),
-                (_fwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)),
-                (_fwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)),
+                (_fwd_consumer0, (args, C, SPLIT, FLAGS)),
+                (_fwd_worker, (args, 1, C, SPLIT, FLAGS)),
+                (_fwd_worker, (args, 2, C, SPLIT, FLAGS)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -463,10 +439,10 @@ def flash_fwd_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_fwd_consumer0, (args, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)),
-                (_fwd_worker, (args, 1, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)),
-                (_fwd_worker, (args, 2, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)),
-                (_fwd_worker, (args, 3, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)),
+                (_fwd_consumer0, (args, C, SPLIT, FLAGS)),
+                (_fwd_worker, (args, 1, C, SPLIT, FLAGS)),
+                (_fwd_worker, (args, 2, C, SPLIT, FLAGS)),
+                (_fwd_worker, (args, 3, C, SPLIT, FLAGS)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
