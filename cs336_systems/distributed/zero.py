@@ -302,10 +302,12 @@ class ZeroAdamW(torch.optim.Optimizer):
             unit.gather = all_gather_in_place(unit.flat, name=unit.name, group=self.group)
 
     def _issue_deferred_gathers(self) -> None:
-        """Issue the all-gathers held back by `defer_gather` (call with the side stream current: NCCL's
-        stream then waits for the updates queued on it)."""
-        for unit in self._deferred:
-            unit.gather = all_gather_in_place(unit.flat, name=unit.name, group=self.group)
+        """Issue the all-gathers held back by `defer_gather`, from the side stream (where the updates
+        were queued: NCCL's stream then waits for them)."""
+        side = self._side_stream
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for unit in self._deferred:
+                unit.gather = all_gather_in_place(unit.flat, name=unit.name, group=self.group)
         self._deferred.clear()
 
     def _clip_and_apply(self) -> None:
@@ -327,9 +329,7 @@ class ZeroAdamW(torch.optim.Optimizer):
     def abandon_step(self) -> None:
         """Forget a step that failed half-way (e.g. out of memory): wait for what was issued, drop the
         gradients, start counting afresh. Units updated before the failure stay updated (and gathered)."""
-        side = self._side_stream
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            self._issue_deferred_gathers()
+        self._issue_deferred_gathers()
         for unit in self._units:
             if unit.gather is not None:
                 unit.gather.wait()
@@ -356,9 +356,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 )
         if self.max_grad_norm:
             self._clip_and_apply()
-        side = self._side_stream
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            self._issue_deferred_gathers()
+        self._issue_deferred_gathers()
         for unit in self._units:
             if unit.gather is not None:
                 unit.gather.wait()  # NCCL: the caller's stream waits; gloo: the host waits

@@ -145,11 +145,14 @@ def _load_tile(descs, smem, kb, vb, s, row, kv_bytes: gl.constexpr, SPLIT: gl.co
 @gluon.jit
 def _fwd_step(
     t, p, m_i, l_i, acc0, acc1, q0_w, q1_w, smem, k_bar, turn_bar, row0, offs_m, N_KEYS, qk_scale,
-    w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-    LATE_PV_WAIT: gl.constexpr, layouts: gl.constexpr,
+    w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, FLAGS: gl.constexpr, layouts: gl.constexpr,
 ):  # fmt: skip
     """Step t of a consumer, K_t and V_{t-1} already waited for: S_t = Q K_t^T and O += P_{t-1} V_{t-1}
-    issued, the softmax of S_t while the product runs, O rescaled. Returns (P_t, m, l, O's blocks)."""
+    issued, the softmax of S_t while the product runs, O rescaled. Returns (P_t, m, l, O's blocks).
+    FLAGS: `_fwd_consumer`'s (PAIRED implies no LATE_PV_WAIT: the configuration checks it)."""
+    IS_CAUSAL: gl.constexpr = FLAGS[0]
+    PINGPONG: gl.constexpr = FLAGS[1]
+    LATE_PV_WAIT: gl.constexpr = FLAGS[2]
     _q0_s, _q1_s, k0_s, k1_s, v0_s, v1_s = smem
     s_layout: gl.constexpr = layouts[0]
     p0_layout: gl.constexpr = layouts[1]
@@ -189,7 +192,6 @@ def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, F
     FLAGS: the kernel's (IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)."""
     IS_CAUSAL: gl.constexpr = FLAGS[0]
     PINGPONG: gl.constexpr = FLAGS[1]
-    LATE_PV_WAIT: gl.constexpr = FLAGS[2]
     PAIRED: gl.constexpr = FLAGS[3]
     (descs, smem, bars, off_bh, start_m, n_tiles, N_QUERIES, N_KEYS, qk_scale, L_ptr) = args
     _q0, _q1, _k0, _k1, _v0, _v1, o0, o1 = descs
@@ -245,7 +247,7 @@ def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, F
             for h in gl.static_range(2):
                 p, m_i, l_i, acc0, acc1 = _fwd_step(
                     2 * j + 1 + h, p, m_i, l_i, acc0, acc1, q0_w, q1_w, smem, k_bar, turn_bar, row0, offs_m,
-                    N_KEYS, qk_scale, w, C, SPLIT, IS_CAUSAL, PINGPONG, False, layouts,
+                    N_KEYS, qk_scale, w, C, SPLIT, FLAGS, layouts,
                 )  # fmt: skip
             mbarrier.arrive(empty_bar.index(pj), count=1)  # both tiles of pair j are done
         if n_tiles % 2 == 0:  # a last step alone: t = n_tiles - 1, odd (pair (t - 1) / 2)
@@ -254,7 +256,7 @@ def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, F
             mbarrier.wait(v_bar.index(jt % P), (jt // P) & 1)
             p, m_i, l_i, acc0, acc1 = _fwd_step(
                 n_tiles - 1, p, m_i, l_i, acc0, acc1, q0_w, q1_w, smem, k_bar, turn_bar, row0, offs_m,
-                N_KEYS, qk_scale, w, C, SPLIT, IS_CAUSAL, PINGPONG, False, layouts,
+                N_KEYS, qk_scale, w, C, SPLIT, FLAGS, layouts,
             )  # fmt: skip
             mbarrier.wait(v_bar1.index(jt % P), (jt // P) & 1)  # the last tile's V, for the last product
         else:
@@ -269,7 +271,7 @@ def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, F
             mbarrier.wait(v_bar.index(prev), ((t - 1) // STAGES) & 1)
             p, m_i, l_i, acc0, acc1 = _fwd_step(
                 t, p, m_i, l_i, acc0, acc1, q0_w, q1_w, smem, k_bar, turn_bar, row0, offs_m,
-                N_KEYS, qk_scale, w, C, SPLIT, IS_CAUSAL, PINGPONG, LATE_PV_WAIT, layouts,
+                N_KEYS, qk_scale, w, C, SPLIT, FLAGS, layouts,
             )  # fmt: skip
             mbarrier.arrive(empty_bar.index(prev), count=1)  # this warpgroup is done with K/V tile t - 1
         mbarrier.wait(v_bar.index((n_tiles - 1) % STAGES), ((n_tiles - 1) // STAGES) & 1)

@@ -348,7 +348,6 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
     out["vs_cudnn"], out["at_or_below_cudnn"], out["above_cudnn"] = {}, {}, {}
     out["same_verdict_every_run"], out["runs_per_shape"], out["shas"], out["split_shas"] = {}, {}, {}, {}
     out["shape_passes"], out["graphed_vs_cudnn"], out["passes_faster"] = {}, {}, {}
-    out["eager_vs_cudnn"] = {}
     for g in gpus:
         ratio = t.loc[g, "fwd+bwd / cuDNN"]
         out["vs_cudnn"][g] = ratio.to_dict()
@@ -369,7 +368,6 @@ def facts(df: pd.DataFrame) -> dict[str, Any]:
                         "ours / cuDNN time": float(cudnn / ours),
                     }
         out["graphed_vs_cudnn"][g] = t.loc[g, "graphed / cuDNN"].dropna().to_dict()
-        out["eager_vs_cudnn"][g] = t.loc[g, "eager / cuDNN"].dropna().to_dict()
         out["passes_faster"][g] = {  # the shapes where that pass alone is no slower than cuDNN's
             mode: [
                 s

@@ -87,9 +87,9 @@ class Resources:
     loop_local_accesses: int  # LDL/STL inside the loops that issue HGMMA (`loop_local_accesses`)
     # exponentials (MUFU.EX2) in those loops, and how many of them are issued before the loop's wait for
     # every product (`exponentials_under_products`): what the softmax overlaps with the tensor cores
-    loop_exponentials: int = 0
-    exponentials_under_products: int = 0
-    loop_barriers: int = 0  # BAR.SYNC in those loops (`loop_barriers`): warpgroup barriers a step
+    loop_exponentials: int
+    exponentials_under_products: int
+    loop_barriers: int  # BAR.SYNC in those loops (`loop_barriers`): warpgroup barriers a step
 
 
 @contextlib.contextmanager
@@ -184,6 +184,7 @@ def compile_sm90(rec: Recorded) -> Resources:
         match = re.search(pattern, report)
         return int(match.group(1)) if match else 0
 
+    exps = exponentials_under_products(sass)
     return Resources(
         kernel=rec.name,
         registers=number(r"Used (\d+) registers"),
@@ -192,8 +193,8 @@ def compile_sm90(rec: Recorded) -> Resources:
         spill_loads=number(r"(\d+) bytes spill loads"),
         shared_bytes=int(compiled.metadata.shared),
         loop_local_accesses=loop_local_accesses(sass),
-        loop_exponentials=sum(n for n, _ in exponentials_under_products(sass)),
-        exponentials_under_products=sum(k for _, k in exponentials_under_products(sass)),
+        loop_exponentials=sum(n for n, _ in exps),
+        exponentials_under_products=sum(k for _, k in exps),
         loop_barriers=loop_barriers(sass),
     )
 
@@ -214,22 +215,25 @@ def _product_loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in products if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in products)]
 
 
+def _count_in_product_loops(sass: str, opcode: str) -> int:
+    """Instructions matching `opcode` (a regex of the opcode, predicated or not) inside the innermost
+    product loops, summed over those loops: what a kernel pays every step, not once."""
+    code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
+    hits = [x for x, ins in code if re.match(rf"(@!?P\d+\s+)?{opcode}", ins)]
+    return sum(a <= x <= b for a, b in _product_loops(code) for x in hits)
+
+
 def loop_local_accesses(sass: str) -> int:
     """Local-memory loads and stores (LDL/STL: spills) inside the innermost loops that issue tensor-core
-    products (HGMMA), per iteration summed over those loops: the spills a kernel pays every step, not
-    once."""
-    code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
-    local = [x for x, ins in code if re.match(r"(@!?P\d+\s+)?(LDL|STL)\b", ins)]
-    return sum(a <= x <= b for a, b in _product_loops(code) for x in local)
+    products (HGMMA), per iteration summed over those loops."""
+    return _count_in_product_loops(sass, r"(LDL|STL)\b")
 
 
 def loop_barriers(sass: str) -> int:
     """Barrier instructions (BAR.SYNC, named or not) inside the innermost product loops, summed over those
-    loops: the barriers each step pays (Triton puts one before every mbarrier wait and every elected
-    arrive of a multi-warp partition; OPTIMIZATION_LOG.md, session 21)."""
-    code = [(int(a, 16), ins) for a, ins in _SASS_LINE.findall(sass)]
-    bars = [x for x, ins in code if re.match(r"(@!?P\d+\s+)?BAR\.SYNC", ins)]
-    return sum(a <= x <= b for a, b in _product_loops(code) for x in bars)
+    loops (Triton puts one before an elected mbarrier arrive and before a wait that may conflict with an
+    earlier barrier access; OPTIMIZATION_LOG.md, session 21)."""
+    return _count_in_product_loops(sass, r"BAR\.SYNC")
 
 
 def exponentials_under_products(sass: str) -> list[tuple[int, int]]:
