@@ -114,42 +114,6 @@ def test_spills_are_counted_inside_the_loops_that_issue_products():
     assert offline.loop_local_accesses(sass) == 2  # the LDL and STL of the product loop 0x10-0x40
 
 
-def test_paired_stages_need_an_even_number_of_four_or_more_and_no_late_wait():
-    ok = hopper_configs.WarpSpecializedFwdConfig(stages=4, late_pv_wait=False, paired_release=True)
-    assert ok.paired_release and not hopper_configs.heuristic_fwd(80).paired_release  # unmeasured: off
-    for bad in (dict(stages=3, late_pv_wait=False), dict(stages=2, late_pv_wait=False), dict(stages=4)):
-        with pytest.raises(ValueError, match="paired_release needs an even number of stages"):
-            hopper_configs.WarpSpecializedFwdConfig(paired_release=True, **bad)
-
-
-@pytest.mark.timeout(600)
-def test_paired_stages_halve_the_forwards_barriers_a_step_offline():
-    """Compiled for sm_90a without a GPU ([Note: paired stages]): d = 80's forward with paired stages
-    has one warpgroup barrier a step (two a trip of two steps, in each consumer's loop) where the
-    default has two, without spills."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    snippet = (
-        "import json, dataclasses\n"
-        "from cs336_systems.studies.attention import flash_offline as o\n"
-        "from cs336_systems.attention.flash_triton import hopper_configs as h\n"
-        "base = h.heuristic_fwd(80)\n"
-        "paired = dataclasses.replace(base, stages=4, paired_release=True)\n"
-        "rows = [dataclasses.asdict(o.compile_sm90(o.hopper_launches('fwd', 80, True, c)[0])) for c in (base, paired)]\n"
-        "print(json.dumps(rows))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", snippet], env=os.environ | {"TRITON_INTERPRET": "0"},
-                         capture_output=True, text=True)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    base, paired = json.loads(out.stdout.strip().splitlines()[-1])
-    assert base["loop_barriers"] == paired["loop_barriers"] == 6  # three consumers' loops: 2 a step / a trip
-    assert 2 * base["loop_exponentials"] == paired["loop_exponentials"]  # two steps a trip
-    assert paired["spill_stores"] == paired["loop_local_accesses"] == 0
-
-
 def test_exponentials_count_as_overlapped_only_before_the_loops_wait_for_every_product():
     """In a product loop, MUFU.EX2 before the first `WARPGROUP.DEPBAR.LE gsb0, 0x0` runs beside a product
     in flight; one after it does not; loops without exponentials are not listed."""
@@ -298,8 +262,7 @@ def test_gpu_hopper_matches_float64(batch, n_q, n_k, d, is_causal, dtype, atol, 
 @needs_sm90
 @pytest.mark.parametrize("cfg", [hopper_configs.HopperFwdConfig(128, 64, 2, 8), hopper_configs.HopperFwdConfig(128, 128, 2, 8),
                                  hopper_configs.HopperFwdConfig(64, 64, 3, 4), hopper_configs.HopperFwdConfig(128, 32, 4, 8),
-                                 hopper_configs.HopperFwdConfig(128, 64, 3, 8, head_major=False),
-                                 hopper_configs.HopperFwdConfig(128, 64, 4, 8, late_pv_wait=True)],
+                                 hopper_configs.HopperFwdConfig(128, 64, 3, 8, head_major=False)],
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("n", [333, 4096])
 def test_gpu_hopper_forward_tile_candidates_and_every_element_written(cfg, n):
@@ -331,10 +294,6 @@ WS_CONFIGS = [
     ),
     # the wait for P V where ptxas puts it (before the softmax): kept for A/Bs
     hopper_configs.WarpSpecializedFwdConfig(stages=3, late_pv_wait=False),
-    # stages released in pairs, two steps a trip ([Note: paired stages]): d = 80's candidate
-    hopper_configs.WarpSpecializedFwdConfig(
-        consumers=3, consumer_regs=152, block_n=64, stages=4, late_pv_wait=False, paired_release=True
-    ),
 ]
 
 

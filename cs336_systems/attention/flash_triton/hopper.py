@@ -141,7 +141,6 @@ def flash_fwd_hopper(
             CONSUMERS=cfg.consumers,
             PINGPONG=cfg.pingpong,
             LATE_PV_WAIT=cfg.late_pv_wait,
-            PAIRED=cfg.paired_release,
             CONSUMER_REGS=cfg.consumer_regs,
             PRODUCER_REGS=PRODUCER_REGS,
             num_warps=4,
@@ -149,7 +148,7 @@ def flash_fwd_hopper(
         )
     else:
         kernel = hopper_kernels.flash_fwd_hopper_kernel
-        specific = dict(BLOCK_M=cfg.block_m, LATE_PV_WAIT=cfg.late_pv_wait, num_warps=cfg.num_warps)
+        specific = dict(BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
     n_tiles = triton.cdiv(n_q, cfg.block_m)
     # Head-major (heads in groups) where a head has enough tiles to keep L2 busy (on an H100, d = 80:
     # -17 % at N = 4096, -5 % at 2048, +10 % at 512 with 4 tiles a head; OPTIMIZATION_LOG "Session 12").

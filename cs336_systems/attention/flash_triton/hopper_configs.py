@@ -24,9 +24,6 @@ class HopperFwdConfig:
     num_warps: int = 8
     head_major: bool = True  # one-dimensional grid, heads in groups of group_heads (program_tile)
     group_heads: int = 1  # head_major: heads a group (a divisor of B * H); 0: [Note: tile order]'s rule
-    # the wait for P V kept after the softmax, as the warp-specialised forward's (hopper_ws_kernels'
-    # [Note: the wait for P V after the softmax]); off until measured on this kernel
-    late_pv_wait: bool = False
 
     def __post_init__(self) -> None:
         check_group_heads(self)
@@ -78,16 +75,10 @@ class WarpSpecializedFwdConfig:
     group_heads: int = 1  # head_major: heads a group (a divisor of B * H); 0: [Note: tile order]'s rule
     # the wait for P V kept after the softmax ([Note: the wait for P V after the softmax], hopper_ws_kernels)
     late_pv_wait: bool = True
-    # stages released in pairs, one barrier a step ([Note: paired stages], hopper_ws_kernels); unmeasured
-    paired_release: bool = False
 
     def __post_init__(self) -> None:
         check_register_budget(self, self.consumers, self.consumer_regs)
         check_group_heads(self)
-        if self.paired_release and (self.stages < 4 or self.stages % 2 or self.late_pv_wait):
-            raise ValueError(
-                f"{self}: paired_release needs an even number of stages, at least 4, and late_pv_wait=False"
-            )
 
     @property
     def block_m(self) -> int:

@@ -205,7 +205,6 @@ def flash_fwd_hopper_kernel(
     STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HEAD_MAJOR: gl.constexpr,
-    LATE_PV_WAIT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """O = softmax(Q K^T * scale) V and L = logsumexp (natural log, (B*H, N_QUERIES) contiguous).
@@ -307,12 +306,12 @@ def flash_fwd_hopper_kernel(
         else:
             p1 = p0  # no second column block
             s_t = warpgroup_mma_wait(1, deps=(s_tok,))
-        # The softmax of tile t runs on the CUDA cores while P_{t-1} V_{t-1} runs on the tensor cores.
+        # The softmax of tile t, written to run beside P_{t-1} V_{t-1}: ptxas moves the wait for it
+        # before the softmax (hopper_ws_kernels' [Note: the wait for P V after the softmax]); the
+        # re-wait that keeps it after the softmax did not pay here (OPTIMIZATION_LOG, session 22).
         p, m_i, l_i, alpha = softmax_step(
             s_t, m_i, l_i, t * BLOCK_N, start_m, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
         )
-        if LATE_PV_WAIT:  # hopper_ws_kernels' [Note: the wait for P V after the softmax]; stage st is
-            mbarrier.wait(k_bar.index(st), (t // STAGES) & 1)  # refilled only after the next step
         acc0, acc1 = rescaled_after_products(acc0, acc1, p0, p1, alpha, SPLIT)
         # Every warp is done with stage `prev` (K_{t-1} and V_{t-1}): refill it with tile t-1+STAGES.
         thread_barrier()

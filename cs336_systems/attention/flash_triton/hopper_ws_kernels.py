@@ -62,17 +62,6 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
 # counts it; a CPU test checks it). The cost: one try-wait and the warpgroup barrier Triton puts
 # before it, more than the overlap gives three 64-key consumers (d = 80), less than it gives two
 # 128-key ones (d = 128): OPTIMIZATION_LOG.md, session 21.
-# [Note: paired stages]
-# Triton 3.6 puts a warpgroup barrier before a consumer's mbarrier wait when the wait may conflict with
-# an earlier access of the same barrier allocation or follows an arrive, and before every elected arrive
-# (OPTIMIZATION_LOG.md, session 21), so a step of the loop paid two: one before its K/V waits, one before
-# its release. With PAIRED (an even number of stages, four or more) the stages go in pairs (2j, 2j + 1):
-# one empty barrier a pair, and the even and odd stages' K and V barriers in four separate allocations.
-# The loop runs two steps a trip (t = 2j + 1, 2j + 2): at its top the four waits of both steps (K_{2j+2}
-# first, then K_{2j+1}, V_{2j}, V_{2j+1}; offline that order is the one that leaves them one barrier),
-# at its end one release of pair j; a last odd step runs alone after it. One barrier a step instead of
-# two (`flash_offline.loop_barriers`). The producer waits on a pair's empty barrier and loads both
-# stages (the odd one only if that tile exists).
 WG_ROWS: gl.constexpr = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 WG_WARPS: gl.constexpr = gl.constexpr(4)
 
@@ -91,13 +80,12 @@ def _turn_pass(turn_bar, w: gl.constexpr, C: gl.constexpr, PINGPONG: gl.constexp
 
 
 @gluon.jit
-def _fwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr, PAIRED: gl.constexpr):
-    """TMA loads: every consumer's Q tile, then the K/V ring (refilling a stage once all C released it;
-    with PAIRED a pair of stages at a time, [Note: paired stages])."""
+def _fwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
+    """TMA loads: every consumer's Q tile, then the K/V ring (refilling a stage once all C released it)."""
     descs, smem, bars, _off_bh, start_m, n_tiles = args[:6]
     q0, q1, k0, k1 = descs[:4]
     q0_s, q1_s, k0_s = smem[:3]
-    q_bar, k_bar, v_bar, empty_bar, _turn_bar, k_bar1, v_bar1 = bars
+    q_bar, k_bar, v_bar, empty_bar, _turn_bar = bars
     STAGES: gl.constexpr = k0_s.type.shape[0]
     BLOCK_N: gl.constexpr = k0_s.type.shape[1]
     q_bytes: gl.constexpr = q0.block_type.nbytes + (q1.block_type.nbytes if SPLIT else 0)
@@ -107,24 +95,10 @@ def _fwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr, PAIRED: gl.constex
         tma.async_copy_global_to_shared(q0, [start_m + c * WG_ROWS, 0], q_bar.index(c), q0_s.index(c))
         if SPLIT:
             tma.async_copy_global_to_shared(q1, [start_m + c * WG_ROWS, 0], q_bar.index(c), q1_s.index(c))
-    if PAIRED:
-        P: gl.constexpr = STAGES // 2
-        for j in range(gl.cdiv(n_tiles, 2)):
-            pj = j % P
-            mbarrier.wait(empty_bar.index(pj), ((j // P) & 1) ^ 1)
-            _load_tile(
-                descs, smem, k_bar.index(pj), v_bar.index(pj), 2 * pj, 2 * j * BLOCK_N, kv_bytes, SPLIT
-            )
-            if 2 * j + 1 < n_tiles:
-                _load_tile(
-                    descs, smem, k_bar1.index(pj), v_bar1.index(pj), 2 * pj + 1, (2 * j + 1) * BLOCK_N,
-                    kv_bytes, SPLIT,
-                )  # fmt: skip
-    else:
-        for t in range(n_tiles):
-            s = t % STAGES
-            mbarrier.wait(empty_bar.index(s), ((t // STAGES) & 1) ^ 1)
-            _load_tile(descs, smem, k_bar.index(s), v_bar.index(s), s, t * BLOCK_N, kv_bytes, SPLIT)
+    for t in range(n_tiles):
+        s = t % STAGES
+        mbarrier.wait(empty_bar.index(s), ((t // STAGES) & 1) ^ 1)
+        _load_tile(descs, smem, k_bar.index(s), v_bar.index(s), s, t * BLOCK_N, kv_bytes, SPLIT)
 
 
 @gluon.jit
@@ -149,7 +123,7 @@ def _fwd_step(
 ):  # fmt: skip
     """Step t of a consumer, K_t and V_{t-1} already waited for: S_t = Q K_t^T and O += P_{t-1} V_{t-1}
     issued, the softmax of S_t while the product runs, O rescaled. Returns (P_t, m, l, O's blocks).
-    FLAGS: `_fwd_consumer`'s (PAIRED implies no LATE_PV_WAIT: the configuration checks it)."""
+    FLAGS: `_fwd_consumer`'s."""
     IS_CAUSAL: gl.constexpr = FLAGS[0]
     PINGPONG: gl.constexpr = FLAGS[1]
     LATE_PV_WAIT: gl.constexpr = FLAGS[2]
@@ -189,14 +163,13 @@ def _fwd_step(
 @gluon.jit
 def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, FLAGS: gl.constexpr):
     """One warpgroup: rows [start_m + 64 w, start_m + 64 (w + 1)) against every key tile of the program.
-    FLAGS: the kernel's (IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)."""
+    FLAGS: the kernel's (IS_CAUSAL, PINGPONG, LATE_PV_WAIT)."""
     IS_CAUSAL: gl.constexpr = FLAGS[0]
     PINGPONG: gl.constexpr = FLAGS[1]
-    PAIRED: gl.constexpr = FLAGS[3]
     (descs, smem, bars, off_bh, start_m, n_tiles, N_QUERIES, N_KEYS, qk_scale, L_ptr) = args
     _q0, _q1, _k0, _k1, _v0, _v1, o0, o1 = descs
     q0_s, q1_s, k0_s, k1_s, v0_s, v1_s = smem
-    q_bar, k_bar, v_bar, empty_bar, turn_bar, k_bar1, v_bar1 = bars
+    q_bar, k_bar, v_bar, empty_bar, turn_bar = bars
     STAGES: gl.constexpr = k0_s.type.shape[0]
     BLOCK_N: gl.constexpr = k0_s.type.shape[1]
     D0: gl.constexpr = q0_s.type.shape[2]
@@ -235,49 +208,19 @@ def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, F
     p, m_i, l_i, _alpha = softmax_step(  # O is still zero: nothing to rescale
         s0, m_i, l_i, 0, row0, offs_m, N_KEYS, qk_scale, IS_CAUSAL, BLOCK_N, s_layout
     )
-    if PAIRED:  # [Note: paired stages]
-        P: gl.constexpr = STAGES // 2
-        for j in range((n_tiles - 1) // 2):  # steps 2j + 1 and 2j + 2: tiles 2j, 2j + 1 (pair j), 2j + 2
-            pj = j % P
-            ph = (j // P) & 1
-            mbarrier.wait(k_bar.index((j + 1) % P), ((j + 1) // P) & 1)
-            mbarrier.wait(k_bar1.index(pj), ph)
-            mbarrier.wait(v_bar.index(pj), ph)
-            mbarrier.wait(v_bar1.index(pj), ph)
-            for h in gl.static_range(2):
-                p, m_i, l_i, acc0, acc1 = _fwd_step(
-                    2 * j + 1 + h, p, m_i, l_i, acc0, acc1, q0_w, q1_w, smem, k_bar, turn_bar, row0, offs_m,
-                    N_KEYS, qk_scale, w, C, SPLIT, FLAGS, layouts,
-                )  # fmt: skip
-            mbarrier.arrive(empty_bar.index(pj), count=1)  # both tiles of pair j are done
-        if n_tiles % 2 == 0:  # a last step alone: t = n_tiles - 1, odd (pair (t - 1) / 2)
-            jt = (n_tiles - 1) // 2
-            mbarrier.wait(k_bar1.index(jt % P), (jt // P) & 1)
-            mbarrier.wait(v_bar.index(jt % P), (jt // P) & 1)
-            p, m_i, l_i, acc0, acc1 = _fwd_step(
-                n_tiles - 1, p, m_i, l_i, acc0, acc1, q0_w, q1_w, smem, k_bar, turn_bar, row0, offs_m,
-                N_KEYS, qk_scale, w, C, SPLIT, FLAGS, layouts,
-            )  # fmt: skip
-            mbarrier.wait(v_bar1.index(jt % P), (jt // P) & 1)  # the last tile's V, for the last product
-        else:
-            jt = (n_tiles - 1) // 2  # the last tile 2 jt is the even half of its pair
-            mbarrier.wait(v_bar.index(jt % P), (jt // P) & 1)
-        release = jt % P
-    else:
-        for t in range(1, n_tiles):
-            st = t % STAGES
-            prev = (t - 1) % STAGES
-            mbarrier.wait(k_bar.index(st), (t // STAGES) & 1)
-            mbarrier.wait(v_bar.index(prev), ((t - 1) // STAGES) & 1)
-            p, m_i, l_i, acc0, acc1 = _fwd_step(
-                t, p, m_i, l_i, acc0, acc1, q0_w, q1_w, smem, k_bar, turn_bar, row0, offs_m,
-                N_KEYS, qk_scale, w, C, SPLIT, FLAGS, layouts,
-            )  # fmt: skip
-            mbarrier.arrive(empty_bar.index(prev), count=1)  # this warpgroup is done with K/V tile t - 1
-        mbarrier.wait(v_bar.index((n_tiles - 1) % STAGES), ((n_tiles - 1) // STAGES) & 1)
-        release = (n_tiles - 1) % STAGES
-
+    for t in range(1, n_tiles):
+        st = t % STAGES
+        prev = (t - 1) % STAGES
+        mbarrier.wait(k_bar.index(st), (t // STAGES) & 1)
+        mbarrier.wait(v_bar.index(prev), ((t - 1) // STAGES) & 1)
+        p, m_i, l_i, acc0, acc1 = _fwd_step(
+            t, p, m_i, l_i, acc0, acc1, q0_w, q1_w, smem, k_bar, turn_bar, row0, offs_m,
+            N_KEYS, qk_scale, w, C, SPLIT, FLAGS, layouts,
+        )  # fmt: skip
+        mbarrier.arrive(empty_bar.index(prev), count=1)  # this warpgroup is done with K/V tile t - 1
     last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_bar.index(last), ((n_tiles - 1) // STAGES) & 1)
+
     pb = p.to(dtype)
     acc0 = warpgroup_mma(gl.convert_layout(pb, p0_layout), v0_s.index(last), acc0, is_async=True)
     if SPLIT:
@@ -285,7 +228,7 @@ def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, F
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
     else:
         acc0 = warpgroup_mma_wait(0, deps=(acc0,))
-    mbarrier.arrive(empty_bar.index(release), count=1)  # the last tile's stage (with PAIRED, its pair)
+    mbarrier.arrive(empty_bar.index(last), count=1)  # the last tile's stage
 
     lse = (m_i + gl.log2(l_i)) * LN2  # natural log
     gl.store(L_ptr + off_bh.to(gl.int64) * N_QUERIES + offs_m, lse, mask=offs_m < N_QUERIES)
@@ -312,7 +255,7 @@ def _fwd_consumer0(args, C: gl.constexpr, SPLIT: gl.constexpr, FLAGS: gl.constex
 def _fwd_worker(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, FLAGS: gl.constexpr):
     """Worker partition w: consumer w for 1 <= w < C, the producer for w == C."""
     if w == C:
-        _fwd_producer(args, C, SPLIT, FLAGS[3])
+        _fwd_producer(args, C, SPLIT)
     else:
         _fwd_consumer(args, w, C, SPLIT, FLAGS)
 
@@ -341,7 +284,6 @@ def flash_fwd_ws_kernel(
     IS_CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr,
     LATE_PV_WAIT: gl.constexpr,
-    PAIRED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     HEAD_MAJOR: gl.constexpr,
@@ -388,24 +330,13 @@ def flash_fwd_ws_kernel(
     for i in gl.static_range(C):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn_bar.index(i), count=1)
-    # K/V barriers a stage; with PAIRED a pair's even and odd stages' in separate allocations, and one
-    # empty barrier a pair ([Note: paired stages])
-    NB: gl.constexpr = STAGES // 2 if PAIRED else STAGES
-    k_bar = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NB):
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(i), count=1)
         mbarrier.init(v_bar.index(i), count=1)
         mbarrier.init(empty_bar.index(i), count=C)
-    if PAIRED:
-        k_bar1 = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        v_bar1 = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NB):
-            mbarrier.init(k_bar1.index(i), count=1)
-            mbarrier.init(v_bar1.index(i), count=1)
-    else:
-        k_bar1, v_bar1 = k_bar, v_bar
 
     # Key tiles of this program: all of them, or (causal) those up to its last query row.
     if IS_CAUSAL:
@@ -417,7 +348,7 @@ def flash_fwd_ws_kernel(
     args = (
         (q0, q1, k0, k1, v0, v1, o0, o1),
         (q0_s, q1_s, k0_s, k1_s, v0_s, v1_s),
-        (q_bar, k_bar, v_bar, empty_bar, turn_bar, k_bar1, v_bar1),
+        (q_bar, k_bar, v_bar, empty_bar, turn_bar),
         off_bh,
         start_m,
         n_tiles,
@@ -426,7 +357,7 @@ def flash_fwd_ws_kernel(
         qk_scale,
         L_ptr,
     )
-    FLAGS: gl.constexpr = (IS_CAUSAL, PINGPONG, LATE_PV_WAIT, PAIRED)
+    FLAGS: gl.constexpr = (IS_CAUSAL, PINGPONG, LATE_PV_WAIT)
     gl.static_assert(C == 2 or C == 3, "two or three consumer warpgroups")
     if C == 2:
         gl.warp_specialize(
