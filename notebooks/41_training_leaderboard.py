@@ -121,7 +121,7 @@ else:
         else ""
     )
     wall = (
-        f" From empty caches the latest run took {facts['cold_wall_s']:.0f} s for all three steps "
+        f" From empty caches the headline run took {facts['cold_wall_s']:.0f} s for all three steps "
         f"({'within' if facts['cold_wall_within_limit'] else 'beyond'} the 10-minute limit)."
         if "cold_wall_s" in facts
         else ""

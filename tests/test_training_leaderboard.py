@@ -493,7 +493,7 @@ def test_facts_on_the_committed_runs():
     assert {r["attention of ours"] for r in facts["experiments"]} >= {"sdpa_cudnn"}
     assert all(not r["valid"] or r["trial"] for r in facts["experiments"])
     assert head["trial"] == ""
-    assert [r["GPUs"] for r in facts["other_world_sizes"]] == [4]
+    assert {r["GPUs"] for r in facts["other_world_sizes"]} == {4}  # the four-GPU runs, beside
     parts = pd.DataFrame(facts["entries"][head["device"]]["components"]).set_index("path")
     assert list(parts.index) == ["ours", "stock_tuned", "stock"]
     assert (parts.recompute_ms > 0).all() and (parts.backward_ms > parts.recompute_ms).all()
@@ -673,3 +673,23 @@ def test_a_kernel_trial_never_stands_in_for_the_headline_run():
     assert facts["headline"]["git"] == ("r1" * 20)[:10] and facts["cold_wall_s"] == 350.0
     assert results.latest_profiled(df).git_sha.unique().tolist() == ["r1" * 20]
     assert [r["trial"] for r in facts["runs"]] == ["", "ours' backward changed (shortest_first=True)"]
+
+
+def test_the_headline_quotes_its_own_run_not_a_later_run_on_more_gpus():
+    """A later four-GPU run (another world size, not the headline's kind of run): the headline stays
+    the two-GPU run, and its wall time and matmul peak are that run's."""
+    import pandas as pd
+
+    from cs336_systems.studies.training import leaderboard_facts as results
+
+    rows = _run("r1", "2026-11-26T01:00:00")
+    rows += [_row("all", "wall_s", 430.0, name="run", note="cold caches", run="r1")]
+    rows += [_row("torch.mm", "tflops", 700.0, name="matmul_peak", x_name="", x_value=None, run="r1")]
+    later = dict(run="r2", when="2026-11-26T02:00:00", x_value=4)
+    rows += _run(ms={"ours": 4400.0, "stock_tuned": 4500.0}, **later)
+    rows += [_row("all", "wall_s", 300.0, name="run", note="cold caches", **later)]
+    rows += [_row("torch.mm", "tflops", 750.0, name="matmul_peak", x_name="", **later | {"x_value": None})]
+    facts = results.facts(pd.DataFrame(rows))
+    assert facts["headline"]["git"] == "r1" * 5 and facts["headline"]["GPUs"] == 2
+    assert [r["GPUs"] for r in facts["other_world_sizes"]] == [4]
+    assert facts["cold_wall_s"] == 430.0 and facts["matmul_tflops"] == 700.0

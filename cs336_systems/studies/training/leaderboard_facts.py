@@ -425,13 +425,17 @@ def facts(df: pd.DataFrame) -> dict:
     experiments = runs[(~runs.valid | (runs.trial != "")) & runs.ours_ms.notna()]
     out["experiments"] = experiments.to_dict("records")
     out["tuned_variants"] = tuned_variants(runs, out.get("headline"))
-    df = without_trials(df)  # below: the latest run's wall time and protocol, never a trial's
+    df = without_trials(df)  # below: the headline run's wall time and protocol, never a trial's
+    if "headline" in out:  # the headline's commit and GPUs (a later run on other GPUs is not it)
+        head = out["headline"]
+        df = df[(df.git_sha.str[:10] == head["git"]) & (df.gpu_name == head["device"])]
+        df = df[(df.metric != "wall_s") | (df.x_value == head["GPUs"])]
     cold = df[(df.metric == "wall_s") & (df.note == "cold caches")]
     if len(cold):
         out["cold_wall_s"] = float(cold["mean"].iloc[-1])
         out["cold_wall_within_limit"] = out["cold_wall_s"] <= TIME_LIMIT_S
     wall = df[df.metric == "wall_s"]
-    if len(wall):  # the latest run's wall time, cold caches or not
+    if len(wall):  # that run's wall time, cold caches or not
         out["wall_s"] = float(wall["mean"].iloc[-1])
         out["wall_cold"] = wall.note.iloc[-1] == "cold caches"
     backend = df[(df.name == "sdpa_backend") & (df.metric == "backend")]
