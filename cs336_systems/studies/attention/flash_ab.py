@@ -5,6 +5,11 @@ configuration with some fields replaced (`parse_variant`), is checked against th
 kernels on outputs poisoned with NaN, then timed with cuDNN's pass through SDPA in interleaved rounds
 (do_bench medians), all in one process. Printed only: the evidence for a claim stays the protocol's
 and the shapes' rows (`flash_bench --leaderboard`).
+
+Each call runs alone at the GPU's power cap, where a kernel that draws less power a cycle clocks
+higher: at 32 x 32768 x 128 our backward matched cuDNN's time here while taking 1.065x its cycles,
+the ratio the 8B step then showed (OPTIMIZATION_LOG.md, session 22). For what a kernel will do inside
+a busy step, compare cycles at fixed clocks too (`ncu --clock-control base` on `flash_bench --once`).
 """
 
 from __future__ import annotations
