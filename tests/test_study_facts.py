@@ -231,9 +231,10 @@ def test_training_step_facts_on_the_committed_run():
     assert (
         facts["goal_met"] == all(ok for _, _, ok in facts["goal_points"]) and len(facts["goal_points"]) == 4
     )
-    # older runs (SDPA in ours, both paths resident) are listed, never quoted
+    # older runs (among them SDPA in ours with both paths resident) are listed, never quoted
     older = [r for r in facts["runs"] if r["run"] not in {x["run"] for x in latest.values()}]
-    assert older and all(r["attention"] == "sdpa" and not r["parked"] for r in older)
+    assert older and any(r["attention"] == "sdpa" and not r["parked"] for r in older)
+    assert all(r["git"] != run["git"] for r in older for run in latest.values())
     # the older parts, each from one run and labelled by it
     runs = train_step_facts.with_runs(df)
     bandwidth = runs[runs.run == runs[runs.name == "bandwidth"].run.iloc[-1]]
