@@ -386,15 +386,6 @@ DQ_IN_CONSUMERS_CONFIGS = [
 ONE_PASS_CASES = [(cfg, d) for cfg in ONE_PASS_CONFIGS for d in (16, 64, 80)] + [
     (cfg, d) for cfg in DQ_IN_CONSUMERS_CONFIGS for d in (32, 64, 128)
 ]
-# dQ's staging rows interleaved ([Note: dQ's staging rows interleaved]): the launcher's one-pass
-# configurations with it, and blocks too narrow for it (d = 16, 32: the plain staging)
-ONE_PASS_CASES += [
-    (dataclasses.replace(hopper_configs.ONE_PASS_CONFIGS[d], dq_rows_interleaved=True), d)
-    for d in (64, 80, 128)
-] + [
-    (dataclasses.replace(ONE_PASS_CONFIGS[0], dq_rows_interleaved=True), 16),
-    (dataclasses.replace(DQ_IN_CONSUMERS_CONFIGS[0], dq_rows_interleaved=True), 32),
-]
 
 
 @pytest.mark.parametrize(
@@ -410,12 +401,6 @@ def test_a_head_dim_the_consumers_cannot_halve_is_refused_with_a_clear_error():
     tensors = [torch.zeros(1, 1, 4, 80) for _ in range(7)] + [torch.zeros(1, 1, 4)] * 2
     with pytest.raises(ValueError, match="head dim 80 cannot be split into two equal"):
         hopper.flash_bwd_hopper(tensors, True, cfg)
-
-
-def test_interleaved_dq_rows_are_an_option_of_the_one_pass_backward():
-    assert hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True, dq_rows_interleaved=True).one_pass
-    with pytest.raises(ValueError, match="dq_rows_interleaved is an option of the one-pass backward"):
-        hopper_configs.WarpSpecializedBwdConfig(dq_rows_interleaved=True)
 
 
 def test_dq_either_in_a_warpgroup_of_its_own_or_in_the_consumers():

@@ -21,22 +21,6 @@ wait for the other tile, dQ's product over it, dK's second column block; once dQ
 staged in shared memory and reduced while that last block runs. (dQ behind the whole of dK, the
 first layout, left the staging with nothing queued; dQ ahead of the whole of dK left the hand-off
 with nothing queued and was slower still: OPTIMIZATION_LOG.md, session 16.)
-
-[Note: dQ's staging rows interleaved]
-dQ's float32 staging tile takes TMA's 128-byte swizzle: 16-byte chunk c of shared row r sits at
-chunk c XOR (r mod 8). A 64-bit store from the wgmma accumulator is served half a warp at a time, and
-half a warp holds four consecutive rows, 32 bytes (chunks 2i and 2i + 1) of each: for r = 0..3 those
-chunks stay in one aligned group of four, so every bank is written twice, 4 wavefronts a store where
-2 would do (ncu at 32 x 32768 x 128: 539 M excess wavefronts, all of them these; OPTIMIZATION_LOG.md,
-session 22). With `WarpSpecializedBwdConfig.dq_rows_interleaved` accumulator row n is staged in shared
-row s(n) = 8 (n div 8) + 2 (n mod 4) + (n div 4) mod 2, so the four rows of half a warp have swizzle
-phases 0, 2, 4, 6 (or 1, 3, 5, 7) and their chunks fill all 32 banks once. The staging is then a
-(8, 4, 2, W) tile, stored through its (8, 2, 4, W) permutation viewed as (64, W), and reduced through
-a 4-D view of the dQ buffer that puts row 8a + 4b + c of the tile at box index (a, c, b): dims of 8
-(stride 8 rows), 4 (stride 1 row), 2 (stride 4 rows) and W columns (`interleaved_rows_descriptor`).
-Its first dimension counts whole groups of 8 rows, so a query tile that runs past N_QUERIES takes the
-plain (64, W) view and the 2-D descriptor, which clips the rows past the end. Column blocks narrower
-than 32 (128 bytes) keep the plain staging (another swizzle).
 """
 
 from __future__ import annotations
@@ -57,20 +41,6 @@ from cs336_systems.attention.flash_triton.hopper_backward_kernels import scores_
 from cs336_systems.attention.flash_triton.hopper_kernels import thread_barrier
 
 DQ_WARPS: gl.constexpr = gl.constexpr(4)  # the dQ partition: one warpgroup
-
-
-@gluon.jit
-def interleaved_rows_descriptor(ptr, strides, off_b, off_h, n_rows, col0: gl.constexpr, WIDTH: gl.constexpr):
-    """The 4-D view of one (b, h) slice's columns [col0, col0 + WIDTH) of the float32 dQ buffer that
-    reduces an interleaved staging tile ([Note: dQ's staging rows interleaved]): box (8, 4, 2, WIDTH)
-    at [start_m // 8, 0, 0, 0] for a whole 64-row tile starting at start_m."""
-    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
-    rs = strides[2]
-    base = ptr + off_b * strides[0] + off_h * strides[1] + col0
-    return tma.make_tensor_descriptor(
-        base, shape=[n_rows // 8, 4, 2, WIDTH], strides=[8 * rs, rs, 4 * rs, 1],
-        block_shape=[8, 4, 2, WIDTH], layout=layout,
-    )  # fmt: skip
 
 
 @builtin
@@ -104,7 +74,7 @@ def dq_warpgroup(args, C: gl.constexpr, SPLIT: gl.constexpr):
     """The dQ warpgroup: per query step, dQ_i += scale * dS_i K over the program's C * 64 keys (dS_i
     read transposed from the consumers' dS^T tiles), staged in float32 shared memory and added into
     the float32 (B*H, N_QUERIES, D) buffer by TMA reductions (rows past N_QUERIES are dropped)."""
-    descs, smem, bars, _off_bh, _start_n, start_m0, n_iters, N_QUERIES, _N_KEYS, _L, _Delta, _DQ, scale = args
+    descs, smem, bars, _off_bh, _start_n, start_m0, n_iters, _N_Q, _N_KEYS, _L, _Delta, _DQ, scale = args
     k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
     kv_bar, _ready, _empty, ds_ready, ds_empty = bars[:5]
     BLOCK_M: gl.constexpr = ds_s.type.shape[2]
@@ -139,9 +109,8 @@ def dq_warpgroup(args, C: gl.constexpr, SPLIT: gl.constexpr):
         else:
             acc0 = warpgroup_mma_wait(0, deps=(acc0,))
         mbarrier.arrive(ds_empty.index(slot), count=1)
-        reduce_dq(
-            acc0, acc1, start_m0 + it * BLOCK_M, it, descs[12:], smem[11], smem[12], scale, N_QUERIES, SPLIT
-        )
+        dq0_d, dq1_d = descs[12:]
+        reduce_dq(acc0, acc1, start_m0 + it * BLOCK_M, it, dq0_d, dq1_d, smem[11], smem[12], scale, SPLIT)
     tma.store_wait(0)
 
 
@@ -169,64 +138,22 @@ def issue_consumer_dq(ds_s, ds_ready, k_s, it, w: gl.constexpr, acc_layout: gl.c
 
 
 @gluon.jit
-def reduce_dq(acc0, acc1, start_m, it, dq_descs, dq0_s, dq1_s, scale, n_queries, TWO: gl.constexpr):
+def reduce_dq(acc0, acc1, start_m, it, dq0_d, dq1_d, dq0_s, dq1_s, scale, TWO: gl.constexpr):
     """Stage scale * acc0 (and acc1 when TWO: a second column block), the dQ rows [start_m, start_m + 64)
     of query step `it`, in float32 shared memory (buffer it % BUFFERS) and add it into the dQ buffer
-    by TMA reductions, one bulk group per block. dq_descs: the blocks' 2-D descriptors, then their
-    4-D ones for a staging of interleaved rows (a rank-5 buffer: [Note: dQ's staging rows interleaved])."""
+    by TMA reductions, one bulk group per block."""
     BUFFERS: gl.constexpr = dq0_s.type.shape[0]
     G: gl.constexpr = 2 if TWO else 1  # bulk groups per step
     b = it % BUFFERS
     tma.store_wait(G * (BUFFERS - 1))  # the reduction that last read buffer b (BUFFERS steps ago) is done
-    if len(dq0_s.type.shape) == 5:  # interleaved rows, in a whole tile; the last, partial one plainly
-        if start_m + 64 <= n_queries:
-            _stage_and_reduce(acc0, acc1, start_m, b, dq_descs, dq0_s, dq1_s, scale, TWO, True)
-        else:
-            _stage_and_reduce(acc0, acc1, start_m, b, dq_descs, dq0_s, dq1_s, scale, TWO, False)
-    else:
-        _stage_and_reduce(acc0, acc1, start_m, b, dq_descs, dq0_s, dq1_s, scale, TWO, False)
-
-
-@gluon.jit
-def _stage_and_reduce(
-    acc0, acc1, start_m, b, dq_descs, dq0_s, dq1_s, scale, TWO: gl.constexpr, WHOLE: gl.constexpr
-):
-    """Stage buffer b of both blocks (interleaved rows if WHOLE and the staging has them), fence, reduce."""
-    dq0_d, dq1_d, dq0_p, dq1_p = dq_descs
-    _stage(dq0_s.index(b), acc0 * scale, WHOLE)
+    dq0_s.index(b).store(acc0 * scale)
     if TWO:
-        _stage(dq1_s.index(b), acc1 * scale, WHOLE)
+        dq1_s.index(b).store(acc1 * scale)
     fence_async_shared()
     thread_barrier()  # every thread's staging stores before the TMA engine reads the tile
-    _reduce(dq0_d, dq0_p, dq0_s.index(b), start_m, WHOLE)
+    tma_reduce_add(dq0_d, [start_m, 0], dq0_s.index(b))
     if TWO:
-        _reduce(dq1_d, dq1_p, dq1_s.index(b), start_m, WHOLE)
-
-
-@gluon.jit
-def _stage(s, x, WHOLE: gl.constexpr):
-    """x (64, W) into staging tile s: (8, 4, 2, W) interleaved for a whole tile, else (64, W) rows."""
-    W: gl.constexpr = s.type.shape[len(s.type.shape) - 1]
-    if len(s.type.shape) == 4:
-        if WHOLE:
-            s.permute((0, 2, 1, 3)).reshape([64, W]).store(x)
-        else:
-            s.reshape([64, W]).store(x)
-    else:
-        s.store(x)
-
-
-@gluon.jit
-def _reduce(d2, d4, s, start_m, WHOLE: gl.constexpr):
-    """Add staging tile s into dQ at rows [start_m, start_m + 64) (d4 for an interleaved whole tile)."""
-    W: gl.constexpr = s.type.shape[len(s.type.shape) - 1]
-    if len(s.type.shape) == 4:
-        if WHOLE:
-            tma_reduce_add(d4, [start_m // 8, 0, 0, 0], s)
-        else:
-            tma_reduce_add(d2, [start_m, 0], s.reshape([64, W]))
-    else:
-        tma_reduce_add(d2, [start_m, 0], s)
+        tma_reduce_add(dq1_d, [start_m, 0], dq1_s.index(b))
 
 
 @gluon.jit
@@ -239,7 +166,7 @@ def consumer_step_with_dq(
     first column block, the dS^T hand-off, dQ's products (this consumer's own tile first), dK's second
     column block, and dQ staged and reduced while that block runs ([Note: dQ between dK's halves]).
     Returns (dk0, dk1, dv0, dv1), every product done."""
-    descs, smem, bars, _off_bh, _n, _m0, _iters, N_QUERIES, N_KEYS, _L, _Delta, _DQ, scale = args
+    descs, smem, bars, _off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _DQ, scale = args
     k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
     ds_ready, ds_empty = bars[3:5]
     dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
@@ -254,7 +181,7 @@ def consumer_step_with_dq(
         1, deps=(dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1)
     )  # all but dK's second block: dV, dK's first and dQ done
     mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
-    dq_w = (descs[12 + w], descs[12 + w], descs[14 + w], descs[14 + w])
-    reduce_dq(dq, dq, start_m, it, dq_w, smem[11 + w], smem[11 + w], scale, N_QUERIES, False)
+    dq_w_d, dq_w_s = descs[12 + w], smem[11 + w]
+    reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
     dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dk0, dk1, dst_a0, dst_a1))
     return dk0, dk1, dv0, dv1
