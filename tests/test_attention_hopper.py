@@ -180,6 +180,38 @@ def test_every_default_hopper_path_compiles_for_sm90_without_a_gpu():
     assert under[("fwd", 80)][0] == 0 < under[("fwd", 80)][1], under
 
 
+@pytest.mark.timeout(600)
+def test_interleaved_dq_rows_compile_for_whole_tiles_without_more_barriers_offline():
+    """Compiled for sm_90a without a GPU ([Note: dQ's staging rows interleaved]): at d = 128 the
+    interleaved staging (N a multiple of 64) keeps the default's warpgroup barriers a step and spills
+    less; at a ragged N the launcher keeps the plain staging."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    snippet = (
+        "import json, dataclasses\n"
+        "from cs336_systems.studies.attention import flash_offline as o\n"
+        "from cs336_systems.attention.flash_triton import hopper_configs as h\n"
+        "base = h.heuristic_bwd(128)\n"
+        "inter = dataclasses.replace(base, dq_rows_interleaved=True)\n"
+        "dkdv = lambda c, n: [r for r in o.hopper_launches('bwd', 128, True, c, n) if 'dkdv' in r.name][0]\n"
+        "rows = [dataclasses.asdict(o.compile_sm90(dkdv(c, 1024))) for c in (base, inter)]\n"
+        "print(json.dumps(rows + [dkdv(inter, 1000).kwargs['DQ_ROWS_INTERLEAVED']]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", snippet], env=os.environ | {"TRITON_INTERPRET": "0"},
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    base, inter, ragged = json.loads(out.stdout.strip().splitlines()[-1])
+    assert inter["loop_barriers"] == base["loop_barriers"]
+    assert (
+        inter["loop_local_accesses"] < base["loop_local_accesses"]
+        and inter["spill_stores"] < base["spill_stores"]
+    )
+    assert ragged is False
+
+
 @pytest.mark.parametrize(("d", "in_consumers"), [(64, False), (80, False), (128, True)])
 def test_the_one_pass_backward_is_the_default_where_it_was_measured_faster(d, in_consumers):
     """A dQ warpgroup at d = 64, 80; at d = 128 (no registers for a third warpgroup) the consumers."""
@@ -386,6 +418,16 @@ DQ_IN_CONSUMERS_CONFIGS = [
 ONE_PASS_CASES = [(cfg, d) for cfg in ONE_PASS_CONFIGS for d in (16, 64, 80)] + [
     (cfg, d) for cfg in DQ_IN_CONSUMERS_CONFIGS for d in (32, 64, 128)
 ]
+# dQ's staging rows interleaved ([Note: dQ's staging rows interleaved]): the launcher's one-pass
+# configurations with it, and blocks too narrow for it (d = 16, 32: the plain staging); the launcher
+# takes it where N is a multiple of 64 (here 4096), the plain staging at the ragged N
+ONE_PASS_CASES += [
+    (dataclasses.replace(hopper_configs.ONE_PASS_CONFIGS[d], dq_rows_interleaved=True), d)
+    for d in (64, 80, 128)
+] + [
+    (dataclasses.replace(ONE_PASS_CONFIGS[0], dq_rows_interleaved=True), 16),
+    (dataclasses.replace(DQ_IN_CONSUMERS_CONFIGS[0], dq_rows_interleaved=True), 32),
+]
 
 
 @pytest.mark.parametrize(
@@ -401,6 +443,12 @@ def test_a_head_dim_the_consumers_cannot_halve_is_refused_with_a_clear_error():
     tensors = [torch.zeros(1, 1, 4, 80) for _ in range(7)] + [torch.zeros(1, 1, 4)] * 2
     with pytest.raises(ValueError, match="head dim 80 cannot be split into two equal"):
         hopper.flash_bwd_hopper(tensors, True, cfg)
+
+
+def test_interleaved_dq_rows_are_an_option_of_the_one_pass_backward():
+    assert hopper_configs.WarpSpecializedBwdConfig(dq_in_consumers=True, dq_rows_interleaved=True).one_pass
+    with pytest.raises(ValueError, match="dq_rows_interleaved is an option of the one-pass backward"):
+        hopper_configs.WarpSpecializedBwdConfig(dq_rows_interleaved=True)
 
 
 def test_dq_either_in_a_warpgroup_of_its_own_or_in_the_consumers():

@@ -219,10 +219,15 @@ class WarpSpecializedBwdConfig:
     dq_in_consumers: bool = False  # one pass, dQ computed by the two consumers (no dQ warpgroup)
     group_heads: int = 0  # heads a group of the grid (a divisor of B * H); 0: [Note: tile order]'s rule
     shortest_first: bool = False  # the order before session 18 (causal: last key tile first), to A/B
+    # one pass: dQ's float32 staging rows interleaved, free of bank conflicts, where N_QUERIES is a
+    # multiple of 64 (hopper_ws_dq_kernels' [Note: dQ's staging rows interleaved]); off until measured
+    dq_rows_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if (self.dq_regs or self.dq_in_consumers) and (self.consumers != 2 or self.block_m != 64):
             raise ValueError(f"{self}: the one-pass backward takes two consumers and 64-query steps")
+        if self.dq_rows_interleaved and not (self.dq_regs or self.dq_in_consumers):
+            raise ValueError(f"{self}: dq_rows_interleaved is an option of the one-pass backward")
         if self.dq_regs and self.dq_in_consumers:
             raise ValueError(f"{self}: dQ either in a warpgroup of its own (dq_regs) or in the consumers")
         check_register_budget(self, self.consumers, self.consumer_regs, self.dq_regs)

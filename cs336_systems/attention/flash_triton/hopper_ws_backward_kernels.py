@@ -49,6 +49,7 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
     consumer_step_with_dq,
     dq_warpgroup,
+    interleaved_rows_descriptor,
     publish_ds,
 )
 
@@ -274,6 +275,7 @@ def flash_bwd_dkdv_ws_kernel(
     DQ_BUFFERS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
     SHORTEST_FIRST: gl.constexpr,
+    DQ_ROWS_INTERLEAVED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H * cdiv(N_KEYS, CONSUMERS * 64),); num_warps 4
@@ -338,12 +340,24 @@ def flash_bwd_dkdv_ws_kernel(
         ds_s = gl.allocate_shared_memory(dtype, [DS_SLOTS * C, WG_KEYS, BLOCK_M], ds_layout)
         dq_strides = (N_QUERIES * NUM_HEADS * D, N_QUERIES * D, D)  # the (B, H, N_QUERIES, D) float32 buffer
         dq0_d = head_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
-        dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D0], dq0_d.layout)
+        rows4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+        gl.static_assert(BLOCK_M == 64, "the one-pass backward's query steps are 64 rows")
+        if DQ_ROWS_INTERLEAVED and D0 >= 32:  # hopper_ws_dq_kernels' [Note: dQ's staging rows interleaved]
+            dq0_p = interleaved_rows_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, 0, D0)
+            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D0], rows4)
+        else:
+            dq0_p = dq0_d
+            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D0], dq0_d.layout)
         if SPLIT:
             dq1_d = head_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
-            dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D1], dq1_d.layout)
+            if DQ_ROWS_INTERLEAVED and D1 >= 32:
+                dq1_p = interleaved_rows_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, D0, D1)
+                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D1], rows4)
+            else:
+                dq1_p = dq1_d
+                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D1], dq1_d.layout)
         else:
-            dq1_d, dq1_s = dq0_d, dq0_s
+            dq1_d, dq1_p, dq1_s = dq0_d, dq0_p, dq0_s
         ds_ready = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(DS_SLOTS):
@@ -351,7 +365,7 @@ def flash_bwd_dkdv_ws_kernel(
             mbarrier.init(ds_empty.index(i), count=C if DQ_IN_CONSUMERS else 1)
     else:  # not used
         ds_s, ds_ready, ds_empty, dq0_s, dq1_s = l_s, kv_bar, kv_bar, l_s, l_s
-        dq0_d, dq1_d = dk0, dk0
+        dq0_d, dq1_d, dq0_p, dq1_p = dk0, dk0, dk0, dk0
 
     # Query steps: (causal) from the step holding query start_n, else from 0.
     if IS_CAUSAL:
@@ -361,7 +375,7 @@ def flash_bwd_dkdv_ws_kernel(
     n_iters = gl.cdiv(N_QUERIES - start_m0, BLOCK_M)
 
     args = (
-        (q0, q1, do0, do1, k0, k1, v0, v1, dk0, dk1, dv0, dv1, dq0_d, dq1_d),
+        (q0, q1, do0, do1, k0, k1, v0, v1, dk0, dk1, dv0, dv1, dq0_d, dq1_d, dq0_p, dq1_p),
         (q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s, dq0_s, dq1_s),
         (kv_bar, ready_bar, empty_bar, ds_ready, ds_empty),
         off_bh,

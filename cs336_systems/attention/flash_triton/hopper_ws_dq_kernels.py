@@ -21,6 +21,23 @@ wait for the other tile, dQ's product over it, dK's second column block; once dQ
 staged in shared memory and reduced while that last block runs. (dQ behind the whole of dK, the
 first layout, left the staging with nothing queued; dQ ahead of the whole of dK left the hand-off
 with nothing queued and was slower still: OPTIMIZATION_LOG.md, session 16.)
+
+[Note: dQ's staging rows interleaved]
+dQ's float32 staging tile takes TMA's 128-byte swizzle: 16-byte chunk c of shared row r sits at
+chunk c XOR (r mod 8). A 64-bit store from the wgmma accumulator is served half a warp at a time, and
+half a warp holds four consecutive rows, 32 bytes (chunks 2i and 2i + 1) of each: for r = 0..3 those
+chunks stay in one aligned group of four, so every bank is written twice, 4 wavefronts a store where
+2 would do (ncu at 32 x 32768 x 128: 539 M excess wavefronts, all of them these; OPTIMIZATION_LOG.md,
+session 22). With `WarpSpecializedBwdConfig.dq_rows_interleaved` accumulator row n is staged in shared
+row s(n) = 8 (n div 8) + 2 (n mod 4) + (n div 4) mod 2, so the four rows of half a warp have swizzle
+phases 0, 2, 4, 6 (or 1, 3, 5, 7) and their chunks fill all 32 banks once. The staging is then a
+(8, 4, 2, W) tile, stored through its (8, 2, 4, W) permutation viewed as (64, W), and reduced through
+a 4-D view of the dQ buffer that puts row 8a + 4b + c of the tile at box index (a, c, b): dims of 8
+(stride 8 rows), 4 (stride 1 row), 2 (stride 4 rows) and W columns (`interleaved_rows_descriptor`).
+Its first dimension counts whole groups of 8 rows, so the launcher takes it only when N_QUERIES is a
+multiple of 64 (every tile whole; no run-time branch: a first version with one, for a partial last
+tile, removed the conflicts but ran 3 % more cycles, with two more warpgroup barriers a step). Column
+blocks narrower than 32 (128 bytes) keep the plain staging (another swizzle). Off until measured.
 """
 
 from __future__ import annotations
@@ -41,6 +58,20 @@ from cs336_systems.attention.flash_triton.hopper_backward_kernels import scores_
 from cs336_systems.attention.flash_triton.hopper_kernels import thread_barrier
 
 DQ_WARPS: gl.constexpr = gl.constexpr(4)  # the dQ partition: one warpgroup
+
+
+@gluon.jit
+def interleaved_rows_descriptor(ptr, strides, off_b, off_h, n_rows, col0: gl.constexpr, WIDTH: gl.constexpr):
+    """The 4-D view of one (b, h) slice's columns [col0, col0 + WIDTH) of the float32 dQ buffer that
+    reduces an interleaved staging tile ([Note: dQ's staging rows interleaved]): box (8, 4, 2, WIDTH)
+    at [start_m // 8, 0, 0, 0] for a whole 64-row tile starting at start_m."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+    rs = strides[2]
+    base = ptr + off_b * strides[0] + off_h * strides[1] + col0
+    return tma.make_tensor_descriptor(
+        base, shape=[n_rows // 8, 4, 2, WIDTH], strides=[8 * rs, rs, 4 * rs, 1],
+        block_shape=[8, 4, 2, WIDTH], layout=layout,
+    )  # fmt: skip
 
 
 @builtin
@@ -109,8 +140,7 @@ def dq_warpgroup(args, C: gl.constexpr, SPLIT: gl.constexpr):
         else:
             acc0 = warpgroup_mma_wait(0, deps=(acc0,))
         mbarrier.arrive(ds_empty.index(slot), count=1)
-        dq0_d, dq1_d = descs[12:]
-        reduce_dq(acc0, acc1, start_m0 + it * BLOCK_M, it, dq0_d, dq1_d, smem[11], smem[12], scale, SPLIT)
+        reduce_dq(acc0, acc1, start_m0 + it * BLOCK_M, it, descs[12:], smem[11], smem[12], scale, SPLIT)
     tma.store_wait(0)
 
 
@@ -138,22 +168,43 @@ def issue_consumer_dq(ds_s, ds_ready, k_s, it, w: gl.constexpr, acc_layout: gl.c
 
 
 @gluon.jit
-def reduce_dq(acc0, acc1, start_m, it, dq0_d, dq1_d, dq0_s, dq1_s, scale, TWO: gl.constexpr):
+def reduce_dq(acc0, acc1, start_m, it, dq_descs, dq0_s, dq1_s, scale, TWO: gl.constexpr):
     """Stage scale * acc0 (and acc1 when TWO: a second column block), the dQ rows [start_m, start_m + 64)
     of query step `it`, in float32 shared memory (buffer it % BUFFERS) and add it into the dQ buffer
-    by TMA reductions, one bulk group per block."""
+    by TMA reductions, one bulk group per block. dq_descs: the blocks' 2-D descriptors, then the 4-D
+    ones that reduce a staging of interleaved rows (a rank-5 buffer: [Note: dQ's staging rows
+    interleaved])."""
     BUFFERS: gl.constexpr = dq0_s.type.shape[0]
     G: gl.constexpr = 2 if TWO else 1  # bulk groups per step
+    dq0_d, dq1_d, dq0_p, dq1_p = dq_descs
     b = it % BUFFERS
     tma.store_wait(G * (BUFFERS - 1))  # the reduction that last read buffer b (BUFFERS steps ago) is done
-    dq0_s.index(b).store(acc0 * scale)
+    _stage(dq0_s.index(b), acc0 * scale)
     if TWO:
-        dq1_s.index(b).store(acc1 * scale)
+        _stage(dq1_s.index(b), acc1 * scale)
     fence_async_shared()
     thread_barrier()  # every thread's staging stores before the TMA engine reads the tile
-    tma_reduce_add(dq0_d, [start_m, 0], dq0_s.index(b))
+    _reduce(dq0_d, dq0_p, dq0_s.index(b), start_m)
     if TWO:
-        tma_reduce_add(dq1_d, [start_m, 0], dq1_s.index(b))
+        _reduce(dq1_d, dq1_p, dq1_s.index(b), start_m)
+
+
+@gluon.jit
+def _stage(s, x):
+    """x (64, W) into staging tile s: (8, 4, 2, W) rows interleaved, or (64, W) rows in order."""
+    if len(s.type.shape) == 4:
+        s.permute((0, 2, 1, 3)).reshape([64, s.type.shape[3]]).store(x)
+    else:
+        s.store(x)
+
+
+@gluon.jit
+def _reduce(d2, d4, s, start_m):
+    """Add staging tile s into dQ's rows [start_m, start_m + 64) (by d4 if its rows are interleaved)."""
+    if len(s.type.shape) == 4:
+        tma_reduce_add(d4, [start_m // 8, 0, 0, 0], s)
+    else:
+        tma_reduce_add(d2, [start_m, 0], s)
 
 
 @gluon.jit
@@ -181,7 +232,7 @@ def consumer_step_with_dq(
         1, deps=(dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1)
     )  # all but dK's second block: dV, dK's first and dQ done
     mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
-    dq_w_d, dq_w_s = descs[12 + w], smem[11 + w]
-    reduce_dq(dq, dq, start_m, it, dq_w_d, dq_w_d, dq_w_s, dq_w_s, scale, False)
+    dq_w = (descs[12 + w], descs[12 + w], descs[14 + w], descs[14 + w])
+    reduce_dq(dq, dq, start_m, it, dq_w, smem[11 + w], smem[11 + w], scale, False)
     dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dk0, dk1, dst_a0, dst_a1))
     return dk0, dk1, dv0, dv1
