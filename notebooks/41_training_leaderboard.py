@@ -110,7 +110,7 @@ else:
     others = "".join(
         f" On {o['GPUs']} x {o['device']} (global batch {o['batch']}, git {o['git']}): ours {ms(o['ours_ms'])} "
         f"against stock_tuned {ms(o['stock_tuned_ms'])} ({o['ratio_tuned']:.3f}x; timed calls {o['ours_n']} and "
-        f"{o['stock_tuned_n']}, a 10 s budget)."
+        f"{o['stock_tuned_n']}, a {o['rep_ms'] / 1000:.0f} s budget)."
         for o in facts["other_world_sizes"]
     )
     missing = (

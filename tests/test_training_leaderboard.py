@@ -494,6 +494,7 @@ def test_facts_on_the_committed_runs():
     assert all(not r["valid"] or r["trial"] for r in facts["experiments"])
     assert head["trial"] == ""
     assert {r["GPUs"] for r in facts["other_world_sizes"]} == {4}  # the four-GPU runs, beside
+    assert {r["rep_ms"] for r in facts["other_world_sizes"]} == {10000.0}  # their shorter timed budget
     parts = pd.DataFrame(facts["entries"][head["device"]]["components"]).set_index("path")
     assert list(parts.index) == ["ours", "stock_tuned", "stock"]
     assert (parts.recompute_ms > 0).all() and (parts.backward_ms > parts.recompute_ms).all()
@@ -691,5 +692,5 @@ def test_the_headline_quotes_its_own_run_not_a_later_run_on_more_gpus():
     rows += [_row("torch.mm", "tflops", 750.0, name="matmul_peak", x_name="", **later | {"x_value": None})]
     facts = results.facts(pd.DataFrame(rows))
     assert facts["headline"]["git"] == "r1" * 5 and facts["headline"]["GPUs"] == 2
-    assert [r["GPUs"] for r in facts["other_world_sizes"]] == [4]
+    assert [(r["GPUs"], r["rep_ms"]) for r in facts["other_world_sizes"]] == [(4, 30000.0)]  # its config's
     assert facts["cold_wall_s"] == 430.0 and facts["matmul_tflops"] == 700.0

@@ -211,7 +211,7 @@ def flash_bwd_hopper(
             DS_SLOTS=cfg.ds_slots,
             DQ_BUFFERS=cfg.dq_buffers,
             DQ_IN_CONSUMERS=cfg.dq_in_consumers,
-            DQ_ROWS_INTERLEAVED=cfg.dq_rows_interleaved and one_pass and n_q % 64 == 0,  # whole tiles only
+            DQ_ROWS_INTERLEAVED=cfg.dq_rows_interleaved and n_q % 64 == 0,  # one pass; whole tiles only
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )

@@ -340,11 +340,10 @@ def flash_bwd_dkdv_ws_kernel(
         ds_s = gl.allocate_shared_memory(dtype, [DS_SLOTS * C, WG_KEYS, BLOCK_M], ds_layout)
         dq_strides = (N_QUERIES * NUM_HEADS * D, N_QUERIES * D, D)  # the (B, H, N_QUERIES, D) float32 buffer
         dq0_d = head_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
-        rows4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
         gl.static_assert(BLOCK_M == 64, "the one-pass backward's query steps are 64 rows")
         if DQ_ROWS_INTERLEAVED and D0 >= 32:  # hopper_ws_dq_kernels' [Note: dQ's staging rows interleaved]
             dq0_p = interleaved_rows_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, 0, D0)
-            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D0], rows4)
+            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D0], dq0_p.layout)
         else:
             dq0_p = dq0_d
             dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D0], dq0_d.layout)
@@ -352,7 +351,7 @@ def flash_bwd_dkdv_ws_kernel(
             dq1_d = head_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
             if DQ_ROWS_INTERLEAVED and D1 >= 32:
                 dq1_p = interleaved_rows_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, D0, D1)
-                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D1], rows4)
+                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D1], dq1_p.layout)
             else:
                 dq1_p = dq1_d
                 dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D1], dq1_d.layout)

@@ -110,6 +110,7 @@ def _step_rows(df: pd.DataFrame) -> pd.DataFrame:
     steps["tuned_reshard"] = [
         c.get("tuned_reshard", "after_forward") for c in configs
     ]  # runs before the option: whole blocks
+    steps["rep_ms"] = [float(c.get("rep_ms", math.nan)) for c in configs]  # do_bench's timed budget
     steps["batch"] = [
         int(r.x_value) * int(c.get("batch_per_rank", 1)) for c, r in zip(configs, steps.itertuples())
     ]
@@ -149,6 +150,7 @@ def runs_table(df: pd.DataFrame) -> pd.DataFrame:
             "tuned_sac": first.tuned_sac,
             "tuned_reshard": first.tuned_reshard, "gc": first.gc, "margin_gib": first.margin_gib,
             "git": str(first.git_sha)[:10],
+            "rep_ms": first.rep_ms,
             "timestamp": g.timestamp.max(),
         }  # fmt: skip
         for path in PATH_ORDER:
