@@ -183,8 +183,8 @@ def test_every_default_hopper_path_compiles_for_sm90_without_a_gpu():
 @pytest.mark.timeout(600)
 def test_interleaved_dq_rows_compile_for_whole_tiles_without_more_barriers_offline():
     """Compiled for sm_90a without a GPU ([Note: dQ's staging rows interleaved]): at d = 128 the
-    interleaved staging (N a multiple of 64) keeps the default's warpgroup barriers a step and spills
-    less; at a ragged N the launcher keeps the plain staging."""
+    interleaved staging (the default there, where N is a multiple of 64) keeps the plain staging's
+    warpgroup barriers a step and spills less; at a ragged N the launcher keeps the plain staging."""
     import json
     import os
     import subprocess
@@ -194,8 +194,8 @@ def test_interleaved_dq_rows_compile_for_whole_tiles_without_more_barriers_offli
         "import json, dataclasses\n"
         "from cs336_systems.studies.attention import flash_offline as o\n"
         "from cs336_systems.attention.flash_triton import hopper_configs as h\n"
-        "base = h.heuristic_bwd(128)\n"
-        "inter = dataclasses.replace(base, dq_rows_interleaved=True)\n"
+        "inter = h.heuristic_bwd(128)\n"
+        "base = dataclasses.replace(inter, dq_rows_interleaved=False)\n"
         "dkdv = lambda c, n: [r for r in o.hopper_launches('bwd', 128, True, c, n) if 'dkdv' in r.name][0]\n"
         "rows = [dataclasses.asdict(o.compile_sm90(dkdv(c, 1024))) for c in (base, inter)]\n"
         "print(json.dumps(rows + [dkdv(inter, 1000).kwargs['DQ_ROWS_INTERLEAVED']]))\n"
@@ -214,10 +214,12 @@ def test_interleaved_dq_rows_compile_for_whole_tiles_without_more_barriers_offli
 
 @pytest.mark.parametrize(("d", "in_consumers"), [(64, False), (80, False), (128, True)])
 def test_the_one_pass_backward_is_the_default_where_it_was_measured_faster(d, in_consumers):
-    """A dQ warpgroup at d = 64, 80; at d = 128 (no registers for a third warpgroup) the consumers."""
+    """A dQ warpgroup at d = 64, 80; at d = 128 (no registers for a third warpgroup) the consumers,
+    with dQ's staging rows interleaved (measured faster only there)."""
     cfg = hopper_configs.heuristic_bwd(d)
     assert isinstance(cfg, hopper_configs.WarpSpecializedBwdConfig) and cfg.one_pass
     assert cfg.dq_in_consumers is in_consumers and cfg.head_split(d) is not None
+    assert cfg.dq_rows_interleaved is in_consumers
 
 
 @pytest.mark.parametrize(
