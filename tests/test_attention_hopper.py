@@ -71,14 +71,19 @@ def test_the_gluon_kernels_are_preferred_where_they_were_measured_faster(d, defa
 ])  # fmt: skip
 def test_the_launchers_launches_are_recorded_on_meta_tensors(kind, d, kernels):
     """offline.hopper_launches runs a Hopper launcher on "meta" tensors and records its launches (Delta,
-    the zeroed float32 dQ, the one-pass kernel and dQ's cast in the backward) without making them."""
+    the zeroed float32 dQ, the one-pass kernel and dQ's cast in the backward) without making them; the
+    Hopper kernels take host TMA descriptors of those tensors, boxes (1, 1, rows, W), first block 64
+    columns wide where d splits (80 = 64 + 16, 128 in the backward's two halves)."""
     from cs336_systems.studies.attention import flash_offline as offline
 
     recorded = offline.hopper_launches(kind, d, True)
     assert [r.name for r in recorded] == kernels
     main = recorded[0] if kind == "fwd" else recorded[2]
     assert main.kwargs["IS_CAUSAL"] is True and main.kwargs["D"] == d
-    assert all(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in main.args[:3])
+    descs = [a for a in main.args if hasattr(a, "block_shape")]
+    assert descs and all(a.base.device.type == "meta" for a in descs)
+    widths = {(a.block_shape[0], a.block_shape[1], a.block_shape[-1]) for a in descs[:2]}
+    assert widths == ({(1, 1, 128)} if (kind, d) == ("fwd", 128) else {(1, 1, 64), (1, 1, d - 64)})
 
 
 def test_warp_specialised_configs_must_fit_the_register_file():
@@ -168,7 +173,10 @@ def test_every_default_hopper_path_compiles_for_sm90_without_a_gpu():
     )
     assert all(0 < r["shared_bytes"] <= offline.SM90_SHARED_BYTES and r["registers"] > 0 for r in rows), rows
     small = [r for r in rows if r["d"] < 128 or r["kind"] == "fwd"]
-    assert all(r["spill_stores"] == r["spill_loads"] == r["loop_local_accesses"] == 0 for r in small), rows
+    assert all(r["loop_local_accesses"] == 0 for r in small), rows
+    # outside the loops at most one 8-byte slot: Triton 3.7 spills one in the d = 80 one-pass backward,
+    # whose partitions take the host descriptors' addresses ([Note: descriptors made on the host])
+    assert all(r["spill_stores"] <= 8 and r["spill_loads"] <= 8 for r in small), rows
     # d = 128 backward: two consumers at 240 registers hold 128-wide dK and dV accumulators; ptxas spills
     # a few loop-invariant scalars (OPTIMIZATION_LOG, "Session 12"), never an accumulator (kilobytes)
     assert all(r["spill_stores"] < 512 for r in rows), rows
@@ -198,18 +206,19 @@ def test_interleaved_dq_rows_compile_for_whole_tiles_without_more_barriers_offli
         "base = dataclasses.replace(inter, dq_rows_interleaved=False)\n"
         "dkdv = lambda c, n: [r for r in o.hopper_launches('bwd', 128, True, c, n) if 'dkdv' in r.name][0]\n"
         "rows = [dataclasses.asdict(o.compile_sm90(dkdv(c, 1024))) for c in (base, inter)]\n"
-        "print(json.dumps(rows + [dkdv(inter, 1000).kwargs['DQ_ROWS_INTERLEAVED']]))\n"
+        "rank5 = lambda r: any(len(getattr(a, 'block_shape', ())) == 5 for a in r.args)\n"
+        "print(json.dumps(rows + [rank5(dkdv(inter, 1024)), rank5(dkdv(inter, 1000))]))\n"
     )
     out = subprocess.run([sys.executable, "-c", snippet], env=os.environ | {"TRITON_INTERPRET": "0"},
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
-    base, inter, ragged = json.loads(out.stdout.strip().splitlines()[-1])
+    base, inter, whole, ragged = json.loads(out.stdout.strip().splitlines()[-1])
     assert inter["loop_barriers"] == base["loop_barriers"]
     assert (
         inter["loop_local_accesses"] < base["loop_local_accesses"]
         and inter["spill_stores"] < base["spill_stores"]
     )
-    assert ragged is False
+    assert whole is True and ragged is False  # the interleaved (rank-5) dQ descriptors
 
 
 @pytest.mark.parametrize(("d", "in_consumers"), [(64, False), (80, False), (128, True)])

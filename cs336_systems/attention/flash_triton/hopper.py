@@ -13,6 +13,16 @@ unsupported input an error instead of a silent fallback.
 
 Gluon does not run under the Triton interpreter, and Triton builds without it (or with another API)
 simply leave `AVAILABLE` False: the tl kernels then serve every call.
+
+[Note: descriptors made on the host]
+The kernels read and write through TMA descriptors made here, once a call, and passed as kernel
+arguments (`head_descriptors`, `dq_descriptors`): one per tensor and column block, over the whole
+(B, H, N, W) tensor with its strides, in (1, 1, rows, W) boxes; a program addresses its head's tile
+at [b, h, row, 0] (`hopper_kernels.tile_load`), and TMA clips each head's rows at N by itself. Made on
+the device instead, per program and one after another, each descriptor cost a round trip to global
+memory before the program's first load: at 128 x 2048 x 80 the forward's eight took about a quarter
+of every program (OPTIMIZATION_LOG.md, session 23). On the host each costs an encoding per call;
+`plans` replays make them from the call's tensors without Gluon's checks.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ from cs336_systems.attention.flash_triton.hopper_configs import (
 from cs336_systems.attention.flash_triton.tiles import interpreting, tma_layout_ok
 
 try:  # Gluon's Hopper API as of Triton 3.6; absent or different elsewhere
+    from triton.experimental.gluon import language as gl
+
     from cs336_systems.attention.flash_triton import (
         hopper_backward_kernels,
         hopper_kernels,
@@ -100,8 +112,50 @@ def use_hopper(option: bool | None, *tensors4: Tensor, kind: str = "fwd") -> boo
     return not reason and (option or preferred(tensors4[0].shape[-1], kind))
 
 
-def _strides3(t4: Tensor) -> tuple[int, int, int]:
-    return t4.stride(0), t4.stride(1), t4.stride(2)
+WG_ROWS = 64  # rows of one consumer warpgroup's tiles in the warp-specialised kernels
+
+
+def _column_blocks(d0: int, d: int) -> tuple[tuple[int, int], ...]:
+    return ((0, d0), (d0, d - d0)) if d0 != d else ((0, d),)
+
+
+@functools.cache
+def _tile_view(col0: int, width: int, block: tuple[int, ...], dtype: torch.dtype) -> plans.TmaView:
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return plans.TmaView(col0, width, block, gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype))
+
+
+def head_descriptors(t4: Tensor, d0: int, rows: int) -> tuple:
+    """Host TMA descriptors of (B, H, N, d) t4 in (1, 1, rows, W) boxes, one per column block (d0,
+    then d - d0; the second None when d0 = d): [Note: descriptors made on the host]."""
+    descs = [
+        plans.tma_descriptor(t4, _tile_view(col0, width, (1, 1, rows, width), t4.dtype))
+        for col0, width in _column_blocks(d0, t4.shape[-1])
+    ]
+    return descs[0], (descs[1] if len(descs) > 1 else None)
+
+
+@functools.cache
+def _rows_interleaved_view(col0: int, width: int) -> plans.TmaView:
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=5)
+    return plans.TmaView(col0, width, (1, 8, 4, 2, width), layout, rows_interleaved=True)
+
+
+def dq_descriptors(dq_acc: Tensor, d0: int, interleaved: bool) -> tuple:
+    """Host TMA descriptors of the one-pass backward's (B*H, N, d) float32 dQ buffer per column block:
+    (1, 64, W) boxes, or with `interleaved` (N a multiple of 64) for blocks of 32 columns or more the
+    (1, 8, 4, 2, W) boxes of rows staged interleaved (hopper_ws_dq_kernels' [Note: dQ's staging rows
+    interleaved])."""
+    descs = [
+        plans.tma_descriptor(
+            dq_acc,
+            _rows_interleaved_view(col0, width)
+            if interleaved and width >= 32
+            else _tile_view(col0, width, (1, 64, width), torch.float32),
+        )
+        for col0, width in _column_blocks(d0, dq_acc.shape[-1])
+    ]
+    return descs[0], (descs[1] if len(descs) > 1 else None)
 
 
 def sm_count(device: torch.device) -> int:
@@ -114,11 +168,6 @@ def sm_count(device: torch.device) -> int:
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _set_allocator(device: torch.device) -> None:
-    # Device-side descriptors need global scratch; the allocator is a ContextVar (set per thread).
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
 
 
 def flash_fwd_hopper(
@@ -134,7 +183,7 @@ def flash_fwd_hopper(
     batch, heads, n_q, d = q4.shape
     cfg = cfg or heuristic_fwd(d)
     check_group(cfg, batch * heads)  # before any work
-    _set_allocator(q4.device)
+    d0 = split_head_dim(d)
     if isinstance(cfg, WarpSpecializedFwdConfig):
         kernel = hopper_ws_kernels.flash_fwd_ws_kernel
         specific = dict(
@@ -149,6 +198,7 @@ def flash_fwd_hopper(
     else:
         kernel = hopper_kernels.flash_fwd_hopper_kernel
         specific = dict(BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
+    q_rows = WG_ROWS if isinstance(cfg, WarpSpecializedFwdConfig) else cfg.block_m
     n_tiles = triton.cdiv(n_q, cfg.block_m)
     # Head-major (heads in groups) where a head has enough tiles to keep L2 busy (on an H100, d = 80:
     # -17 % at N = 4096, -5 % at 2048, +10 % at 512 with 4 tiles a head; OPTIMIZATION_LOG "Session 12").
@@ -159,19 +209,18 @@ def flash_fwd_hopper(
     plans.launch(
         kernel,
         (batch * heads * n_tiles,) if head_major else (batch * heads, n_tiles),
-        q4,
-        k4,
-        v4,
-        o4,
+        *head_descriptors(q4, d0, q_rows),
+        *head_descriptors(k4, d0, cfg.block_n),
+        *head_descriptors(v4, d0, cfg.block_n),
+        *head_descriptors(o4, d0, q_rows),
         lse,
-        *(_strides3(t) for t in (q4, k4, v4, o4)),
         heads,
         n_q,
         k4.shape[2],
         groups,
         (1.0 / math.sqrt(d)) * 1.4426950408889634,
         D=d,
-        D0=split_head_dim(d),
+        D0=d0,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.stages,
         IS_CAUSAL=bool(is_causal),
@@ -196,7 +245,6 @@ def flash_bwd_hopper(
     check_group(cfg, batch * heads)
     n_tiles = triton.cdiv(n_k, cfg.block_n)
     groups = (ws and cfg.group_heads) or group_heads(batch * heads, n_tiles, sm_count(q4.device))
-    _set_allocator(q4.device)
     one_pass = ws and cfg.one_pass
     # one pass: a zeroed float32 dQ that the kernel adds into, then cast into dq4 (all planned)
     dq_acc = buffer_kernels.zeroed_float32("dq_acc", (batch * heads, n_q, d), q4.device) if one_pass else lse
@@ -211,7 +259,6 @@ def flash_bwd_hopper(
             DS_SLOTS=cfg.ds_slots,
             DQ_BUFFERS=cfg.dq_buffers,
             DQ_IN_CONSUMERS=cfg.dq_in_consumers,
-            DQ_ROWS_INTERLEAVED=cfg.dq_rows_interleaved and n_q % 64 == 0,  # one pass; whole tiles only
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )
@@ -225,19 +272,21 @@ def flash_bwd_hopper(
         specific.update(SHORTEST_FIRST=cfg.shortest_first and bool(is_causal))
     else:  # heads fastest
         grid = (batch * heads, n_tiles)
+    key_rows = hopper_ws_backward_kernels.WG_KEYS.value if ws else cfg.block_n
+    if one_pass:  # dQ's staging rows interleaved only where every query tile is whole
+        dq_descs = dq_descriptors(dq_acc, d0, cfg.dq_rows_interleaved and n_q % 64 == 0)
     plans.launch(
         kernel,
         grid,
-        q4,
-        k4,
-        v4,
-        do4,
-        dk4,
-        dv4,
+        *head_descriptors(q4, d0, cfg.block_m),
+        *head_descriptors(k4, d0, key_rows),
+        *head_descriptors(v4, d0, key_rows),
+        *head_descriptors(do4, d0, cfg.block_m),
+        *head_descriptors(dk4, d0, key_rows),
+        *head_descriptors(dv4, d0, key_rows),
         lse,
         delta,
-        *((dq_acc,) if ws else ()),  # read only in one pass
-        *(_strides3(t) for t in (q4, k4, v4, do4, dk4, dv4)),
+        *((dq_descs if one_pass else (None, None)) if ws else ()),
         heads,
         n_q,
         n_k,

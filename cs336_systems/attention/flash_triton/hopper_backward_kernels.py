@@ -16,7 +16,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.flash_triton.hopper_kernels import LOG2E, head_descriptor, thread_barrier
+from cs336_systems.attention.flash_triton.hopper_kernels import (
+    LOG2E,
+    head_of,
+    thread_barrier,
+    tile_load,
+    tile_store,
+)
 
 
 @gluon.jit
@@ -25,6 +31,7 @@ def _load_qdo(
     q1,
     do0,
     do1,
+    bh,
     bar,
     q0_s,
     q1_s,
@@ -43,11 +50,11 @@ def _load_qdo(
     row = start_m0 + it * BLOCK_M
     nbytes: gl.constexpr = 2 * (q0.block_type.nbytes + (q1.block_type.nbytes if SPLIT else 0))
     mbarrier.expect(bar.index(s), nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q0, [row, 0], bar.index(s), q0_s.index(s), pred=pred)
-    tma.async_copy_global_to_shared(do0, [row, 0], bar.index(s), do0_s.index(s), pred=pred)
+    tile_load(q0, bh, row, bar.index(s), q0_s.index(s), pred=pred)
+    tile_load(do0, bh, row, bar.index(s), do0_s.index(s), pred=pred)
     if SPLIT:
-        tma.async_copy_global_to_shared(q1, [row, 0], bar.index(s), q1_s.index(s), pred=pred)
-        tma.async_copy_global_to_shared(do1, [row, 0], bar.index(s), do1_s.index(s), pred=pred)
+        tile_load(q1, bh, row, bar.index(s), q1_s.index(s), pred=pred)
+        tile_load(do1, bh, row, bar.index(s), do1_s.index(s), pred=pred)
 
 
 @gluon.jit
@@ -135,20 +142,20 @@ def dkdv_after_scores(
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS"])
 def flash_bwd_dkdv_hopper_kernel(
-    Q_ptr,
-    K_ptr,
-    V_ptr,
-    DO_ptr,
-    DK_ptr,
-    DV_ptr,
+    Q0,
+    Q1,
+    K0,
+    K1,
+    V0,
+    V1,
+    DO0,
+    DO1,
+    DK0,
+    DK1,
+    DV0,
+    DV1,
     L_ptr,
     Delta_ptr,
-    q_strides,
-    k_strides,
-    v_strides,
-    do_strides,
-    dk_strides,
-    dv_strides,
     NUM_HEADS,
     N_QUERIES,
     N_KEYS,
@@ -177,12 +184,11 @@ def flash_bwd_dkdv_hopper_kernel(
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
     G: gl.constexpr = 2 if SPLIT else 1  # commit groups per product
-    dtype: gl.constexpr = Q_ptr.dtype.element_ty
+    dtype: gl.constexpr = Q0.dtype
     # Heads fastest: every head's first key tile (causal: the most query steps) first.
     off_bh = gl.program_id(0)
     k_tile = gl.program_id(1)
-    off_b = (off_bh // NUM_HEADS).to(gl.int64)
-    off_h = (off_bh % NUM_HEADS).to(gl.int64)
+    bh = head_of(off_bh, NUM_HEADS)
     start_n = k_tile * BLOCK_N
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -198,23 +204,21 @@ def flash_bwd_dkdv_hopper_kernel(
     a1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    k0 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    v0 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    q0 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
-    do0 = head_descriptor(DO_ptr, do_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
-    k0_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D0], k0.layout)
-    v0_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D0], v0.layout)
-    q0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], q0.layout)
-    do0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], do0.layout)
+    k0, v0, q0, do0 = K0, V0, Q0, DO0
+    n_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D0], dtype)
+    m_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D0], dtype)
+    k0_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D0], n_layout0)
+    v0_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D0], n_layout0)
+    q0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], m_layout0)
+    do0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], m_layout0)
     if SPLIT:
-        k1 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
-        v1 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
-        q1 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
-        do1 = head_descriptor(DO_ptr, do_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
-        k1_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D1], k1.layout)
-        v1_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D1], v1.layout)
-        q1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], q1.layout)
-        do1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], do1.layout)
+        k1, v1, q1, do1 = K1, V1, Q1, DO1
+        n_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
+        m_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D1], dtype)
+        k1_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D1], n_layout1)
+        v1_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D1], n_layout1)
+        q1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], m_layout1)
+        do1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], m_layout1)
     else:
         k1, v1, q1, do1 = k0, v0, q0, do0
         k1_s, v1_s, q1_s, do1_s = k0_s, v0_s, q0_s, do0_s
@@ -233,14 +237,14 @@ def flash_bwd_dkdv_hopper_kernel(
 
     kv_bytes: gl.constexpr = 2 * (k0.block_type.nbytes + (k1.block_type.nbytes if SPLIT else 0))
     mbarrier.expect(kv_bar, kv_bytes)
-    tma.async_copy_global_to_shared(k0, [start_n, 0], kv_bar, k0_s)
-    tma.async_copy_global_to_shared(v0, [start_n, 0], kv_bar, v0_s)
+    tile_load(k0, bh, start_n, kv_bar, k0_s)
+    tile_load(v0, bh, start_n, kv_bar, v0_s)
     if SPLIT:
-        tma.async_copy_global_to_shared(k1, [start_n, 0], kv_bar, k1_s)
-        tma.async_copy_global_to_shared(v1, [start_n, 0], kv_bar, v1_s)
+        tile_load(k1, bh, start_n, kv_bar, k1_s)
+        tile_load(v1, bh, start_n, kv_bar, v1_s)
     for i in gl.static_range(STAGES):
         _load_qdo(
-            q0, q1, do0, do1, bar, q0_s, q1_s, do0_s, do1_s, i, n_iters, start_m0, BLOCK_M, STAGES, SPLIT
+            q0, q1, do0, do1, bh, bar, q0_s, q1_s, do0_s, do1_s, i, n_iters, start_m0, BLOCK_M, STAGES, SPLIT
         )
 
     l_base = L_ptr + off_bh.to(gl.int64) * N_QUERIES
@@ -278,6 +282,7 @@ def flash_bwd_dkdv_hopper_kernel(
                 q1,
                 do0,
                 do1,
+                bh,
                 bar,
                 q0_s,
                 q1_s,
@@ -303,21 +308,17 @@ def flash_bwd_dkdv_hopper_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bar.index(i))
     # dK, dV through K's and V's shared memory (no longer read) and TMA stores that drop rows >= N_KEYS.
-    dk0_d = head_descriptor(DK_ptr, dk_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    dv0_d = head_descriptor(DV_ptr, dv_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
     thread_barrier()
     k0_s.store((dk0 * scale).to(dtype))
     v0_s.store(dv0.to(dtype))
     if SPLIT:
-        dk1_d = head_descriptor(DK_ptr, dk_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
-        dv1_d = head_descriptor(DV_ptr, dv_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
         k1_s.store((dk1 * scale).to(dtype))
         v1_s.store(dv1.to(dtype))
     fence_async_shared()
     thread_barrier()
-    tma.async_copy_shared_to_global(dk0_d, [start_n, 0], k0_s)
-    tma.async_copy_shared_to_global(dv0_d, [start_n, 0], v0_s)
+    tile_store(DK0, bh, start_n, k0_s)
+    tile_store(DV0, bh, start_n, v0_s)
     if SPLIT:
-        tma.async_copy_shared_to_global(dk1_d, [start_n, 0], k1_s)
-        tma.async_copy_shared_to_global(dv1_d, [start_n, 0], v1_s)
+        tile_store(DK1, bh, start_n, k1_s)
+        tile_store(DV1, bh, start_n, v1_s)
     tma.store_wait(0)

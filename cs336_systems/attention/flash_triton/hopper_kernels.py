@@ -45,15 +45,28 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def head_descriptor(
-    ptr, strides, off_b, off_h, n_rows, col0: gl.constexpr, BLOCK_ROWS: gl.constexpr, WIDTH: gl.constexpr
-):
-    """Descriptor of columns [col0, col0 + WIDTH) of one (b, h) slice (n_rows, d), in (BLOCK_ROWS, WIDTH) tiles."""
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_ROWS, WIDTH], ptr.dtype.element_ty)
-    base = ptr + off_b * strides[0] + off_h * strides[1] + col0
-    return tma.make_tensor_descriptor(
-        base, shape=[n_rows, WIDTH], strides=[strides[2], 1], block_shape=[BLOCK_ROWS, WIDTH], layout=layout
-    )
+def head_of(off_bh, NUM_HEADS):
+    """(b, h) of the flat head index off_bh: the first two coordinates of a head's tile in a
+    descriptor from `hopper.head_descriptors` ([Note: descriptors made on the host])."""
+    return off_bh // NUM_HEADS, off_bh % NUM_HEADS
+
+
+@gluon.jit
+def tile_load(desc, bh, row, bar, smem, pred=True):
+    """TMA load of rows [row, row + R) of head bh = (b, h) of a (B, H, N, W) descriptor (box (1, 1, R,
+    W)) into the (R, W) shared-memory tile smem, completing on bar; rows at or past N read as zeros."""
+    R: gl.constexpr = smem.type.shape[0]
+    W: gl.constexpr = smem.type.shape[1]
+    tma.async_copy_global_to_shared(desc, [bh[0], bh[1], row, 0], bar, smem.reshape([1, 1, R, W]), pred=pred)
+
+
+@gluon.jit
+def tile_store(desc, bh, row, smem):
+    """TMA store of the (R, W) tile smem into rows [row, row + R) of head bh of a (B, H, N, W)
+    descriptor; rows at or past N are dropped."""
+    R: gl.constexpr = smem.type.shape[0]
+    W: gl.constexpr = smem.type.shape[1]
+    tma.async_copy_shared_to_global(desc, [bh[0], bh[1], row, 0], smem.reshape([1, 1, R, W]))
 
 
 @gluon.jit
@@ -62,6 +75,7 @@ def _load_kv(
     k1,
     v0,
     v1,
+    bh,
     k_bar,
     v_bar,
     k0_s,
@@ -80,13 +94,13 @@ def _load_kv(
     row = tile * BLOCK_N
     nbytes: gl.constexpr = k0.block_type.nbytes + (k1.block_type.nbytes if SPLIT else 0)
     mbarrier.expect(k_bar.index(s), nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k0, [row, 0], k_bar.index(s), k0_s.index(s), pred=pred)
+    tile_load(k0, bh, row, k_bar.index(s), k0_s.index(s), pred=pred)
     if SPLIT:
-        tma.async_copy_global_to_shared(k1, [row, 0], k_bar.index(s), k1_s.index(s), pred=pred)
+        tile_load(k1, bh, row, k_bar.index(s), k1_s.index(s), pred=pred)
     mbarrier.expect(v_bar.index(s), nbytes, pred=pred)
-    tma.async_copy_global_to_shared(v0, [row, 0], v_bar.index(s), v0_s.index(s), pred=pred)
+    tile_load(v0, bh, row, v_bar.index(s), v0_s.index(s), pred=pred)
     if SPLIT:
-        tma.async_copy_global_to_shared(v1, [row, 0], v_bar.index(s), v1_s.index(s), pred=pred)
+        tile_load(v1, bh, row, v_bar.index(s), v1_s.index(s), pred=pred)
 
 
 @gluon.jit
@@ -184,15 +198,15 @@ def rescaled_after_products(acc0, acc1, p0, p1, alpha, SPLIT: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
 def flash_fwd_hopper_kernel(
-    Q_ptr,
-    K_ptr,
-    V_ptr,
-    O_ptr,
+    Q0,
+    Q1,
+    K0,
+    K1,
+    V0,
+    V1,
+    O0,
+    O1,
     L_ptr,
-    q_strides,
-    k_strides,
-    v_strides,
-    o_strides,
     NUM_HEADS,
     N_QUERIES,
     N_KEYS,
@@ -210,14 +224,14 @@ def flash_fwd_hopper_kernel(
     """O = softmax(Q K^T * scale) V and L = logsumexp (natural log, (B*H, N_QUERIES) contiguous).
 
     Grid: `program_tile`'s, by HEAD_MAJOR; qk_scale = scale * log2(e). D0: the first column block
-    (D itself when D is a power of two; else D - D0 is the second block, also a power of two).
+    (D itself when D is a power of two; else D - D0 is the second block, also a power of two). Q0 ...
+    O1: `hopper.head_descriptors` of q, k, v, o per column block (the second ones None unless split).
     """
     SPLIT: gl.constexpr = D0 != D
     D1: gl.constexpr = D - D0 if SPLIT else D0
-    dtype: gl.constexpr = Q_ptr.dtype.element_ty
+    dtype: gl.constexpr = Q0.dtype
     off_bh, q_tile = program_tile(N_QUERIES, BLOCK_M, IS_CAUSAL, HEAD_MAJOR, GROUP_HEADS)
-    off_b = (off_bh // NUM_HEADS).to(gl.int64)
-    off_h = (off_bh % NUM_HEADS).to(gl.int64)
+    bh = head_of(off_bh, NUM_HEADS)
     start_m = q_tile * BLOCK_M
 
     # Register layouts: wgmma accumulators (one 16-row slab per warp), P as the register A operand.
@@ -234,21 +248,19 @@ def flash_fwd_hopper_kernel(
     p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    q0 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
-    k0 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    v0 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    o0 = head_descriptor(O_ptr, o_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
-    q0_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D0], q0.layout)
-    k0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], k0.layout)
-    v0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], v0.layout)
+    q0, k0, v0, o0 = Q0, K0, V0, O0
+    m_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D0], dtype)
+    n_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D0], dtype)
+    q0_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D0], m_layout0)
+    k0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], n_layout0)
+    v0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], n_layout0)
     if SPLIT:
-        q1 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
-        k1 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
-        v1 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
-        o1 = head_descriptor(O_ptr, o_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
-        q1_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D1], q1.layout)
-        k1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k1.layout)
-        v1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], v1.layout)
+        q1, k1, v1, o1 = Q1, K1, V1, O1
+        m_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D1], dtype)
+        n_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
+        q1_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D1], m_layout1)
+        k1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], n_layout1)
+        v1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], n_layout1)
     else:
         q1, k1, v1, o1 = q0, k0, v0, o0
         q1_s, k1_s, v1_s = q0_s, k0_s, v0_s
@@ -270,11 +282,11 @@ def flash_fwd_hopper_kernel(
 
     q_bytes: gl.constexpr = q0.block_type.nbytes + (q1.block_type.nbytes if SPLIT else 0)
     mbarrier.expect(q_bar, q_bytes)
-    tma.async_copy_global_to_shared(q0, [start_m, 0], q_bar, q0_s)
+    tile_load(q0, bh, start_m, q_bar, q0_s)
     if SPLIT:
-        tma.async_copy_global_to_shared(q1, [start_m, 0], q_bar, q1_s)
+        tile_load(q1, bh, start_m, q_bar, q1_s)
     for i in gl.static_range(STAGES):
-        _load_kv(k0, k1, v0, v1, k_bar, v_bar, k0_s, k1_s, v0_s, v1_s, i, n_tiles, BLOCK_N, STAGES, SPLIT)
+        _load_kv(k0, k1, v0, v1, bh, k_bar, v_bar, k0_s, k1_s, v0_s, v1_s, i, n_tiles, BLOCK_N, STAGES, SPLIT)
 
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
@@ -320,6 +332,7 @@ def flash_fwd_hopper_kernel(
             k1,
             v0,
             v1,
+            bh,
             k_bar,
             v_bar,
             k0_s,
@@ -360,7 +373,7 @@ def flash_fwd_hopper_kernel(
         )
     fence_async_shared()
     thread_barrier()
-    tma.async_copy_shared_to_global(o0, [start_m, 0], q0_s)
+    tile_store(o0, bh, start_m, q0_s)
     if SPLIT:
-        tma.async_copy_shared_to_global(o1, [start_m, 0], q1_s)
+        tile_store(o1, bh, start_m, q1_s)
     tma.store_wait(0)

@@ -42,14 +42,15 @@ from cs336_systems.attention.flash_triton.hopper_backward_kernels import (
 )
 from cs336_systems.attention.flash_triton.hopper_kernels import (
     LOG2E,
-    head_descriptor,
+    head_of,
     program_tile,
     thread_barrier,
+    tile_load,
+    tile_store,
 )
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
     consumer_step_with_dq,
     dq_warpgroup,
-    interleaved_rows_descriptor,
     publish_ds,
 )
 
@@ -60,7 +61,9 @@ WG_WARPS: gl.constexpr = gl.constexpr(4)
 @gluon.jit
 def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
     """TMA loads of every consumer's K/V, then the Q/dO/L/Delta ring."""
-    descs, smem, bars, off_bh, start_n, start_m0, n_iters, N_QUERIES, _N_KEYS, L_ptr, Delta_ptr = args[:11]
+    descs, smem, bars, off_bh, start_n, start_m0, n_iters, N_QUERIES, _N_KEYS, L_ptr, Delta_ptr, bh = args[
+        :12
+    ]
     q0, q1, do0, do1, k0, k1, v0, v1 = descs[:8]
     q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s = smem[:10]
     kv_bar, ready_bar, empty_bar = bars[:3]
@@ -70,11 +73,11 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
     for c in gl.static_range(C):
         row = start_n + c * WG_KEYS
         mbarrier.expect(kv_bar.index(c), kv_bytes)
-        tma.async_copy_global_to_shared(k0, [row, 0], kv_bar.index(c), k0_s.index(c))
-        tma.async_copy_global_to_shared(v0, [row, 0], kv_bar.index(c), v0_s.index(c))
+        tile_load(k0, bh, row, kv_bar.index(c), k0_s.index(c))
+        tile_load(v0, bh, row, kv_bar.index(c), v0_s.index(c))
         if SPLIT:
-            tma.async_copy_global_to_shared(k1, [row, 0], kv_bar.index(c), k1_s.index(c))
-            tma.async_copy_global_to_shared(v1, [row, 0], kv_bar.index(c), v1_s.index(c))
+            tile_load(k1, bh, row, kv_bar.index(c), k1_s.index(c))
+            tile_load(v1, bh, row, kv_bar.index(c), v1_s.index(c))
     vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     l_base = L_ptr + off_bh.to(gl.int64) * N_QUERIES
     delta_base = Delta_ptr + off_bh.to(gl.int64) * N_QUERIES
@@ -91,11 +94,11 @@ def _bwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
         delta_s.index(s).store(delta)
         thread_barrier()  # the whole warp's stores before the arrive below (release)
         mbarrier.expect(ready_bar.index(s), qdo_bytes)
-        tma.async_copy_global_to_shared(q0, [start_m, 0], ready_bar.index(s), q0_s.index(s))
-        tma.async_copy_global_to_shared(do0, [start_m, 0], ready_bar.index(s), do0_s.index(s))
+        tile_load(q0, bh, start_m, ready_bar.index(s), q0_s.index(s))
+        tile_load(do0, bh, start_m, ready_bar.index(s), do0_s.index(s))
         if SPLIT:
-            tma.async_copy_global_to_shared(q1, [start_m, 0], ready_bar.index(s), q1_s.index(s))
-            tma.async_copy_global_to_shared(do1, [start_m, 0], ready_bar.index(s), do1_s.index(s))
+            tile_load(q1, bh, start_m, ready_bar.index(s), q1_s.index(s))
+            tile_load(do1, bh, start_m, ready_bar.index(s), do1_s.index(s))
         offs_m += BLOCK_M
         l2 = gl.load(l_base + offs_m, mask=offs_m < N_QUERIES, other=float("inf")) * LOG2E
         delta = gl.load(delta_base + offs_m, mask=offs_m < N_QUERIES, other=0.0)
@@ -113,7 +116,7 @@ def _bwd_consumer(
     """One warpgroup: dK, dV of keys [start_n + 64 w, start_n + 64 (w + 1)) over every query step
     (with ONE_PASS also publishing each step's dS^T tile for dQ, and with DQ_IN_CONSUMERS computing
     column block w of dQ itself and reducing it)."""
-    descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, N_KEYS, _L, _Delta, _DQ, scale = args
+    descs, smem, bars, _off_bh, start_n, start_m0, n_iters, _N_QUERIES, N_KEYS, _L, _Delta, bh, scale = args
     dk0_d, dk1_d, dv0_d, dv1_d = descs[8:12]
     q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s = smem[:11]
     kv_bar, ready_bar, empty_bar, ds_ready, ds_empty = bars[:5]
@@ -199,11 +202,11 @@ def _bwd_consumer(
         k1_w.store((dk1 * scale).to(dtype))
         v1_w.store(dv1.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk0_d, [key0, 0], k0_w)
-    tma.async_copy_shared_to_global(dv0_d, [key0, 0], v0_w)
+    tile_store(dk0_d, bh, key0, k0_w)
+    tile_store(dv0_d, bh, key0, v0_w)
     if SPLIT:
-        tma.async_copy_shared_to_global(dk1_d, [key0, 0], k1_w)
-        tma.async_copy_shared_to_global(dv1_d, [key0, 0], v1_w)
+        tile_store(dk1_d, bh, key0, k1_w)
+        tile_store(dv1_d, bh, key0, v1_w)
     tma.store_wait(0)  # dK, dV (and this consumer's last dQ reductions)
 
 
@@ -241,21 +244,22 @@ def _bwd_worker(
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
 def flash_bwd_dkdv_ws_kernel(
-    Q_ptr,
-    K_ptr,
-    V_ptr,
-    DO_ptr,
-    DK_ptr,
-    DV_ptr,
+    Q0,
+    Q1,
+    K0,
+    K1,
+    V0,
+    V1,
+    DO0,
+    DO1,
+    DK0,
+    DK1,
+    DV0,
+    DV1,
     L_ptr,
     Delta_ptr,
-    DQ_ptr,
-    q_strides,
-    k_strides,
-    v_strides,
-    do_strides,
-    dk_strides,
-    dv_strides,
+    DQ0,
+    DQ1,
     NUM_HEADS,
     N_QUERIES,
     N_KEYS,
@@ -275,13 +279,13 @@ def flash_bwd_dkdv_ws_kernel(
     DQ_BUFFERS: gl.constexpr,
     DQ_IN_CONSUMERS: gl.constexpr,
     SHORTEST_FIRST: gl.constexpr,
-    DQ_ROWS_INTERLEAVED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """dK, dV of CONSUMERS * 64 keys of one (b, h). Grid (B*H * cdiv(N_KEYS, CONSUMERS * 64),); num_warps 4
     (the default partition is consumer 0; consumers 1.., the producer warp and, with ONE_PASS, the dQ
-    warpgroup are worker partitions). With ONE_PASS (two consumers), DQ_ptr is a zeroed float32
-    (B*H, N_QUERIES, D) buffer that receives dQ; otherwise it is not read. DQ_IN_CONSUMERS (ONE_PASS,
+    warpgroup are worker partitions). Q0 ... DV1: `hopper.head_descriptors` per column block (the
+    second ones None unless split). With ONE_PASS (two consumers), DQ0 and DQ1 describe a zeroed float32
+    (B*H, N_QUERIES, D) buffer that receives dQ (`hopper.dq_descriptors`); otherwise they are None. DQ_IN_CONSUMERS (ONE_PASS,
     D = 2 * D0): the consumers compute dQ themselves, no dQ warpgroup (DQ_REGS is not used). The grid goes head-major in groups of GROUP_HEADS heads
     (a divisor of B*H), each key tile's program longest first (`program_tile`); SHORTEST_FIRST
     reverses that (the order before session 18, kept for A/B runs)."""
@@ -290,36 +294,29 @@ def flash_bwd_dkdv_ws_kernel(
     D1: gl.constexpr = D - D0 if SPLIT else D0
     C: gl.constexpr = CONSUMERS
     BLOCK_N: gl.constexpr = C * WG_KEYS
-    dtype: gl.constexpr = Q_ptr.dtype.element_ty
+    dtype: gl.constexpr = Q0.dtype
     # One-dimensional grid in groups of GROUP_HEADS heads: the programs resident at a time share a
     # few heads' Q, dO (and dQ buffer) in L2 instead of touching every head's. Causal: the key tiles
     # at the start, with the most query steps, first unless SHORTEST_FIRST ([Note: tile order]).
     off_bh, k_tile = program_tile(N_KEYS, BLOCK_N, SHORTEST_FIRST, True, GROUP_HEADS)
-    off_b = (off_bh // NUM_HEADS).to(gl.int64)
-    off_h = (off_bh % NUM_HEADS).to(gl.int64)
+    bh = head_of(off_bh, NUM_HEADS)
     start_n = k_tile * BLOCK_N
 
-    q0 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
-    do0 = head_descriptor(DO_ptr, do_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
-    k0 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, WG_KEYS, D0)
-    v0 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, WG_KEYS, D0)
-    dk0 = head_descriptor(DK_ptr, dk_strides, off_b, off_h, N_KEYS, 0, WG_KEYS, D0)
-    dv0 = head_descriptor(DV_ptr, dv_strides, off_b, off_h, N_KEYS, 0, WG_KEYS, D0)
-    q0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], q0.layout)
-    do0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], do0.layout)
-    k0_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D0], k0.layout)
-    v0_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D0], v0.layout)
+    q0, do0, k0, v0, dk0, dv0 = Q0, DO0, K0, V0, DK0, DV0
+    m_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D0], dtype)
+    n_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, D0], dtype)
+    q0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], m_layout0)
+    do0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], m_layout0)
+    k0_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D0], n_layout0)
+    v0_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D0], n_layout0)
     if SPLIT:
-        q1 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
-        do1 = head_descriptor(DO_ptr, do_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
-        k1 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, D0, WG_KEYS, D1)
-        v1 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, D0, WG_KEYS, D1)
-        dk1 = head_descriptor(DK_ptr, dk_strides, off_b, off_h, N_KEYS, D0, WG_KEYS, D1)
-        dv1 = head_descriptor(DV_ptr, dv_strides, off_b, off_h, N_KEYS, D0, WG_KEYS, D1)
-        q1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], q1.layout)
-        do1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], do1.layout)
-        k1_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D1], k1.layout)
-        v1_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D1], v1.layout)
+        q1, do1, k1, v1, dk1, dv1 = Q1, DO1, K1, V1, DK1, DV1
+        m_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D1], dtype)
+        n_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, D1], dtype)
+        q1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], m_layout1)
+        do1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], m_layout1)
+        k1_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D1], n_layout1)
+        v1_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D1], n_layout1)
     else:
         q1, do1, k1, v1, dk1, dv1 = q0, do0, k0, v0, dk0, dv0
         q1_s, do1_s, k1_s, v1_s = q0_s, do0_s, k0_s, v0_s
@@ -338,25 +335,25 @@ def flash_bwd_dkdv_ws_kernel(
     if ONE_PASS:  # DS_SLOTS slots of every consumer's dS^T tile (keys x queries), DQ_BUFFERS of dQ's staging
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BLOCK_M], dtype)
         ds_s = gl.allocate_shared_memory(dtype, [DS_SLOTS * C, WG_KEYS, BLOCK_M], ds_layout)
-        dq_strides = (N_QUERIES * NUM_HEADS * D, N_QUERIES * D, D)  # the (B, H, N_QUERIES, D) float32 buffer
-        dq0_d = head_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, 0, BLOCK_M, D0)
         gl.static_assert(BLOCK_M == 64, "the one-pass backward's query steps are 64 rows")
-        if DQ_ROWS_INTERLEAVED and D0 >= 32:  # hopper_ws_dq_kernels' [Note: dQ's staging rows interleaved]
-            dq0_p = interleaved_rows_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, 0, D0)
-            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D0], dq0_p.layout)
+        # the staging of a block whose rows are interleaved (its descriptor then has rank 5:
+        # hopper_ws_dq_kernels' [Note: dQ's staging rows interleaved]), else in row order
+        rows_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+        dq0 = DQ0
+        if len(DQ0.block_type.shape) == 5:
+            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D0], rows_layout)
         else:
-            dq0_p = dq0_d
-            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D0], dq0_d.layout)
+            dq0_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D0], gl.float32)
+            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D0], dq0_layout)
         if SPLIT:
-            dq1_d = head_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, D0, BLOCK_M, D1)
-            if DQ_ROWS_INTERLEAVED and D1 >= 32:
-                dq1_p = interleaved_rows_descriptor(DQ_ptr, dq_strides, off_b, off_h, N_QUERIES, D0, D1)
-                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D1], dq1_p.layout)
+            dq1 = DQ1
+            if len(DQ1.block_type.shape) == 5:
+                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D1], rows_layout)
             else:
-                dq1_p = dq1_d
-                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D1], dq1_d.layout)
+                dq1_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D1], gl.float32)
+                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D1], dq1_layout)
         else:
-            dq1_d, dq1_p, dq1_s = dq0_d, dq0_p, dq0_s
+            dq1, dq1_s = dq0, dq0_s
         ds_ready = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(DS_SLOTS):
@@ -364,7 +361,7 @@ def flash_bwd_dkdv_ws_kernel(
             mbarrier.init(ds_empty.index(i), count=C if DQ_IN_CONSUMERS else 1)
     else:  # not used
         ds_s, ds_ready, ds_empty, dq0_s, dq1_s = l_s, kv_bar, kv_bar, l_s, l_s
-        dq0_d, dq1_d, dq0_p, dq1_p = dk0, dk0, dk0, dk0
+        dq0, dq1 = dk0, dk0
 
     # Query steps: (causal) from the step holding query start_n, else from 0.
     if IS_CAUSAL:
@@ -374,7 +371,7 @@ def flash_bwd_dkdv_ws_kernel(
     n_iters = gl.cdiv(N_QUERIES - start_m0, BLOCK_M)
 
     args = (
-        (q0, q1, do0, do1, k0, k1, v0, v1, dk0, dk1, dv0, dv1, dq0_d, dq1_d, dq0_p, dq1_p),
+        (q0, q1, do0, do1, k0, k1, v0, v1, dk0, dk1, dv0, dv1, dq0, dq1),
         (q0_s, q1_s, do0_s, do1_s, k0_s, k1_s, v0_s, v1_s, l_s, delta_s, ds_s, dq0_s, dq1_s),
         (kv_bar, ready_bar, empty_bar, ds_ready, ds_empty),
         off_bh,
@@ -385,7 +382,7 @@ def flash_bwd_dkdv_ws_kernel(
         N_KEYS,
         L_ptr,
         Delta_ptr,
-        DQ_ptr,
+        bh,
         scale,
     )
     gl.static_assert(C == 2 or C == 3, "two or three consumer warpgroups")

@@ -33,7 +33,7 @@ row s(n) = 8 (n div 8) + 2 (n mod 4) + (n div 4) mod 2, so the four rows of half
 phases 0, 2, 4, 6 (or 1, 3, 5, 7) and their chunks fill all 32 banks once. The staging is then a
 (8, 4, 2, W) tile, stored through its (8, 2, 4, W) permutation viewed as (64, W), and reduced through
 a 4-D view of the dQ buffer that puts row 8a + 4b + c of the tile at box index (a, c, b): dims of 8
-(stride 8 rows), 4 (stride 1 row), 2 (stride 4 rows) and W columns (`interleaved_rows_descriptor`).
+(stride 8 rows), 4 (stride 1 row), 2 (stride 4 rows) and W columns (`hopper.dq_descriptors`).
 Its first dimension counts whole groups of 8 rows, so the launcher takes it only when N_QUERIES is a
 multiple of 64 (every tile whole; no run-time branch: a first version with one, for a partial last
 tile, removed the conflicts but ran 3 % more cycles, with two more warpgroup barriers a step). Column
@@ -59,20 +59,6 @@ from cs336_systems.attention.flash_triton.hopper_backward_kernels import scores_
 from cs336_systems.attention.flash_triton.hopper_kernels import thread_barrier
 
 DQ_WARPS: gl.constexpr = gl.constexpr(4)  # the dQ partition: one warpgroup
-
-
-@gluon.jit
-def interleaved_rows_descriptor(ptr, strides, off_b, off_h, n_rows, col0: gl.constexpr, WIDTH: gl.constexpr):
-    """The 4-D view of one (b, h) slice's columns [col0, col0 + WIDTH) of the float32 dQ buffer that
-    reduces an interleaved staging tile ([Note: dQ's staging rows interleaved]): box (8, 4, 2, WIDTH)
-    at [start_m // 8, 0, 0, 0] for a whole 64-row tile starting at start_m."""
-    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
-    rs = strides[2]
-    base = ptr + off_b * strides[0] + off_h * strides[1] + col0
-    return tma.make_tensor_descriptor(
-        base, shape=[n_rows // 8, 4, 2, WIDTH], strides=[8 * rs, rs, 4 * rs, 1],
-        block_shape=[8, 4, 2, WIDTH], layout=layout,
-    )  # fmt: skip
 
 
 @builtin
@@ -106,7 +92,7 @@ def dq_warpgroup(args, C: gl.constexpr, SPLIT: gl.constexpr):
     """The dQ warpgroup: per query step, dQ_i += scale * dS_i K over the program's C * 64 keys (dS_i
     read transposed from the consumers' dS^T tiles), staged in float32 shared memory and added into
     the float32 (B*H, N_QUERIES, D) buffer by TMA reductions (rows past N_QUERIES are dropped)."""
-    descs, smem, bars, _off_bh, _start_n, start_m0, n_iters, _N_Q, _N_KEYS, _L, _Delta, _DQ, scale = args
+    descs, smem, bars, off_bh, _start_n, start_m0, n_iters, _N_Q, _N_KEYS, _L, _Delta, _bh, scale = args
     k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
     kv_bar, _ready, _empty, ds_ready, ds_empty = bars[:5]
     BLOCK_M: gl.constexpr = ds_s.type.shape[2]
@@ -141,7 +127,9 @@ def dq_warpgroup(args, C: gl.constexpr, SPLIT: gl.constexpr):
         else:
             acc0 = warpgroup_mma_wait(0, deps=(acc0,))
         mbarrier.arrive(ds_empty.index(slot), count=1)
-        reduce_dq(acc0, acc1, start_m0 + it * BLOCK_M, it, descs[12:], smem[11], smem[12], scale, SPLIT)
+        reduce_dq(
+            acc0, acc1, off_bh, start_m0 + it * BLOCK_M, it, descs[12:], smem[11], smem[12], scale, SPLIT
+        )
     tma.store_wait(0)
 
 
@@ -169,15 +157,15 @@ def issue_consumer_dq(ds_s, ds_ready, k_s, it, w: gl.constexpr, acc_layout: gl.c
 
 
 @gluon.jit
-def reduce_dq(acc0, acc1, start_m, it, dq_descs, dq0_s, dq1_s, scale, TWO: gl.constexpr):
+def reduce_dq(acc0, acc1, off_bh, start_m, it, dq_descs, dq0_s, dq1_s, scale, TWO: gl.constexpr):
     """Stage scale * acc0 (and acc1 when TWO: a second column block), the dQ rows [start_m, start_m + 64)
-    of query step `it`, in float32 shared memory (buffer it % BUFFERS) and add it into the dQ buffer
-    by TMA reductions, one bulk group per block. dq_descs: the blocks' 2-D descriptors, then the 4-D
-    ones that reduce a staging of interleaved rows (a rank-5 buffer: [Note: dQ's staging rows
-    interleaved])."""
+    of query step `it` of head off_bh, in float32 shared memory (buffer it % BUFFERS) and add it into
+    the dQ buffer by TMA reductions, one bulk group per block. dq_descs: the blocks' descriptors
+    (`hopper.dq_descriptors`: rank 3, or rank 5 for a staging of interleaved rows, a rank-5 buffer:
+    [Note: dQ's staging rows interleaved])."""
     BUFFERS: gl.constexpr = dq0_s.type.shape[0]
     G: gl.constexpr = 2 if TWO else 1  # bulk groups per step
-    dq0_d, dq1_d, dq0_p, dq1_p = dq_descs
+    dq0, dq1 = dq_descs
     b = it % BUFFERS
     tma.store_wait(G * (BUFFERS - 1))  # the reduction that last read buffer b (BUFFERS steps ago) is done
     _stage(dq0_s.index(b), acc0 * scale)
@@ -185,9 +173,9 @@ def reduce_dq(acc0, acc1, start_m, it, dq_descs, dq0_s, dq1_s, scale, TWO: gl.co
         _stage(dq1_s.index(b), acc1 * scale)
     fence_async_shared()
     thread_barrier()  # every thread's staging stores before the TMA engine reads the tile
-    _reduce(dq0_d, dq0_p, dq0_s.index(b), start_m)
+    _reduce(dq0, dq0_s.index(b), off_bh, start_m)
     if TWO:
-        _reduce(dq1_d, dq1_p, dq1_s.index(b), start_m)
+        _reduce(dq1, dq1_s.index(b), off_bh, start_m)
 
 
 @gluon.jit
@@ -200,12 +188,13 @@ def _stage(s, x):
 
 
 @gluon.jit
-def _reduce(d2, d4, s, start_m):
-    """Add staging tile s into dQ's rows [start_m, start_m + 64) (by d4 if its rows are interleaved)."""
+def _reduce(desc, s, off_bh, start_m):
+    """Add staging tile s into head off_bh's dQ rows [start_m, start_m + 64): a (B*H, N // 8, 4, 2, W)
+    descriptor's box (1, 8, 4, 2, W) if its rows are interleaved, else a (B*H, N, W) one's (1, 64, W)."""
     if len(s.type.shape) == 4:
-        tma_reduce_add(d4, [start_m // 8, 0, 0, 0], s)
+        tma_reduce_add(desc, [off_bh, start_m // 8, 0, 0, 0], s.reshape([1, 8, 4, 2, s.type.shape[3]]))
     else:
-        tma_reduce_add(d2, [start_m, 0], s)
+        tma_reduce_add(desc, [off_bh, start_m, 0], s.reshape([1, 64, s.type.shape[1]]))
 
 
 @gluon.jit
@@ -218,7 +207,7 @@ def consumer_step_with_dq(
     first column block, the dS^T hand-off, dQ's products (this consumer's own tile first), dK's second
     column block, and dQ staged and reduced while that block runs ([Note: dQ between dK's halves]).
     Returns (dk0, dk1, dv0, dv1), every product done."""
-    descs, smem, bars, _off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _DQ, scale = args
+    descs, smem, bars, off_bh, _n, _m0, _iters, _NQ, N_KEYS, _L, _Delta, _bh, scale = args
     k0_s, k1_s, ds_s = smem[4], smem[5], smem[10]
     ds_ready, ds_empty = bars[3:5]
     dv0, dv1, pt_a0, pt_a1, dst, dst_a0, dst_a1 = scores_to_ds(
@@ -233,7 +222,8 @@ def consumer_step_with_dq(
         1, deps=(dv0, dv1, pt_a0, pt_a1, dq, dk0, dk1, dst_a0, dst_a1)
     )  # all but dK's second block: dV, dK's first and dQ done
     mbarrier.arrive(ds_empty.index(it % ds_ready.type.shape[0]), count=1)
-    dq_w = (descs[12 + w], descs[12 + w], descs[14 + w], descs[14 + w])
-    reduce_dq(dq, dq, start_m, it, dq_w, smem[11 + w], smem[11 + w], scale, False)
+    reduce_dq(
+        dq, dq, off_bh, start_m, it, (descs[12 + w], descs[12 + w]), smem[11 + w], smem[11 + w], scale, False
+    )
     dk0, dk1, dst_a0, dst_a1 = warpgroup_mma_wait(0, deps=(dk0, dk1, dst_a0, dst_a1))
     return dk0, dk1, dv0, dv1

@@ -39,11 +39,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from cs336_systems.attention.flash_triton.hopper_kernels import (
     LN2,
-    head_descriptor,
+    head_of,
     issue_scores,
     program_tile,
     rescaled_after_products,
     softmax_step,
+    tile_load,
+    tile_store,
 )
 
 # [Note: the wait for P V after the softmax]
@@ -83,6 +85,7 @@ def _turn_pass(turn_bar, w: gl.constexpr, C: gl.constexpr, PINGPONG: gl.constexp
 def _fwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
     """TMA loads: every consumer's Q tile, then the K/V ring (refilling a stage once all C released it)."""
     descs, smem, bars, _off_bh, start_m, n_tiles = args[:6]
+    bh = args[10]
     q0, q1, k0, k1 = descs[:4]
     q0_s, q1_s, k0_s = smem[:3]
     q_bar, k_bar, v_bar, empty_bar, _turn_bar = bars
@@ -92,28 +95,28 @@ def _fwd_producer(args, C: gl.constexpr, SPLIT: gl.constexpr):
     kv_bytes: gl.constexpr = k0.block_type.nbytes + (k1.block_type.nbytes if SPLIT else 0)
     for c in gl.static_range(C):
         mbarrier.expect(q_bar.index(c), q_bytes)
-        tma.async_copy_global_to_shared(q0, [start_m + c * WG_ROWS, 0], q_bar.index(c), q0_s.index(c))
+        tile_load(q0, bh, start_m + c * WG_ROWS, q_bar.index(c), q0_s.index(c))
         if SPLIT:
-            tma.async_copy_global_to_shared(q1, [start_m + c * WG_ROWS, 0], q_bar.index(c), q1_s.index(c))
+            tile_load(q1, bh, start_m + c * WG_ROWS, q_bar.index(c), q1_s.index(c))
     for t in range(n_tiles):
         s = t % STAGES
         mbarrier.wait(empty_bar.index(s), ((t // STAGES) & 1) ^ 1)
-        _load_tile(descs, smem, k_bar.index(s), v_bar.index(s), s, t * BLOCK_N, kv_bytes, SPLIT)
+        _load_tile(descs, bh, smem, k_bar.index(s), v_bar.index(s), s, t * BLOCK_N, kv_bytes, SPLIT)
 
 
 @gluon.jit
-def _load_tile(descs, smem, kb, vb, s, row, kv_bytes: gl.constexpr, SPLIT: gl.constexpr):
+def _load_tile(descs, bh, smem, kb, vb, s, row, kv_bytes: gl.constexpr, SPLIT: gl.constexpr):
     """K and V rows [row, row + BLOCK_N) into stage s, signalling barriers kb and vb."""
     _q0, _q1, k0, k1, v0, v1, _o0, _o1 = descs
     _q0_s, _q1_s, k0_s, k1_s, v0_s, v1_s = smem
     mbarrier.expect(kb, kv_bytes)
-    tma.async_copy_global_to_shared(k0, [row, 0], kb, k0_s.index(s))
+    tile_load(k0, bh, row, kb, k0_s.index(s))
     if SPLIT:
-        tma.async_copy_global_to_shared(k1, [row, 0], kb, k1_s.index(s))
+        tile_load(k1, bh, row, kb, k1_s.index(s))
     mbarrier.expect(vb, kv_bytes)
-    tma.async_copy_global_to_shared(v0, [row, 0], vb, v0_s.index(s))
+    tile_load(v0, bh, row, vb, v0_s.index(s))
     if SPLIT:
-        tma.async_copy_global_to_shared(v1, [row, 0], vb, v1_s.index(s))
+        tile_load(v1, bh, row, vb, v1_s.index(s))
 
 
 @gluon.jit
@@ -166,7 +169,7 @@ def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, F
     FLAGS: the kernel's (IS_CAUSAL, PINGPONG, LATE_PV_WAIT)."""
     IS_CAUSAL: gl.constexpr = FLAGS[0]
     PINGPONG: gl.constexpr = FLAGS[1]
-    (descs, smem, bars, off_bh, start_m, n_tiles, N_QUERIES, N_KEYS, qk_scale, L_ptr) = args
+    (descs, smem, bars, off_bh, start_m, n_tiles, N_QUERIES, N_KEYS, qk_scale, L_ptr, bh) = args
     _q0, _q1, _k0, _k1, _v0, _v1, o0, o1 = descs
     q0_s, q1_s, k0_s, k1_s, v0_s, v1_s = smem
     q_bar, k_bar, v_bar, empty_bar, turn_bar = bars
@@ -240,9 +243,9 @@ def _fwd_consumer(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, F
             (acc1 * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout)), 1)).to(dtype)
         )
     fence_async_shared()
-    tma.async_copy_shared_to_global(o0, [row0, 0], q0_w)
+    tile_store(o0, bh, row0, q0_w)
     if SPLIT:
-        tma.async_copy_shared_to_global(o1, [row0, 0], q1_w)
+        tile_store(o1, bh, row0, q1_w)
     tma.store_wait(0)
 
 
@@ -262,15 +265,15 @@ def _fwd_worker(args, w: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, FLA
 
 @gluon.jit(do_not_specialize=["NUM_HEADS", "N_QUERIES", "N_KEYS", "GROUP_HEADS"])
 def flash_fwd_ws_kernel(
-    Q_ptr,
-    K_ptr,
-    V_ptr,
-    O_ptr,
+    Q0,
+    Q1,
+    K0,
+    K1,
+    V0,
+    V1,
+    O0,
+    O1,
     L_ptr,
-    q_strides,
-    k_strides,
-    v_strides,
-    o_strides,
     NUM_HEADS,
     N_QUERIES,
     N_KEYS,
@@ -300,27 +303,24 @@ def flash_fwd_ws_kernel(
     D1: gl.constexpr = D - D0 if SPLIT else D0
     C: gl.constexpr = CONSUMERS
     BLOCK_M: gl.constexpr = C * WG_ROWS
-    dtype: gl.constexpr = Q_ptr.dtype.element_ty
+    dtype: gl.constexpr = Q0.dtype
     off_bh, q_tile = program_tile(N_QUERIES, BLOCK_M, IS_CAUSAL, HEAD_MAJOR, GROUP_HEADS)
-    off_b = (off_bh // NUM_HEADS).to(gl.int64)
-    off_h = (off_bh % NUM_HEADS).to(gl.int64)
+    bh = head_of(off_bh, NUM_HEADS)
     start_m = q_tile * BLOCK_M
 
-    q0 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, 0, WG_ROWS, D0)
-    k0 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    v0 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, 0, BLOCK_N, D0)
-    o0 = head_descriptor(O_ptr, o_strides, off_b, off_h, N_QUERIES, 0, WG_ROWS, D0)
-    q0_s = gl.allocate_shared_memory(dtype, [C, WG_ROWS, D0], q0.layout)
-    k0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], k0.layout)
-    v0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], v0.layout)
+    q0, k0, v0, o0 = Q0, K0, V0, O0
+    m_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, D0], dtype)
+    n_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D0], dtype)
+    q0_s = gl.allocate_shared_memory(dtype, [C, WG_ROWS, D0], m_layout0)
+    k0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], n_layout0)
+    v0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], n_layout0)
     if SPLIT:
-        q1 = head_descriptor(Q_ptr, q_strides, off_b, off_h, N_QUERIES, D0, WG_ROWS, D1)
-        k1 = head_descriptor(K_ptr, k_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
-        v1 = head_descriptor(V_ptr, v_strides, off_b, off_h, N_KEYS, D0, BLOCK_N, D1)
-        o1 = head_descriptor(O_ptr, o_strides, off_b, off_h, N_QUERIES, D0, WG_ROWS, D1)
-        q1_s = gl.allocate_shared_memory(dtype, [C, WG_ROWS, D1], q1.layout)
-        k1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k1.layout)
-        v1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], v1.layout)
+        q1, k1, v1, o1 = Q1, K1, V1, O1
+        m_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, D1], dtype)
+        n_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
+        q1_s = gl.allocate_shared_memory(dtype, [C, WG_ROWS, D1], m_layout1)
+        k1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], n_layout1)
+        v1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], n_layout1)
     else:
         q1, k1, v1, o1 = q0, k0, v0, o0
         q1_s, k1_s, v1_s = q0_s, k0_s, v0_s
@@ -356,6 +356,7 @@ def flash_fwd_ws_kernel(
         N_KEYS,
         qk_scale,
         L_ptr,
+        bh,
     )
     FLAGS: gl.constexpr = (IS_CAUSAL, PINGPONG, LATE_PV_WAIT)
     gl.static_assert(C == 2 or C == 3, "two or three consumer warpgroups")

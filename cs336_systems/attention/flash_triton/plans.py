@@ -19,6 +19,9 @@ no role or one tensor in two roles (`Recorder.fail`), or when the call changed t
 (autotuning, a retry with smaller tiles after an out-of-resources error: `launch._run_planned`), so
 those calls always take the full path. A launcher's
 own scratch tensors are made with `empty(name, ...)`: a replay allocates them again in their roles.
+The Hopper kernels take TMA descriptors made on the host (`tma_descriptor`): a recording notes each
+one as its tensor's role and its `TmaView`, and a replay makes it again from the tensor in that role
+(a light stand-in with the fields Triton's launcher reads, not Gluon's checked `TensorDescriptor`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,68 @@ class _Role:
     name: str
 
 
+@dataclass(frozen=True)
+class TmaView:
+    """What a host TMA descriptor describes of a tensor t: columns [col0, col0 + width) of its last
+    dimension, over t's other dimensions with t's strides, in boxes of shape `block` (the kernel's
+    shared-memory tile, with leading 1s) and shared layout `layout`. `rows_interleaved` views a 3-D
+    (B*H, N, d) buffer as (B*H, N // 8, 4, 2, width), dims of strides 8, 1 and 4 rows, for a staging
+    tile whose rows are interleaved (hopper_ws_dq_kernels' [Note: dQ's staging rows interleaved];
+    N a multiple of 8)."""
+
+    col0: int
+    width: int
+    block: tuple[int, ...]
+    layout: Any
+    rows_interleaved: bool = False
+
+    def fields(self, t: Tensor) -> tuple[int, list[int], list[int]]:
+        """(address of the first element, shape, strides) of the view of t."""
+        shape, strides = [*t.shape[:-1], self.width], list(t.stride())
+        if self.rows_interleaved:
+            (heads, n, _), (s_head, s_row, _) = shape, strides
+            shape, strides = [heads, n // 8, 4, 2, self.width], [s_head, 8 * s_row, s_row, 4 * s_row, 1]
+        return t.data_ptr() + self.col0 * t.element_size(), shape, strides
+
+    def descriptor(self, t: Tensor) -> Any:
+        """Gluon's host `TensorDescriptor` of this view of t (it checks alignment and strides)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        _, shape, strides = self.fields(t)
+        base = t[..., self.col0 : self.col0 + self.width]  # the view's address and dtype
+        return TensorDescriptor(base, shape, strides, list(self.block), self.layout)
+
+
+class _Address(int):
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+@dataclass
+class _LightDescriptor:
+    """What Triton's launcher reads of a host descriptor argument (`make_tensordesc_arg`)."""
+
+    base: _Address
+    shape: list[int]
+    strides: list[int]
+    padding: str = "zero"
+
+
+@dataclass(frozen=True)
+class _Described:
+    """A recorded descriptor argument: the view `view` of the tensor in role `name`."""
+
+    name: str
+    view: TmaView
+
+    def make(self, tensors: dict[str, Tensor], checked: bool) -> Any:
+        t = tensors[self.name]
+        if checked:  # Triton's JIT path specialises on Gluon's own class
+            return self.view.descriptor(t)
+        address, shape, strides = self.view.fields(t)
+        return _LightDescriptor(_Address(address), shape, strides)
+
+
 @dataclass
 class Recorder:
     """Notes the launches of one launcher call. `role(name, t)` names a tensor the launches may take."""
@@ -66,6 +131,9 @@ class Recorder:
     launches: list[_Launch] = field(default_factory=list)
     # the launcher's scratch tensors (`empty`): name, shape, dtype, device
     scratch: list[tuple[str, tuple[int, ...], Any, Any]] = field(default_factory=list)
+    # the host TMA descriptors made during the call (`tma_descriptor`): id -> (descriptor, id of its
+    # tensor, view); the descriptor is kept so that its id is not reused while recording
+    descriptors: dict[int, tuple[Any, int, TmaView]] = field(default_factory=dict)
     failed: str = ""
 
     def role(self, name: str, t: Tensor) -> Tensor:
@@ -78,7 +146,14 @@ class Recorder:
         self.failed = self.failed or reason
 
     def note(self, fn: Any, grid: tuple, args: tuple, kwargs: dict, compiled: Any) -> None:
-        sub = lambda x: _Role(self.roles[id(x)]) if isinstance(x, Tensor) else x
+        def sub(x: Any) -> Any:
+            if isinstance(x, Tensor):
+                return _Role(self.roles[id(x)])
+            if id(x) in self.descriptors:
+                _, tensor_id, view = self.descriptors[id(x)]
+                return _Described(self.roles[tensor_id], view)
+            return x
+
         try:
             self.launches.append(
                 _Launch(fn, grid, tuple(map(sub, args)), {k: sub(v) for k, v in kwargs.items()}, compiled)
@@ -97,6 +172,16 @@ def launch(fn: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
     if rec is not None:
         rec.note(fn, grid, args, kwargs, None if interpreting() else compiled)
     return compiled
+
+
+def tma_descriptor(t: Tensor, view: TmaView) -> Any:
+    """Gluon's host TMA descriptor of `view` of t, noted by the active recording (if any) so that a
+    replay makes it again from the tensor in t's role (t needs one: `role`, `empty`)."""
+    desc = view.descriptor(t)
+    rec = getattr(_local, "recorder", None)
+    if rec is not None:
+        rec.descriptors[id(desc)] = (desc, id(t), view)
+    return desc
 
 
 def empty(name: str, shape: tuple[int, ...], dtype: Any, device: Any) -> Tensor:
@@ -158,7 +243,12 @@ class Plan:
             tensors = tensors | {
                 n: torch.empty(shape, dtype=dt, device=dev) for n, shape, dt, dev in self.scratch
             }
-        sub = lambda v: tensors[v.name] if isinstance(v, _Role) else v
+
+        def sub(v: Any, checked: bool = False) -> Any:
+            if isinstance(v, _Role):
+                return tensors[v.name]
+            return v.make(tensors, checked) if isinstance(v, _Described) else v
+
         if self._allocator is not None:  # device-side TMA descriptors live in global scratch
             triton.set_allocator(self._allocator)
         hooks = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
@@ -166,7 +256,8 @@ class Plan:
         stream = None
         for x, bound in zip(self.launches, self._bound):
             if bound is None or not quiet:  # the interpreter, or hooks that want Triton's own path
-                x.fn[x.grid](*map(sub, x.args), **{k: sub(v) for k, v in x.kwargs.items()})
+                args = (sub(v, checked=True) for v in x.args)
+                x.fn[x.grid](*args, **{k: sub(v, checked=True) for k, v in x.kwargs.items()})
                 continue
             if stream is None:
                 stream = driver.active.get_current_stream(driver.active.get_current_device())

@@ -120,6 +120,10 @@ def hopper_launches(kind: str, d: int, is_causal: bool, cfg=None, n: int = 1024)
 
 
 def _arg_type(value: Any) -> Any:
+    if hasattr(value, "block_shape") and hasattr(value, "layout"):  # Gluon's host TensorDescriptor
+        if value.base.dtype not in _TYPES:
+            raise TypeError(f"no Triton type known for {value.base.dtype}")
+        return f"tensordesc<{_TYPES[value.base.dtype]}{list(value.block_shape)},{value.layout!r}>"
     if isinstance(value, Tensor):
         if value.dtype not in _TYPES:
             raise TypeError(f"no Triton type known for {value.dtype}")
@@ -144,7 +148,7 @@ def source(rec: Recorded):
     signature, constexprs = {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         value = values.get(name, param.default)
-        if param.is_constexpr:
+        if param.is_constexpr or value is None:  # the JIT makes None arguments constants
             signature[name] = "constexpr"
             constexprs[(i,)] = value
         else:
