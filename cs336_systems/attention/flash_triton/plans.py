@@ -98,29 +98,31 @@ class _Address(int):
         return int(self)
 
 
-@dataclass
 class _LightDescriptor:
     """What Triton's launcher reads of a host descriptor argument (`make_tensordesc_arg`)."""
 
-    base: _Address
-    shape: list[int]
-    strides: list[int]
-    padding: str = "zero"
+    __slots__ = ("base", "padding", "shape", "strides")
+
+    def __init__(self, address: int, shape: list[int], strides: list[int]) -> None:
+        self.base, self.shape, self.strides, self.padding = _Address(address), shape, strides, "zero"
 
 
 @dataclass(frozen=True)
 class _Described:
-    """A recorded descriptor argument: the view `view` of the tensor in role `name`."""
+    """A recorded descriptor argument: the view `view` of the tensor in role `name`, whose shape and
+    strides (and so the view's, and its address's offset in bytes) the plan's signature fixes."""
 
     name: str
     view: TmaView
+    offset: int
+    shape: list[int]
+    strides: list[int]
 
     def make(self, tensors: dict[str, Tensor], checked: bool) -> Any:
         t = tensors[self.name]
         if checked:  # Triton's JIT path specialises on Gluon's own class
             return self.view.descriptor(t)
-        address, shape, strides = self.view.fields(t)
-        return _LightDescriptor(_Address(address), shape, strides)
+        return _LightDescriptor(t.data_ptr() + self.offset, self.shape, self.strides)
 
 
 @dataclass
@@ -150,8 +152,9 @@ class Recorder:
             if isinstance(x, Tensor):
                 return _Role(self.roles[id(x)])
             if id(x) in self.descriptors:
-                _, tensor_id, view = self.descriptors[id(x)]
-                return _Described(self.roles[tensor_id], view)
+                desc, tensor_id, view = self.descriptors[id(x)]
+                offset = view.col0 * desc.base.element_size()
+                return _Described(self.roles[tensor_id], view, offset, list(desc.shape), list(desc.strides))
             return x
 
         try:
