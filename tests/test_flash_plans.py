@@ -179,6 +179,54 @@ def test_scratch_tensors_are_allocated_zeroed_and_cast_again_on_replay():
     torch.testing.assert_close(other.float(), src.view(2, 3, 5, 32)[..., :24], rtol=2**-7, atol=0)
 
 
+def test_host_descriptors_are_made_again_from_the_tensor_in_their_role_on_replay():
+    """A host TMA descriptor (`plans.tma_descriptor`) is recorded as its tensor's role and view; a
+    replay makes it again at the new tensor's address, with the recorded shape and strides: the light
+    stand-in Triton's launcher reads, or Gluon's checked TensorDescriptor on the JIT's path."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    seen = []
+    kernel = type("Kernel", (), {"__name__": "kernel", "arg_names": ["k0", "k1", "dq"], "params": []})()
+    t = torch.zeros(2, 16, 3, 80, dtype=torch.bfloat16).transpose(1, 2)  # (B, N, H, d) as (B, H, N, d)
+    acc = torch.zeros(6, 64, 32)
+    split = plans.TmaView(
+        64, 16, (1, 1, 8, 16), gl.NVMMASharedLayout.get_default_for([1, 1, 8, 16], gl.bfloat16)
+    )
+    rows = plans.TmaView(
+        0, 32, (1, 8, 4, 2, 32), gl.NVMMASharedLayout(128, 32, rank=5), rows_interleaved=True
+    )
+    with plans.recording() as rec:
+        plans.role("k", t)
+        plans.role("dq_acc", acc)
+        descs = (plans.tma_descriptor(t, split), plans.tma_descriptor(acc, rows))
+        rec.note(kernel, (1,), descs, {}, None)
+    assert not rec.failed
+    assert descs[0].base.data_ptr() == t.data_ptr() + 64 * 2 and list(descs[0].shape) == [2, 3, 16, 16]
+    assert list(descs[0].strides) == list(t.stride())
+    assert list(descs[1].shape) == [6, 8, 4, 2, 32] and list(descs[1].strides) == [
+        64 * 32,
+        8 * 32,
+        32,
+        4 * 32,
+        1,
+    ]
+    described = rec.launches[0].args
+    new_t, new_acc = torch.zeros_like(t), torch.zeros_like(acc)
+    for checked in (False, True):
+        light = [a.make({"k": new_t, "dq_acc": new_acc}, checked) for a in described]
+        seen.append(light)
+        assert light[0].base.data_ptr() == new_t.data_ptr() + 64 * 2
+        assert light[1].base.data_ptr() == new_acc.data_ptr()
+        assert [list(x.shape) for x in light] == [list(d.shape) for d in descs]
+        assert [list(x.strides) for x in light] == [list(d.strides) for d in descs]
+    assert type(seen[1][0]).__name__ == "TensorDescriptor" != type(seen[0][0]).__name__
+    # a descriptor of a tensor with no role cannot be replayed: the recording fails
+    with plans.recording() as rec:
+        rec.note(kernel, (1,), (plans.tma_descriptor(t, split),), {}, None)
+    assert "no role" in rec.failed
+
+
 class _Attention(torch.nn.Module):
     def forward(self, q, k, v):
         return FlashAttentionTriton.apply(q, k, v, True)

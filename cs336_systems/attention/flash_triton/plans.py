@@ -84,13 +84,15 @@ class TmaView:
             shape, strides = [heads, n // 8, 4, 2, self.width], [s_head, 8 * s_row, s_row, 4 * s_row, 1]
         return t.data_ptr() + self.col0 * t.element_size(), shape, strides
 
-    def descriptor(self, t: Tensor) -> Any:
-        """Gluon's host `TensorDescriptor` of this view of t (it checks alignment and strides)."""
+    def descriptor(self, t: Tensor, shape: list[int] | None = None, strides: list[int] | None = None) -> Any:
+        """Gluon's host `TensorDescriptor` of this view of t (it checks alignment and strides), or of
+        the view with the given shape and strides at the same address."""
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        _, shape, strides = self.fields(t)
-        base = t[..., self.col0 : self.col0 + self.width]  # the view's address and dtype
-        return TensorDescriptor(base, shape, strides, list(self.block), self.layout)
+        if shape is None or strides is None:
+            _, shape, strides = self.fields(t)
+        base = t.as_strided((1,), (1,), t.storage_offset() + self.col0)  # the view's address and dtype
+        return TensorDescriptor(base, list(shape), list(strides), list(self.block), self.layout)
 
 
 class _Address(int):
@@ -121,7 +123,7 @@ class _Described:
     def make(self, tensors: dict[str, Tensor], checked: bool) -> Any:
         t = tensors[self.name]
         if checked:  # Triton's JIT path specialises on Gluon's own class
-            return self.view.descriptor(t)
+            return self.view.descriptor(t, self.shape, self.strides)
         return _LightDescriptor(t.data_ptr() + self.offset, self.shape, self.strides)
 
 
