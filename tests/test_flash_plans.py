@@ -227,6 +227,34 @@ def test_host_descriptors_are_made_again_from_the_tensor_in_their_role_on_replay
     assert "no role" in rec.failed
 
 
+def test_replayed_descriptors_are_encoded_once_per_address_and_passed_flattened():
+    """`plans._Encoded` calls Triton's launcher below its descriptor wrapper: each descriptor argument
+    encoded (by the encoder it is given: Triton's `make_tensordesc_arg`) once per argument and address,
+    and passed flattened in place, other arguments by role or as recorded."""
+    calls, encoded = [], []
+
+    def encode(desc, meta):
+        encoded.append((desc.base.data_ptr(), meta))
+        return [f"map@{desc.base.data_ptr()}", *desc.shape, *desc.strides]
+
+    run = type("Run", (), {"launch_cooperative_grid": False, "launch_pdl": False})()
+    kernel = type("Compiled", (), {"function": "fn", "packed_metadata": "pm"})()
+    launcher = plans._Encoded(lambda *args: calls.append(args), ["meta0", "meta1"], encode, run)
+    view = plans.TmaView(64, 16, (1, 1, 8, 16), None)
+    described = plans._Described("k", view, 128, [2, 3, 16, 16], [3840, 80, 1280, 1])
+    values = (described, plans._Role("lse"), 7, described, None)
+    a, b, lse = torch.zeros(4), torch.zeros(4), torch.zeros(2)
+    for t in (a, a, b):
+        launcher((3, 1, 1), "stream", kernel, values, {"k": t, "lse": lse})
+    assert encoded == [
+        (a.data_ptr() + 128, "meta0"), (a.data_ptr() + 128, "meta1"),
+        (b.data_ptr() + 128, "meta0"), (b.data_ptr() + 128, "meta1"),
+    ]  # fmt: skip
+    head = (3, 1, 1, "stream", "fn", False, False, None, None, "pm", None, None, None)
+    flat = [f"map@{a.data_ptr() + 128}", 2, 3, 16, 16, 3840, 80, 1280, 1]
+    assert calls[1] == (*head, *flat, lse, 7, *flat, None)
+
+
 class _Attention(torch.nn.Module):
     def forward(self, q, k, v):
         return FlashAttentionTriton.apply(q, k, v, True)

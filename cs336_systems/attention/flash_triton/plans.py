@@ -27,6 +27,7 @@ one as its tensor's role and its `TmaView`, and a replay makes it again from the
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from triton.runtime import driver
 from cs336_systems.attention.flash_triton.tiles import interpreting
 
 MAX_PLANS = 256  # signatures kept per kind before the cache is cleared
+MAX_ENCODED = 64  # encoded descriptors kept per launch (one per argument and address) before clearing
 
 
 def tensor_signature(t: Tensor) -> tuple:
@@ -224,6 +226,10 @@ class Plan:
         self.launches = launches
         self.scratch = scratch or []
         self._bound = [self._bind(x) for x in launches]
+        # per launch with descriptor arguments: its `_Encoded` launcher (made at the first replay)
+        self._encoded: list[_Encoded | bool | None] = [
+            b is not None and any(isinstance(v, _Described) for v in b[1]) for b in self._bound
+        ]
         global_scratch = any(
             getattr(x.compiled.metadata, "global_scratch_size", 0) for x in launches if x.compiled
         )
@@ -259,7 +265,7 @@ class Plan:
         hooks = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
         quiet = all(not getattr(h, "calls", True) for h in hooks)  # no profiler hooks installed
         stream = None
-        for x, bound in zip(self.launches, self._bound):
+        for i, (x, bound) in enumerate(zip(self.launches, self._bound)):
             if bound is None or not quiet:  # the interpreter, or hooks that want Triton's own path
                 args = (sub(v, checked=True) for v in x.args)
                 x.fn[x.grid](*args, **{k: sub(v, checked=True) for k, v in x.kwargs.items()})
@@ -268,7 +274,60 @@ class Plan:
                 stream = driver.active.get_current_stream(driver.active.get_current_device())
             (gx, gy, gz), values = bound
             k = x.compiled
+            if self._encoded[i] is True:
+                self._encoded[i] = _Encoded.of(k)
+            if self._encoded[i]:
+                self._encoded[i]((gx, gy, gz), stream, k, values, tensors)
+                continue
             k.run(gx, gy, gz, stream, k.function, k.packed_metadata, None, None, None, *map(sub, values))
+
+
+class _Encoded:
+    """Triton's launcher of a compiled kernel with host descriptor parameters, called below the
+    wrapper that encodes every descriptor on every launch (~3 us each, which made the short calls
+    host-bound: OPTIMIZATION_LOG.md, session 23). Each descriptor argument is encoded once per
+    address, by Triton's own `make_tensordesc_arg`, and passed in the flattened form the wrapper
+    would make. `of` returns None where Triton builds its launcher otherwise (then the plan calls
+    `CompiledKernel.run`, which encodes every launch)."""
+
+    def __init__(self, launcher: Any, meta: list, encode: Any, run: Any) -> None:
+        self.launcher, self.meta, self.encode, self.run = launcher, meta, encode, run
+        self.cache: dict[tuple[int, int], list] = {}
+
+    @staticmethod
+    def of(compiled: Any) -> _Encoded | None:
+        run = compiled.run
+        launch = getattr(run, "launch", None)
+        code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+        if code is None or closure is None:
+            return None
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=True))
+        encode = getattr(sys.modules.get(type(run).__module__), "make_tensordesc_arg", None)
+        meta = cells.get("tensordesc_meta")
+        scratch = getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+        if "launcher" not in cells or encode is None or not meta or None in meta or scratch:
+            return None
+        return _Encoded(cells["launcher"], list(meta), encode, run)
+
+    def __call__(self, grid: tuple, stream: Any, k: Any, values: tuple, tensors: dict[str, Tensor]) -> None:
+        final: list = []
+        ordinal = 0  # of the descriptor among the kernel's descriptor parameters
+        for i, v in enumerate(values):
+            if isinstance(v, _Described):
+                address = tensors[v.name].data_ptr() + v.offset
+                encoded = self.cache.get((i, address))
+                if encoded is None:
+                    if len(self.cache) >= MAX_ENCODED:
+                        self.cache.clear()
+                    light = _LightDescriptor(address, v.shape, v.strides)
+                    encoded = self.cache[i, address] = self.encode(light, self.meta[ordinal])
+                final.extend(encoded)
+                ordinal += 1
+            else:
+                final.append(tensors[v.name] if isinstance(v, _Role) else v)
+        run = self.run
+        self.launcher(*grid, stream, k.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                      k.packed_metadata, None, None, None, *final)  # fmt: skip
 
 
 def _scratch_allocator(device: Any):
