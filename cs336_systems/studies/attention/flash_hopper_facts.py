@@ -259,14 +259,20 @@ def throughput_table(df: pd.DataFrame, gpu: str = "H100") -> pd.DataFrame:
     return out
 
 
+MIN_PROTOCOL_RUNS = 3  # runs of one commit on one GPU model before its protocol figures are quoted
+
+
 def _protocol_facts(df: pd.DataFrame, kind: str) -> dict[str, Any]:
-    """The protocol runs of the latest commit measured on GPU model `kind`: ours, cuDNN and (where timed)
-    the portable tl kernels against SDPA-flash of the same runs; {} without such runs."""
+    """The protocol runs of the latest commit measured at least MIN_PROTOCOL_RUNS times on GPU model
+    `kind`: ours, cuDNN and (where timed) the portable tl kernels against SDPA-flash of the same runs;
+    {} without such runs. (A later commit's fewer runs stay in the runs table, not in these figures.)"""
     runs = protocol_runs(df)
     runs = runs[runs.gpu.map(gpu_kind) == kind] if len(runs) else runs
-    if runs.empty:
+    counts = runs.groupby("git sha", sort=False).size() if len(runs) else pd.Series(dtype=int)
+    enough = counts[counts >= MIN_PROTOCOL_RUNS]
+    if enough.empty:
         return {}
-    latest = runs[runs["git sha"] == runs["git sha"].iloc[-1]]
+    latest = runs[runs["git sha"] == enough.index[-1]]
     lb = df[(df.name == "protocol") & (df.metric == "latency") & df.git_sha.isin(latest["git sha"])]
     portable = lb[(lb.impl == "flash_triton_portable") & (lb.gpu_name.map(gpu_kind) == kind)].p50
     cudnn = latest["sdpa_cudnn ms"] / latest["sdpa_flash ms"]
