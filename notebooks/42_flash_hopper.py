@@ -197,12 +197,14 @@ if len(per_shape) and len(passes) and not quick:
     lo, hi = sorted((r[(64, "fwd")], w[(64, "fwd")]))  # both Gluon forwards at d = 64, against the tl one
     gluon64 = f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
     nb.md(
-        "**What got there** (OPTIMIZATION_LOG.md, Sessions 11-12; the per-pass tables are in the notebook). The "
+        "**What got there** (OPTIMIZATION_LOG.md, Sessions 11-12 and 23; the per-pass tables are in the notebook). The "
         f"one-pass warp-specialised backward takes {w[(64, 'bwd')]:.2f}x the tl passes' time at d = 64 and "
         f"{w[(80, 'bwd')]:.2f}x at d = 80 (where the tl kernels pad to 128), after three findings: ptxas had "
         "serialised every wgmma of the warp-specialised backward (a product left in flight across the loop's back "
         "edge), the dQ reduction runs on the TMA engine (`cp.reduce.async.bulk.tensor`, as in FlashAttention-3), "
-        "and a head's key tiles run together so that the float32 dQ they add into stays in L2"
+        "and a head's key tiles run together so that the float32 dQ they add into stays in L2; every kernel "
+        "takes TMA descriptors made on the host once a call, where making them on the device in every program "
+        "had held back the short programs of the d = 80 shapes until the last one was made"
         + (
             f". At d = 64 the tl forward stays the default (the Gluon forwards take {gluon64} its time: a tile's "
             "exponentials take as long as its products)"
