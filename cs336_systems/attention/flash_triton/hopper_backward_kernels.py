@@ -20,6 +20,7 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
     LOG2E,
     head_of,
     thread_barrier,
+    tile_buffer,
     tile_load,
     tile_store,
 )
@@ -205,20 +206,12 @@ def flash_bwd_dkdv_hopper_kernel(
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     k0, v0, q0, do0 = K0, V0, Q0, DO0
-    n_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D0], dtype)
-    m_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D0], dtype)
-    k0_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D0], n_layout0)
-    v0_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D0], n_layout0)
-    q0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], m_layout0)
-    do0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], m_layout0)
+    k0_s, v0_s = tile_buffer(dtype, [BLOCK_N, D0]), tile_buffer(dtype, [BLOCK_N, D0])
+    q0_s, do0_s = tile_buffer(dtype, [STAGES, BLOCK_M, D0]), tile_buffer(dtype, [STAGES, BLOCK_M, D0])
     if SPLIT:
         k1, v1, q1, do1 = K1, V1, Q1, DO1
-        n_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
-        m_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D1], dtype)
-        k1_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D1], n_layout1)
-        v1_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D1], n_layout1)
-        q1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], m_layout1)
-        do1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], m_layout1)
+        k1_s, v1_s = tile_buffer(dtype, [BLOCK_N, D1]), tile_buffer(dtype, [BLOCK_N, D1])
+        q1_s, do1_s = tile_buffer(dtype, [STAGES, BLOCK_M, D1]), tile_buffer(dtype, [STAGES, BLOCK_M, D1])
     else:
         k1, v1, q1, do1 = k0, v0, q0, do0
         k1_s, v1_s, q1_s, do1_s = k0_s, v0_s, q0_s, do0_s

@@ -52,6 +52,15 @@ def head_of(off_bh, NUM_HEADS):
 
 
 @gluon.jit
+def tile_buffer(dtype: gl.constexpr, shape: gl.constexpr):
+    """Shared memory for tiles of `shape` ([count,] rows, width) in the swizzled layout of the host
+    descriptors' (1, 1, rows, width) boxes (`hopper.head_descriptors`)."""
+    R: gl.constexpr = shape[len(shape) - 2]
+    W: gl.constexpr = shape[len(shape) - 1]
+    return gl.allocate_shared_memory(dtype, shape, gl.NVMMASharedLayout.get_default_for([R, W], dtype))
+
+
+@gluon.jit
 def tile_load(desc, bh, row, bar, smem, pred=True):
     """TMA load of rows [row, row + R) of head bh = (b, h) of a (B, H, N, W) descriptor (box (1, 1, R,
     W)) into the (R, W) shared-memory tile smem, completing on bar; rows at or past N read as zeros."""
@@ -249,18 +258,14 @@ def flash_fwd_hopper_kernel(
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     q0, k0, v0, o0 = Q0, K0, V0, O0
-    m_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D0], dtype)
-    n_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D0], dtype)
-    q0_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D0], m_layout0)
-    k0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], n_layout0)
-    v0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], n_layout0)
+    q0_s = tile_buffer(dtype, [BLOCK_M, D0])
+    k0_s = tile_buffer(dtype, [STAGES, BLOCK_N, D0])
+    v0_s = tile_buffer(dtype, [STAGES, BLOCK_N, D0])
     if SPLIT:
         q1, k1, v1, o1 = Q1, K1, V1, O1
-        m_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D1], dtype)
-        n_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
-        q1_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D1], m_layout1)
-        k1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], n_layout1)
-        v1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], n_layout1)
+        q1_s = tile_buffer(dtype, [BLOCK_M, D1])
+        k1_s = tile_buffer(dtype, [STAGES, BLOCK_N, D1])
+        v1_s = tile_buffer(dtype, [STAGES, BLOCK_N, D1])
     else:
         q1, k1, v1, o1 = q0, k0, v0, o0
         q1_s, k1_s, v1_s = q0_s, k0_s, v0_s

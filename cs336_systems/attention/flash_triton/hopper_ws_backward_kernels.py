@@ -45,6 +45,7 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
     head_of,
     program_tile,
     thread_barrier,
+    tile_buffer,
     tile_load,
     tile_store,
 )
@@ -303,20 +304,12 @@ def flash_bwd_dkdv_ws_kernel(
     start_n = k_tile * BLOCK_N
 
     q0, do0, k0, v0, dk0, dv0 = Q0, DO0, K0, V0, DK0, DV0
-    m_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D0], dtype)
-    n_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, D0], dtype)
-    q0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], m_layout0)
-    do0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], m_layout0)
-    k0_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D0], n_layout0)
-    v0_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D0], n_layout0)
+    q0_s, do0_s = tile_buffer(dtype, [STAGES, BLOCK_M, D0]), tile_buffer(dtype, [STAGES, BLOCK_M, D0])
+    k0_s, v0_s = tile_buffer(dtype, [C, WG_KEYS, D0]), tile_buffer(dtype, [C, WG_KEYS, D0])
     if SPLIT:
         q1, do1, k1, v1, dk1, dv1 = Q1, DO1, K1, V1, DK1, DV1
-        m_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D1], dtype)
-        n_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, D1], dtype)
-        q1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], m_layout1)
-        do1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], m_layout1)
-        k1_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D1], n_layout1)
-        v1_s = gl.allocate_shared_memory(dtype, [C, WG_KEYS, D1], n_layout1)
+        q1_s, do1_s = tile_buffer(dtype, [STAGES, BLOCK_M, D1]), tile_buffer(dtype, [STAGES, BLOCK_M, D1])
+        k1_s, v1_s = tile_buffer(dtype, [C, WG_KEYS, D1]), tile_buffer(dtype, [C, WG_KEYS, D1])
     else:
         q1, do1, k1, v1, dk1, dv1 = q0, do0, k0, v0, dk0, dv0
         q1_s, do1_s, k1_s, v1_s = q0_s, do0_s, k0_s, v0_s

@@ -44,6 +44,7 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
     program_tile,
     rescaled_after_products,
     softmax_step,
+    tile_buffer,
     tile_load,
     tile_store,
 )
@@ -309,18 +310,14 @@ def flash_fwd_ws_kernel(
     start_m = q_tile * BLOCK_M
 
     q0, k0, v0, o0 = Q0, K0, V0, O0
-    m_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, D0], dtype)
-    n_layout0: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D0], dtype)
-    q0_s = gl.allocate_shared_memory(dtype, [C, WG_ROWS, D0], m_layout0)
-    k0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], n_layout0)
-    v0_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], n_layout0)
+    q0_s = tile_buffer(dtype, [C, WG_ROWS, D0])
+    k0_s = tile_buffer(dtype, [STAGES, BLOCK_N, D0])
+    v0_s = tile_buffer(dtype, [STAGES, BLOCK_N, D0])
     if SPLIT:
         q1, k1, v1, o1 = Q1, K1, V1, O1
-        m_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, D1], dtype)
-        n_layout1: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
-        q1_s = gl.allocate_shared_memory(dtype, [C, WG_ROWS, D1], m_layout1)
-        k1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], n_layout1)
-        v1_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], n_layout1)
+        q1_s = tile_buffer(dtype, [C, WG_ROWS, D1])
+        k1_s = tile_buffer(dtype, [STAGES, BLOCK_N, D1])
+        v1_s = tile_buffer(dtype, [STAGES, BLOCK_N, D1])
     else:
         q1, k1, v1, o1 = q0, k0, v0, o0
         q1_s, k1_s, v1_s = q0_s, k0_s, v0_s
