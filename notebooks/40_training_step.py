@@ -128,7 +128,7 @@ if latest:
         else ""
     )
     nb.md(
-        f"""**Answer.** The latest run on each GPU (git {_and(gits)}; ours with {_and(atts)} attention, our own
+        f"""**Answer.** The latest run at both contexts on each GPU (git {_and(gits)}; ours with {_and(atts)} attention, our own
 FlashAttention), ours vs stock: {per_gpu}. {goal_text} Ours' peak memory is
 {"at most" if facts["peaks_ok"] else "not always at most"} stock's: {peak_text}, with
 {"the same" if len(persistent) == 1 else "different"} persistent tensors ({_and(f"{x:.1f}" for x in sorted(persistent))} GiB;
@@ -205,7 +205,7 @@ if len(every):
         every[["device", "git", "ours", "attention", "parked", "ctx", "stock_ms", "ours_ms", "ratio"]]
         .assign(device=every.device.map(kind))
         .rename(columns={"stock_ms": "stock", "ours_ms": "ours ms", "ours": "ours impl"}),
-        caption="Every comparison run (oldest first): each ratio within one run; only the latest run per GPU is quoted",
+        caption="Every comparison run (oldest first): each ratio within one run; only the latest run at both contexts per GPU is quoted",
         formats={"stock": "{:.1f}", "ours ms": "{:.1f}", "ratio": "{:.3f}"},
         provenance_from=df,
         note="parked: the idle path waited in host memory (else both paths were resident on the GPU)",

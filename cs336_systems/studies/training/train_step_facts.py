@@ -117,8 +117,9 @@ def compare_runs(df: pd.DataFrame) -> pd.DataFrame:
 
 def latest_per_device(runs: pd.DataFrame, size: str | None = None) -> dict[str, dict]:
     """Per GPU kind, the latest run of the default comparison (ours with its default attention; of
-    `size` if given) in which both paths ran at some context: {device: {run, git, attention, parked,
-    timestamp, contexts: {ctx: record}}}, devices in name order."""
+    `size` if given) in which both paths ran at every context of GOAL_CONTEXTS, or where no run did,
+    at some context (a later run of fewer contexts is listed by `compare_runs`, not quoted): {device:
+    {run, git, attention, parked, timestamp, contexts: {ctx: record}}}, devices in name order."""
     if runs.empty:
         return {}
     sel = runs[(runs.ours == DEFAULT_OURS) & runs.ratio.notna()]
@@ -126,7 +127,11 @@ def latest_per_device(runs: pd.DataFrame, size: str | None = None) -> dict[str, 
         sel = sel[sel["size"] == size]
     out = {}
     for device in sorted(sel.device.unique()):
-        last = sel[sel.device == device].iloc[-1].run
+        mine = sel[sel.device == device]
+        complete = [
+            r for r, g in mine.groupby("run", sort=False) if set(GOAL_CONTEXTS) <= set(g.ctx.astype(int))
+        ]
+        last = complete[-1] if complete else mine.iloc[-1].run
         recs = runs[runs.run == last]
         first = recs.iloc[0]
         out[device] = {
