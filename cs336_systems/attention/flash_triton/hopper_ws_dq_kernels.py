@@ -32,9 +32,9 @@ session 22). With `WarpSpecializedBwdConfig.dq_rows_interleaved` accumulator row
 row s(n) = 8 (n div 8) + 2 (n mod 4) + (n div 4) mod 2, so the four rows of half a warp have swizzle
 phases 0, 2, 4, 6 (or 1, 3, 5, 7) and their chunks fill all 32 banks once. The staging is then a
 (8, 4, 2, W) tile, stored through its (8, 2, 4, W) permutation viewed as (64, W), and reduced through
-a 4-D view of the dQ buffer that puts row 8a + 4b + c of the tile at box index (a, c, b): dims of 8
-(stride 8 rows), 4 (stride 1 row), 2 (stride 4 rows) and W columns (`hopper.dq_descriptors`).
-Its first dimension counts whole groups of 8 rows, so the launcher takes it only when N_QUERIES is a
+a view of each head's dQ rows that puts row 8a + 4b + c of the tile at box index (a, c, b): dims of 8
+(stride 8 rows), 4 (stride 1 row), 2 (stride 4 rows) and W columns, after the head's (a 5-D host
+descriptor, `hopper.dq_descriptors`). Its dimension of 8 counts whole groups of 8 rows, so the launcher takes it only when N_QUERIES is a
 multiple of 64 (every tile whole; no run-time branch: a first version with one, for a partial last
 tile, removed the conflicts but ran 3 % more cycles, with two more warpgroup barriers a step). Column
 blocks narrower than 32 (128 bytes) keep the plain staging (another swizzle). On at d = 128 (3.7 % fewer
