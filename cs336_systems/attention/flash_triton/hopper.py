@@ -112,9 +112,6 @@ def use_hopper(option: bool | None, *tensors4: Tensor, kind: str = "fwd") -> boo
     return not reason and (option or preferred(tensors4[0].shape[-1], kind))
 
 
-WG_ROWS = 64  # rows of one consumer warpgroup's tiles in the warp-specialised kernels
-
-
 def _column_blocks(d0: int, d: int) -> tuple[tuple[int, int], ...]:
     return ((0, d0), (d0, d - d0)) if d0 != d else ((0, d),)
 
@@ -198,7 +195,8 @@ def flash_fwd_hopper(
     else:
         kernel = hopper_kernels.flash_fwd_hopper_kernel
         specific = dict(BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
-    q_rows = WG_ROWS if isinstance(cfg, WarpSpecializedFwdConfig) else cfg.block_m
+    # a consumer warpgroup's query rows in the warp-specialised kernel, else the program's
+    q_rows = hopper_ws_kernels.WG_ROWS.value if isinstance(cfg, WarpSpecializedFwdConfig) else cfg.block_m
     n_tiles = triton.cdiv(n_q, cfg.block_m)
     # Head-major (heads in groups) where a head has enough tiles to keep L2 busy (on an H100, d = 80:
     # -17 % at N = 4096, -5 % at 2048, +10 % at 512 with 4 tiles a head; OPTIMIZATION_LOG "Session 12").
