@@ -51,6 +51,7 @@ from cs336_systems.attention.flash_triton.hopper_kernels import (
 )
 from cs336_systems.attention.flash_triton.hopper_ws_dq_kernels import (
     consumer_step_with_dq,
+    dq_staging,
     dq_warpgroup,
     publish_ds,
 )
@@ -329,22 +330,9 @@ def flash_bwd_dkdv_ws_kernel(
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BLOCK_M], dtype)
         ds_s = gl.allocate_shared_memory(dtype, [DS_SLOTS * C, WG_KEYS, BLOCK_M], ds_layout)
         gl.static_assert(BLOCK_M == 64, "the one-pass backward's query steps are 64 rows")
-        # the staging of a block whose rows are interleaved (its descriptor then has rank 5:
-        # hopper_ws_dq_kernels' [Note: dQ's staging rows interleaved]), else in row order
-        rows_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
-        dq0 = DQ0
-        if len(DQ0.block_type.shape) == 5:
-            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D0], rows_layout)
-        else:
-            dq0_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D0], gl.float32)
-            dq0_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D0], dq0_layout)
+        dq0, dq0_s = DQ0, dq_staging(DQ0, DQ_BUFFERS)
         if SPLIT:
-            dq1 = DQ1
-            if len(DQ1.block_type.shape) == 5:
-                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, 8, 4, 2, D1], rows_layout)
-            else:
-                dq1_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D1], gl.float32)
-                dq1_s = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, D1], dq1_layout)
+            dq1, dq1_s = DQ1, dq_staging(DQ1, DQ_BUFFERS)
         else:
             dq1, dq1_s = dq0, dq0_s
         ds_ready = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())

@@ -56,9 +56,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.flash_triton.hopper_backward_kernels import scores_to_ds
-from cs336_systems.attention.flash_triton.hopper_kernels import thread_barrier
+from cs336_systems.attention.flash_triton.hopper_kernels import thread_barrier, tile_buffer
 
 DQ_WARPS: gl.constexpr = gl.constexpr(4)  # the dQ partition: one warpgroup
+
+
+@gluon.jit
+def dq_staging(desc, BUFFERS: gl.constexpr):
+    """BUFFERS float32 staging tiles for the dQ block that `desc` (`hopper.dq_descriptors`) reduces:
+    (8, 4, 2, W) with rows interleaved where its box has rank 5 ([Note: dQ's staging rows
+    interleaved]), else (64, W) in row order."""
+    RANK: gl.constexpr = len(desc.block_type.shape)
+    R: gl.constexpr = desc.block_type.shape[1]
+    W: gl.constexpr = desc.block_type.shape[RANK - 1]
+    if RANK == 5:
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+        staging = gl.allocate_shared_memory(gl.float32, [BUFFERS, 8, 4, 2, W], layout)
+    else:
+        staging = tile_buffer(gl.float32, [BUFFERS, R, W])
+    return staging
 
 
 @builtin
