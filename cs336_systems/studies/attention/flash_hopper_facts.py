@@ -262,17 +262,25 @@ def throughput_table(df: pd.DataFrame, gpu: str = "H100") -> pd.DataFrame:
 MIN_PROTOCOL_RUNS = 3  # runs of one commit on one GPU model before its protocol figures are quoted
 
 
+def quoted_protocol_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Of `protocol_runs` rows (of one GPU model), those of the latest commit with at least
+    MIN_PROTOCOL_RUNS runs: what notebook 42 and the README quote (a later commit's fewer runs stay
+    in the runs table); empty without such a commit."""
+    if runs.empty:
+        return runs
+    counts = runs.groupby("git sha", sort=False).size()
+    enough = counts[counts >= MIN_PROTOCOL_RUNS]
+    return runs[runs["git sha"] == enough.index[-1]] if len(enough) else runs.iloc[:0]
+
+
 def _protocol_facts(df: pd.DataFrame, kind: str) -> dict[str, Any]:
     """The protocol runs of the latest commit measured at least MIN_PROTOCOL_RUNS times on GPU model
     `kind`: ours, cuDNN and (where timed) the portable tl kernels against SDPA-flash of the same runs;
     {} without such runs. (A later commit's fewer runs stay in the runs table, not in these figures.)"""
     runs = protocol_runs(df)
-    runs = runs[runs.gpu.map(gpu_kind) == kind] if len(runs) else runs
-    counts = runs.groupby("git sha", sort=False).size() if len(runs) else pd.Series(dtype=int)
-    enough = counts[counts >= MIN_PROTOCOL_RUNS]
-    if enough.empty:
+    latest = quoted_protocol_runs(runs[runs.gpu.map(gpu_kind) == kind] if len(runs) else runs)
+    if latest.empty:
         return {}
-    latest = runs[runs["git sha"] == enough.index[-1]]
     lb = df[(df.name == "protocol") & (df.metric == "latency") & df.git_sha.isin(latest["git sha"])]
     portable = lb[(lb.impl == "flash_triton_portable") & (lb.gpu_name.map(gpu_kind) == kind)].p50
     cudnn = latest["sdpa_cudnn ms"] / latest["sdpa_flash ms"]

@@ -109,19 +109,18 @@ def _span(lo: float, hi: float) -> str:
 
 def hopper_sentence(runs: pd.DataFrame) -> str:
     """The protocol with the default backward on Hopper (the Gluon one-pass kernel): per GPU model, the
-    runs of the latest commit measured with it at least MIN_PROTOCOL_RUNS times (as notebook 42 quotes),
+    runs of the latest commit measured with it often enough (`quoted_protocol_runs`, as notebook 42),
     ours against SDPA's backends in the same runs."""
-    from cs336_systems.studies.attention.flash_hopper_facts import MIN_PROTOCOL_RUNS, gpu_kind
+    from cs336_systems.studies.attention.flash_hopper_facts import gpu_kind, quoted_protocol_runs
 
     one = runs[runs["our backward"] == "Gluon one pass"] if len(runs) else runs
     if one.empty:
         return ""
     parts = []
     for gpu, g in one.groupby(one.gpu.map(gpu_kind), sort=False):
-        counts = g.groupby("git sha", sort=False).size()
-        if not (counts >= MIN_PROTOCOL_RUNS).any():
+        g = quoted_protocol_runs(g)
+        if g.empty:
             continue
-        g = g[g["git sha"] == counts[counts >= MIN_PROTOCOL_RUNS].index[-1]]
         cudnn = g["sdpa_cudnn ms"] / g["sdpa_flash ms"]
         parts.append(
             f"on the {gpu}, {len(g)} runs at {g['git sha'].iloc[-1][:7]} (do_bench rep/warmup "
