@@ -255,6 +255,28 @@ def test_replayed_descriptors_are_encoded_once_per_address_and_passed_flattened(
     assert calls[1] == (*head, *flat, lse, 7, *flat, None)
 
 
+def test_replayed_descriptors_of_a_deep_models_step_stay_encoded_from_step_to_step():
+    """A step passes each argument one address per layer and the same addresses the next step: with
+    a few hundred layers' addresses the second step encodes nothing again."""
+    encoded = []
+
+    def encode(desc, meta):
+        encoded.append(desc.base.data_ptr())
+        return [desc.base.data_ptr()]
+
+    run = type("Run", (), {"launch_cooperative_grid": False, "launch_pdl": False})()
+    kernel = type("Compiled", (), {"function": "fn", "packed_metadata": "pm"})()
+    launcher = plans._Encoded(lambda *args: None, ["meta"], encode, run)
+    described = plans._Described(
+        "q", plans.TmaView(0, 16, (1, 1, 8, 16), None), 0, [1, 1, 8, 16], [128, 128, 16, 1]
+    )
+    layers = [torch.zeros(4) for _ in range(300)]
+    for _ in range(2):
+        for t in layers:
+            launcher((1, 1, 1), "stream", kernel, (described,), {"q": t})
+    assert encoded == [t.data_ptr() for t in layers]
+
+
 class _Attention(torch.nn.Module):
     def forward(self, q, k, v):
         return FlashAttentionTriton.apply(q, k, v, True)

@@ -41,7 +41,10 @@ from triton.runtime import driver
 from cs336_systems.attention.flash_triton.tiles import interpreting
 
 MAX_PLANS = 256  # signatures kept per kind before the cache is cleared
-MAX_ENCODED = 64  # encoded descriptors kept per launch (one per argument and address) before clearing
+# encoded descriptors kept per launch (one per argument and address) before clearing: a model's step
+# passes each argument one address per layer, the same ones step after step (the caching allocator),
+# so the cache must hold a step's worth; at 64 a 34-layer step re-encoded every descriptor every call
+MAX_ENCODED = 4096
 
 
 def tensor_signature(t: Tensor) -> tuple:
