@@ -449,6 +449,31 @@ def test_an_overlapped_optimizer_and_its_model_are_freed():
     assert all(r() is None for r in alive)
 
 
+@pytest.mark.parametrize("scale", [0.5, 1 / 3])
+def test_grad_scale_multiplies_each_gradient_in_float32_as_it_is_read(scale):
+    """`grad_scale` (ZeroAdamW's 1 / world size for summed gradients): the update equals the update of
+    the float32 gradient times the scale; for a power of two, bit for bit the update of the bf16
+    gradient divided first (what a separate division kernel gave)."""
+    n, hp = 3000, dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    g = torch.randn(n, device=DEVICE).bfloat16()
+    plan = ChunkPlan.build([0], [n], DEVICE)
+    start = torch.randn(n, device=DEVICE)
+    got, want = [
+        (start.clone(), torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE)) for _ in (0, 1)
+    ]
+    for step in (1, 2):
+        adamw_step_(plan, [g], *got, step=step, grad_scale=scale, **hp)
+        adamw_step_(plan, [(g.float() * scale).contiguous()], *want, step=step, **hp)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    if scale == 0.5:
+        divided = [(start.clone(), torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE))]
+        for step in (1, 2):
+            adamw_step_(plan, [g / 2], *divided[0], step=step, **hp)
+        for a, b in zip(got, divided[0]):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("decay_before_update", [False, True])
 def test_bf16_state_is_the_float32_update_rounded_once_per_step(decay_before_update):
     """bf16 parameters, m and v: each step computes in float32 and rounds every stored value once."""

@@ -12,9 +12,11 @@ rank r owns the contiguous slice r of every unit:
 [Note: one step of a unit]
   gradients: when the last parameter of a unit has accumulated its gradient (post-accumulate-grad
              hooks), the gradients are packed into one flat gradient and freed, then reduce-scattered
-             (SUM, then / N): rank r holds the averaged gradient of shard r;
+             (SUM): rank r holds the summed gradient of shard r;
   update:    rank r applies AdamW (the reference semantics of `cs336_systems.model.AdamW`, through
-             `kernels.adamw`) to shard r with its own m and v, i.e. 1/N of the optimizer state;
+             `kernels.adamw`) to shard r with its own m and v, i.e. 1/N of the optimizer state; the
+             kernel multiplies the summed gradient by 1/N in float32 as it reads it (no division
+             kernel; with clipping the shard is divided first, since the norm is of the average);
   gather:    the updated shards are all-gathered into the flat buffer in place, so every rank again
              holds the full parameters for the next forward.
 With `overlap=True` all three run as soon as the unit's gradients are final, on a side stream, while
@@ -266,18 +268,18 @@ class ZeroAdamW(torch.optim.Optimizer):
             shard_grad = grad
             if self.world_size > 1:
                 shard_grad = reduce_scatter_grad(grad, name=unit.name, group=self.group).wait()
-                shard_grad.div_(self.world_size)
-            if self.max_grad_norm:
-                unit.shard_grad = shard_grad
-            else:
-                self._apply(unit, shard_grad)
+            if self.max_grad_norm:  # the norm is of the averaged gradient
+                unit.shard_grad = shard_grad.div_(self.world_size) if self.world_size > 1 else shard_grad
+            else:  # the update averages the summed gradient as it reads it
+                self._apply(unit, shard_grad, grad_scale=1.0 / self.world_size)
         if side is not None:  # freed here, still read by the side stream
             grad.record_stream(side)
             shard_grad.record_stream(side)
         unit.done = True
 
-    def _apply(self, unit: _Unit, shard_grad: Tensor) -> None:
-        """AdamW on this rank's shard of one unit, then the all-gather of the unit (issued)."""
+    def _apply(self, unit: _Unit, shard_grad: Tensor, grad_scale: float = 1.0) -> None:
+        """AdamW on this rank's shard of one unit (its gradient multiplied by `grad_scale` as the kernel
+        reads it), then the all-gather of the unit (issued)."""
         with torch.profiler.record_function(f"zero::adamw::{unit.name}"):
             group = self.param_groups[0]
             adamw_step_(
@@ -295,6 +297,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 copies=unit.copies,
                 copy_dtype=self.compute_dtype if unit.copies is not None else None,
                 table_cache=unit.table_cache,
+                grad_scale=grad_scale,
             )
         if self.world_size > 1 and self.defer_gather and self.overlap:
             self._deferred.append(unit)

@@ -73,12 +73,12 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _adamw_block(
-    g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
+    g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps, grad_scale,
     COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr, DECAY_BEFORE: tl.constexpr, MASKED: tl.constexpr,
     STATE_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     mask = idx < n if MASKED else None
-    g = tl.load(g_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32)
+    g = tl.load(g_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.float32) * grad_scale
     if SPLIT:  # [Note: split float32 master]: p_ptr holds lo (int16), out_ptr hi (bf16 bits, uint16)
         hi = tl.load(out_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.uint32)
         lo = tl.load(p_ptr + idx, mask=mask, eviction_policy="evict_first").to(tl.int32)
@@ -111,7 +111,7 @@ def _adamw_block(
 @triton.jit
 def _adamw_kernel(
     grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, num_chunks, master_ptr, m_ptr,
-    v_ptr, lr_t, decay, beta1, beta2, eps,
+    v_ptr, lr_t, decay, beta1, beta2, eps, grad_scale,
     GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
     DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, PERSISTENT: tl.constexpr,
     STATE_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
@@ -119,18 +119,18 @@ def _adamw_kernel(
     if PERSISTENT:  # chunks pid, pid + grid, ...: a small grid leaves SMs to other streams
         for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
             _adamw_chunk(c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr,
-                         m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE, WRITE_COPY,
-                         DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE, SPLIT)  # fmt: skip
+                         m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, grad_scale, GRAD_DTYPE, COPY_DTYPE,
+                         WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE, SPLIT)  # fmt: skip
     else:
         _adamw_chunk(tl.program_id(0), grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start,
-                     master_ptr, m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, GRAD_DTYPE, COPY_DTYPE,
-                     WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE, SPLIT)  # fmt: skip
+                     master_ptr, m_ptr, v_ptr, lr_t, decay, beta1, beta2, eps, grad_scale, GRAD_DTYPE,
+                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, BLOCK, ALIGN, STATE_DTYPE, SPLIT)  # fmt: skip
 
 
 @triton.jit
 def _adamw_chunk(
     c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr, m_ptr, v_ptr,
-    lr_t, decay, beta1, beta2, eps,
+    lr_t, decay, beta1, beta2, eps, grad_scale,
     GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
     DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, STATE_DTYPE: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -148,11 +148,11 @@ def _adamw_chunk(
     p_ptr, m_ptr, v_ptr = master_ptr + base, m_ptr + base, v_ptr + base
     if start + BLOCK <= n:  # a full chunk: no mask, so nothing stops vectorised access
         _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
-                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=False, STATE_DTYPE=STATE_DTYPE,
+                     grad_scale, COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=False, STATE_DTYPE=STATE_DTYPE,
                      SPLIT=SPLIT)  # fmt: skip
     else:
         _adamw_block(g_ptr, p_ptr, m_ptr, v_ptr, out_ptr, idx, n, lr_t, decay, beta1, beta2, eps,
-                     COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=True, STATE_DTYPE=STATE_DTYPE,
+                     grad_scale, COPY_DTYPE, WRITE_COPY, DECAY_BEFORE, MASKED=True, STATE_DTYPE=STATE_DTYPE,
                      SPLIT=SPLIT)  # fmt: skip
 
 
@@ -247,6 +247,7 @@ def adamw_step_(
     copy_dtype: torch.dtype | None = None,
     table_cache: dict | None = None,
     max_programs: int | None = None,
+    grad_scale: float = 1.0,
 ) -> None:
     """Apply one AdamW step (1-based `step`) to the tensors of `plan`, in place.
 
@@ -259,7 +260,9 @@ def adamw_step_(
         (required, bf16, with a split master);
     table_cache: optional dict in which the gradients' address table is kept between calls;
     max_programs: launch at most this many programs (each loops over chunks), e.g. to leave most
-    SMs to a concurrent backward; None: one program per chunk.
+    SMs to a concurrent backward; None: one program per chunk;
+    grad_scale: each gradient is multiplied by it (in float32, after loading) before the update, e.g.
+    1 / world_size for gradients summed over the ranks (no separate division kernel).
     """
     if len(grads) != plan.num_tensors:
         raise ValueError(f"{len(grads)} gradients for a plan of {plan.num_tensors} tensors")
@@ -303,6 +306,7 @@ def adamw_step_(
         b1,
         b2,
         eps,
+        float(grad_scale),
         GRAD_DTYPE=_TL_DTYPES[gdtype],
         COPY_DTYPE=tl.uint16 if split else _TL_DTYPES[copy_dtype or torch.float32],
         WRITE_COPY=write_copy,
