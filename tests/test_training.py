@@ -19,10 +19,11 @@ from cs336_systems.kernels.adamw import (
     split_master,
 )
 from cs336_systems.kernels.linear_cross_entropy import linear_cross_entropy
+from cs336_systems.measure.traces import load_trace
 from cs336_systems.model import MODEL_SIZES, AdamW, BasicsTransformerLM, cross_entropy
 from cs336_systems.model.loss import random_batch
 from cs336_systems.studies.training import train_step as study
-from cs336_systems.studies.training import train_step_facts
+from cs336_systems.studies.training import train_step_facts, train_step_trace
 from cs336_systems.training import FusedAdamW, TrainStepConfig, build_train_step, mixed_precision_groups
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -310,6 +311,13 @@ def test_study_quick_run_writes_nothing_by_default(tmp_path, capsys):
     assert df.config_json.str.contains('"run_id"').all()
     study.main(["--quick", "--parts", "compare", "--results-dir", str(tmp_path)])
     assert (tmp_path / "training_step.csv").exists()
+    # one profiled step of each path, its work by phase: kernels on a GPU; on the CPU the compact
+    # trace keeps the autograd functions, so only backward's work
+    phases = {"forward", "backward", "optimizer_step"} if DEVICE == "cuda" else {"backward"}
+    for impl in ("stock", "ours"):
+        table = train_step_trace.kernel_table(load_trace(train_step_trace.trace_file(tmp_path, impl, 32)))
+        ms = table.groupby("phase").ms.sum()
+        assert set(ms.index) == phases and (ms > 0).all(), table
 
 
 def _compare_rows(

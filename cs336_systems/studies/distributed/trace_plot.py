@@ -25,7 +25,9 @@ from a trace is an upper bound on the time spent moving data.
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -55,6 +57,7 @@ _CPU_COMPUTE = re.compile(r"^autograd::engine::evaluate_function")
 # load_trace, save_trace and overlap_stats live in measure/traces.py; notebooks 16/18 and
 # train_bench import them from here.
 __all__ = [
+    "compact_profile",
     "compact_trace",
     "load_trace",
     "overlap_stats",
@@ -110,6 +113,13 @@ def compact_trace(trace: Mapping[str, Any], *, max_name: int = 60) -> dict[str, 
         "displayTimeUnit": "ms",
         "deviceProperties": trace.get("deviceProperties", []),
     }
+
+
+def compact_profile(prof: Any) -> dict[str, Any]:
+    """The compact trace (`compact_trace`) of a finished `torch.profiler.profile`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
+        return compact_trace(load_trace(Path(tmp) / "trace.json"))
 
 
 def _base(e) -> dict[str, Any]:

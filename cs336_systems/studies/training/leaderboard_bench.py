@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import gc
 import math
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +66,7 @@ from torch import Tensor, nn
 from cs336_systems.measure.annotations import annotate
 from cs336_systems.measure.results import capture_failure
 from cs336_systems.measure.timing import do_bench_all_ranks, synchronize
-from cs336_systems.measure.traces import load_trace, save_trace
+from cs336_systems.measure.traces import save_trace
 from cs336_systems.model import BasicsTransformerLM
 from cs336_systems.studies.distributed import trace_plot
 from cs336_systems.studies.training.leaderboard_stock import (
@@ -404,9 +403,7 @@ def profile_step(protocol: ProtocolStep, device, path: Path) -> dict[str, float]
     with torch.profiler.profile(activities=activities) as prof:
         protocol()
         synchronize(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
-        compact = trace_plot.compact_trace(load_trace(Path(tmp) / "trace.json"))
+    compact = trace_plot.compact_profile(prof)
     frame = trace_plot.trace_frame(compact)
     if device.type == "cuda" and not frame.row.str.startswith("stream").any():
         # CUPTI failed to start (seen on one machine): a trace without kernels would read as "no

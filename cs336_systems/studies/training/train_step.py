@@ -8,7 +8,8 @@ Per (size, context), rows under problem "training_step" (the rows of one invocat
 * `compare`: the stock step and ours, built from the same initial weights and timed in interleaved
   rounds (`--rounds` x `--steps` steps each, after `--warmup`); per path the median step and its
   forward / backward / optimizer phases (CUDA events), peak memory, first-step (compile) time and MFU
-  against the datasheet bf16 peak and against the bf16 matmul rate measured in this run.
+  against the datasheet bf16 peak and against the bf16 matmul rate measured in this run. Then one
+  profiled step of each path, its trace saved beside the rows (`train_step_trace`; `--no-trace`).
   Stock = the same architecture with `F.scaled_dot_product_attention`, `torch.compile(model)`,
   `torch.optim.AdamW(fused=True)` and `F.cross_entropy`, bf16 autocast over fp32 weights.
   Ours = `TrainStepConfig.fastest()` (see `cs336_systems.training.step`) with our attention
@@ -59,6 +60,7 @@ from cs336_systems.measure.results import (
 from cs336_systems.measure.timing import kernel_time, synchronize
 from cs336_systems.model import MODEL_SIZES, BasicsTransformerLM, ModelConfig
 from cs336_systems.model.loss import random_batch
+from cs336_systems.studies.training import train_step_trace
 from cs336_systems.studies.training.train_step_facts import (
     PHASES,
     STAGES,
@@ -302,6 +304,19 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
                 failed(path, outcome["note"] + f" (in round {r + 1})")
             elif cuda:
                 peaks[path] = max(peaks[path], torch.cuda.max_memory_allocated())
+    if args.trace and not args.no_save:  # one profiled step of each path: its kernels by phase
+        for path in list(steps):
+            outcome = {}
+            with capture_failure(outcome):
+                only_on_device(path)
+                where = train_step_trace.trace_file(args.results_dir, path, run_cfg["context_length"])
+                saved = train_step_trace.save_profile(steps[path], batches[0], where)
+                print(
+                    f"{path}: trace -> {saved}" if saved else f"{path}: the profiler saw no kernels",
+                    flush=True,
+                )
+            if outcome:
+                print(f"{path}: no trace ({outcome['note']})", flush=True)
     for path, step in steps.items():
         med = pd.Series([t["step"] for t in times[path]]).median()
         e = extra[path] | {
@@ -461,6 +476,12 @@ def _parser() -> argparse.ArgumentParser:
         help="grid cap of our overlapped optimizer launches (0: uncapped)",
     )
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager stock and ours")
+    p.add_argument(
+        "--no-trace",
+        dest="trace",
+        action="store_false",
+        help="compare: no profiled step of each path (by default its trace is saved beside the rows)",
+    )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--device", default=DEFAULT_DEVICE, choices=["cuda", "cpu"])
