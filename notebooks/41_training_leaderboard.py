@@ -301,16 +301,14 @@ cost stock_tuned in earlier runs: [Note: the planning margin] in `leaderboard_be
     )  # fmt: skip
     nb.md(
         f"""Per component, ours against stock_tuned: forward {ms(o["forward_ms"])} vs {ms(t["forward_ms"])}
-(the fused loss computes the head's gradients in forward, and our attention forward is at cuDNN's speed
-at this shape), backward {ms(o["backward_ms"])} vs {ms(t["backward_ms"])}, of which **recompute**
+(the fused loss computes the head's gradients in forward), backward {ms(o["backward_ms"])} vs {ms(t["backward_ms"])}, of which **recompute**
 {ms(o["recompute_ms"])} vs {ms(t["recompute_ms"])} (ours recomputes {o["recomputed"]}; stock_tuned {
             t["recomputed"]
         }, its selective policy keeping the attention's and {
             "every second" if head["tuned_sac"] == "every_second" else "every"
         } matmul's outputs), the **optimizer** left after backward {ms(o["optimizer_step_ms"])} vs
 {ms(t["optimizer_step_ms"])} and **exposed communication** {ms(o["comm_exposed_ms"])} vs
-{ms(t["comm_exposed_ms"])}. Our attention backward is still slower than cuDNN's at d = 128 (the
-FlashAttention section).{idle} stock_tuned, as tuned here: FSDP2 per block ({
+{ms(t["comm_exposed_ms"])}.{idle} stock_tuned, as tuned here: FSDP2 per block ({
             "the last block not resharded"
             if head["tuned_reshard"] == "after_forward"
             else "no block resharded"
