@@ -301,7 +301,8 @@ cost stock_tuned in earlier runs: [Note: the planning margin] in `leaderboard_be
     )  # fmt: skip
     nb.md(
         f"""Per component, ours against stock_tuned: forward {ms(o["forward_ms"])} vs {ms(t["forward_ms"])}
-(the fused loss computes the head's gradients in forward), backward {ms(o["backward_ms"])} vs {ms(t["backward_ms"])}, of which **recompute**
+(the fused loss computes the head's gradients in forward), backward {ms(o["backward_ms"])} vs
+{ms(t["backward_ms"])}, of which **recompute**
 {ms(o["recompute_ms"])} vs {ms(t["recompute_ms"])} (ours recomputes {o["recomputed"]}; stock_tuned {
             t["recomputed"]
         }, its selective policy keeping the attention's and {
