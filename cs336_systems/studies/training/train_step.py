@@ -22,8 +22,8 @@ Per (size, context), rows under problem "training_step" (the rows of one invocat
 * `waterfall`: the step with one optimisation added at a time (`STAGES`), each built afresh.
 * `bandwidth`: device copy GB/s and the fused AdamW's GB/s (28 bytes per parameter) on the shapes
   of the model's first blocks.
-* `check` (`--check`): 20 steps of ours and of the plain reference step (same weights and batches,
-  reference AdamW, no fusions, bf16 autocast): the loss of every step.
+* `check` (`--parts check`): 20 steps (4 in a quick run) of ours and of the plain reference step (same
+  weights and batches, reference AdamW, no fusions, bf16 autocast): the loss of every step.
 
 Peak memory of a path (`peak_memory_gib`) = `torch.cuda.max_memory_allocated()` over its timed rounds
 (reset before each), with the other path parked off the device: everything the path holds, its
@@ -408,7 +408,7 @@ def measure(config: argparse.Namespace, *, results_dir=None) -> list[dict]:
         if "bandwidth" in args.parts and ctx == args.context_length[0]:
             rows += bandwidth_rows(cfg, device, run_cfg)
         if "check" in args.parts and ctx == args.context_length[0]:
-            rows += check(cfg, args, state, batches, run_id=run_id)
+            rows += check(cfg, args, state, batches, num_steps=4 if args.quick else 20, run_id=run_id)
         if "compare" in args.parts:
             rows += compare(cfg, args, run_cfg, state, batches, peak)
         if "waterfall" in args.parts:

@@ -73,7 +73,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     cli.add_results_dir(p)
     p.add_argument("--no-save", action="store_true", help="print only")
     p.add_argument(
-        "--quick", action="store_true", help="debug model, 2 rounds of 2 steps, no compile, no save"
+        "--quick",
+        action="store_true",
+        help="debug model, 2 rounds of 2 steps, 4 check steps, no compile, no save",
     )
     return p
 
