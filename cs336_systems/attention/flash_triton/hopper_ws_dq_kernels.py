@@ -34,8 +34,8 @@ phases 0, 2, 4, 6 (or 1, 3, 5, 7) and their chunks fill all 32 banks once. The s
 (8, 4, 2, W) tile, stored through its (8, 2, 4, W) permutation viewed as (64, W), and reduced through
 a view of each head's dQ rows that puts row 8a + 4b + c of the tile at box index (a, c, b): dims of 8
 (stride 8 rows), 4 (stride 1 row), 2 (stride 4 rows) and W columns, after the head's (a 5-D host
-descriptor, `hopper.dq_descriptors`). Its dimension of 8 counts whole groups of 8 rows, so the launcher takes it only when N_QUERIES is a
-multiple of 64 (every tile whole; no run-time branch: a first version with one, for a partial last
+descriptor, `hopper.dq_descriptors`). Its dimension of 8 counts whole groups of 8 rows, so the
+launcher takes it only when N_QUERIES is a multiple of 64 (every tile whole; no run-time branch: a first version with one, for a partial last
 tile, removed the conflicts but ran 3 % more cycles, with two more warpgroup barriers a step). Column
 blocks narrower than 32 (128 bytes) keep the plain staging (another swizzle). On at d = 128 (3.7 % fewer
 cycles there); at d = 64 and 80 it measured no faster (OPTIMIZATION_LOG.md, session 23).

@@ -42,8 +42,9 @@ from cs336_systems.attention.flash_triton.tiles import interpreting
 
 MAX_PLANS = 256  # signatures kept per kind before the cache is cleared
 # encoded descriptors kept per launch (one per argument and address) before clearing: a model's step
-# passes each argument one address per layer, the same ones step after step (the caching allocator),
-# so the cache must hold a step's worth; at 64 a 34-layer step re-encoded every descriptor every call
+# passes each argument one address per layer, so the cache holds many steps' worth (at 64 an 8-layer
+# step re-encoded every descriptor every call); it saves encodings only where later steps reuse the
+# addresses, which the caching allocator need not do (OPTIMIZATION_LOG.md, session 24)
 MAX_ENCODED = 4096
 
 
