@@ -35,6 +35,12 @@ Bytes per element: gradient (2 or 4) + 3 x 4 read, 3 x 4 written, + 2 for a bf16
 gradient with a bf16 copy, 28 for an fp32 parameter updated in place; 14 with bf16 state (2 + 3 x 2
 read, 3 x 2 written); 26 with a split master (2 + (2 + 2 + 4 + 4) read, the same 12 written).
 
+[Note: hyperparameters on the device]
+A launch normally takes lr_t and the decay factor as scalar arguments, computed on the host from the
+step count: a CUDA graph that captured the launch would replay those values forever. With `hyper` (a
+float32 device tensor [lr_t, decay], written by `write_hyperparameters` before each replay) the kernel
+reads them from memory instead: the same float32 values, so the same update bit for bit.
+
 Caveats: dense gradients only; the step count is a host integer (no device sync); under the Triton
 interpreter (CPU) bf16 arithmetic is unreliable, but this kernel only loads/stores bf16 and computes
 in fp32, which the interpreter handles.
@@ -111,11 +117,14 @@ def _adamw_block(
 @triton.jit
 def _adamw_kernel(
     grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, num_chunks, master_ptr, m_ptr,
-    v_ptr, lr_t, decay, beta1, beta2, eps, grad_scale,
+    v_ptr, lr_t, decay, beta1, beta2, eps, grad_scale, hyper_ptr,
     GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr, WRITE_COPY: tl.constexpr,
     DECAY_BEFORE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, PERSISTENT: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, SPLIT: tl.constexpr, HYPER: tl.constexpr,
 ):  # fmt: skip
+    if HYPER:  # [Note: hyperparameters on the device]
+        lr_t = tl.load(hyper_ptr)
+        decay = tl.load(hyper_ptr + 1)
     if PERSISTENT:  # chunks pid, pid + grid, ...: a small grid leaves SMs to other streams
         for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
             _adamw_chunk(c, grad_ptrs, copy_ptrs, offsets, numels, chunk_tensor, chunk_start, master_ptr,
@@ -204,13 +213,34 @@ def join_master(hi: Tensor, lo: Tensor) -> Tensor:
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
 
 
-def address_table(tensors: list[Tensor], device, cache: dict | None = None) -> Tensor:
+def adamw_scalars(
+    step: int, lr: float, betas: tuple[float, float], weight_decay: float
+) -> tuple[float, float]:
+    """(lr_t, decay) of 1-based step `step`: the bias-corrected step size and the decay factor."""
+    b1, b2 = betas
+    return lr * math.sqrt(1 - b2**step) / (1 - b1**step), 1.0 - lr * weight_decay
+
+
+def write_hyperparameters(
+    hyper: Tensor, step: int, lr: float, betas: tuple[float, float], weight_decay: float
+) -> None:
+    """Write [lr_t, decay] of 1-based `step` into the device tensor `hyper`, in stream order and
+    without a host buffer (two fills), so a step replayed after it reads them."""
+    for i, value in enumerate(adamw_scalars(step, lr, betas, weight_decay)):
+        hyper[i].fill_(value)
+
+
+def address_table(
+    tensors: list[Tensor], device, cache: dict | None = None, keepalive: list | None = None
+) -> Tensor:
     """int64 device tensor of the tensors' data pointers (all must be contiguous).
 
     The host copy is pinned, so the upload is asynchronous: a copy from pageable memory would make
     the host wait for the stream and stop it from running ahead of the GPU. With `cache` (a dict
     kept by the caller) the device table is reused while the addresses stay the same, which they
-    usually do from one step to the next under the caching allocator.
+    usually do from one step to the next under the caching allocator. `keepalive` (a list) receives
+    the page-locked host copy: a CUDA graph that captured the upload reads it again at every replay,
+    so it must live as long as the graph (the cache is not used then).
     """
     ptrs = tuple(t.data_ptr() for t in tensors)
     for t, ptr in zip(tensors, ptrs):
@@ -218,11 +248,16 @@ def address_table(tensors: list[Tensor], device, cache: dict | None = None) -> T
             raise ValueError(f"multi-tensor AdamW needs contiguous tensors, got strides {t.stride()}")
         if ptr % 16:
             raise ValueError("multi-tensor AdamW needs 16-byte aligned tensors (a view at an odd offset?)")
+    if keepalive is not None:
+        cache = None
     if cache is not None and cache.get("ptrs") == ptrs:
         table = cache["table"]
     else:
         cuda = torch.device(device).type == "cuda"
-        table = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=True)
+        host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
+        table = host.to(device, non_blocking=True)
+        if keepalive is not None:
+            keepalive.append(host)
         if cache is not None:
             cache.update(ptrs=ptrs, table=table)
     if table.is_cuda:  # a cached table may be read on another stream than the one that made it
@@ -248,6 +283,8 @@ def adamw_step_(
     table_cache: dict | None = None,
     max_programs: int | None = None,
     grad_scale: float = 1.0,
+    hyper: Tensor | None = None,
+    keepalive: list | None = None,
 ) -> None:
     """Apply one AdamW step (1-based `step`) to the tensors of `plan`, in place.
 
@@ -262,7 +299,11 @@ def adamw_step_(
     max_programs: launch at most this many programs (each loops over chunks), e.g. to leave most
     SMs to a concurrent backward; None: one program per chunk;
     grad_scale: each gradient is multiplied by it (in float32, after loading) before the update, e.g.
-    1 / world_size for gradients summed over the ranks (no separate division kernel).
+    1 / world_size for gradients summed over the ranks (no separate division kernel);
+    hyper: optional float32 device tensor [lr_t, decay] that the kernel reads instead of the values
+    of step, lr and weight_decay ([Note: hyperparameters on the device]);
+    keepalive: while a CUDA graph captures the launch, a list that keeps the gradients' host address
+    table alive (`address_table`).
     """
     if len(grads) != plan.num_tensors:
         raise ValueError(f"{len(grads)} gradients for a plan of {plan.num_tensors} tensors")
@@ -280,12 +321,16 @@ def adamw_step_(
         raise ValueError("a split master (int16 low halves) needs float32 m and v and bf16 copies")
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
+    if hyper is not None and (
+        hyper.dtype != torch.float32 or hyper.numel() != 2 or hyper.device != master.device
+    ):
+        raise ValueError("hyper must be a float32 tensor [lr_t, decay] on the buffers' device")
     b1, b2 = betas
-    lr_t = lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+    lr_t, decay = adamw_scalars(step, lr, betas, weight_decay)
     write_copy = copies is not None
     if write_copy and copy_dtype not in _TL_DTYPES:
         raise ValueError(f"copy_dtype must be one of {list(_TL_DTYPES)}, got {copy_dtype}")
-    grad_table = address_table(grads, master.device, table_cache)
+    grad_table = address_table(grads, master.device, table_cache, keepalive)
     num_chunks = plan.chunk_tensor.numel()
     if max_programs is not None and max_programs < 1:
         raise ValueError(f"max_programs must be positive, got {max_programs}")
@@ -302,11 +347,12 @@ def adamw_step_(
         exp_avg,
         exp_avg_sq,
         lr_t,
-        1.0 - lr * weight_decay,
+        decay,
         b1,
         b2,
         eps,
         float(grad_scale),
+        hyper if hyper is not None else plan.offsets,
         GRAD_DTYPE=_TL_DTYPES[gdtype],
         COPY_DTYPE=tl.uint16 if split else _TL_DTYPES[copy_dtype or torch.float32],
         WRITE_COPY=write_copy,
@@ -316,5 +362,6 @@ def adamw_step_(
         PERSISTENT=grid < num_chunks,
         STATE_DTYPE=_TL_DTYPES[state_dtype],
         SPLIT=split,
+        HYPER=hyper is not None,
         num_warps=4,
     )

@@ -22,6 +22,11 @@ same decay order) whose step is `cs336_systems.kernels.adamw` over buckets of pa
   memory-bound update runs under the compute-bound backward of earlier layers. `step()` then only
   flushes incomplete buckets and makes the current stream wait for the side stream.
 
+* `capturing(keepalive)` / `replay_step(replay)`: a CUDA graph can capture whole steps of this
+  optimizer (see `cs336_systems.training.step`): while capturing, launches read their step size and
+  decay from a device tensor, which `replay_step` writes before each replay ([Note: hyperparameters
+  on the device] in `cs336_systems.kernels.adamw`).
+
 * `storage_tensors()` / `rehome_(copies)` move the optimizer, with its parameters (same objects) and
   their gradients, to other memory in place, e.g. to host memory between uses (see
   `cs336_systems.training.offload`).
@@ -33,8 +38,9 @@ int16 low half ("master_lo"), `master_of(p)` gives the float32 value.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +53,7 @@ from cs336_systems.kernels.adamw import (
     address_table,
     join_master,
     split_master,
+    write_hyperparameters,
 )
 from cs336_systems.model.layers import Embedding
 from cs336_systems.model.optim import check_hyperparameters
@@ -111,6 +118,8 @@ class FusedAdamW(torch.optim.Optimizer):
         self._side_stream: torch.cuda.Stream | None = None
         self._overlap_programs: int | None = None
         self._hooks: list = []
+        self._hyper: Tensor | None = None  # (groups, 2) [lr_t, decay] read by captured launches
+        self._keepalive: list | None = None  # set while a CUDA graph captures (`capturing`)
         self._build_buffers(bucket_key or (lambda p: None))
 
     # ---- construction -------------------------------------------------------------------------
@@ -284,7 +293,45 @@ class FusedAdamW(torch.optim.Optimizer):
             copy_dtype=bucket.copy_dtype,
             table_cache=cache,
             max_programs=self._overlap_programs if self._hooks else None,
+            hyper=None if self._keepalive is None else self._hyper[self._group_index(g)],
+            keepalive=self._keepalive,
         )
+
+    def _group_index(self, group: dict) -> int:
+        return next(i for i, g in enumerate(self.param_groups) if g is group)
+
+    # ---- CUDA graphs --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capturing(self, keepalive: list) -> Iterator[None]:
+        """While a CUDA graph captures steps of this optimizer: its launches read [lr_t, decay] from a
+        device tensor per group (written by `replay_step`), the gradients' host address tables are
+        kept in `keepalive` (which must live as long as the graph), and the host step counts are
+        restored on exit, since a capture updates nothing."""
+        if not self.exp_avg.is_cuda:
+            raise RuntimeError("CUDA graphs need the optimizer's state on a CUDA device")
+        if self._hyper is None:
+            self._hyper = torch.zeros(
+                len(self.param_groups), 2, dtype=torch.float32, device=self.exp_avg.device
+            )
+        steps = [g["step"] for g in self.param_groups]
+        self._keepalive = keepalive
+        try:
+            yield
+        finally:
+            self._keepalive = None
+            for g, s in zip(self.param_groups, steps):
+                g["step"] = s
+
+    def replay_step(self, replay: Callable[[], None]) -> None:
+        """One step by `replay()` of a graph captured under `capturing`: the step's hyperparameters
+        are written to the device first (in stream order) and the host step counts advanced after."""
+        if self._hyper is None:
+            raise RuntimeError("replay_step needs a graph captured under capturing()")
+        for i, g in enumerate(self.param_groups):
+            write_hyperparameters(self._hyper[i], g["step"] + 1, g["lr"], g["betas"], g["weight_decay"])
+        replay()
+        for g in self.param_groups:
+            g["step"] += 1
 
     def _launch_overlapped(self, bucket: _Bucket) -> None:
         ready = {id(p) for p in bucket.ready}

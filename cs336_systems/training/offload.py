@@ -12,7 +12,7 @@ optimizer, or `FusedAdamW`, which moves its flat buffers and re-points its views
 Moves are in place: parameters and buffers stay the same Python objects (only `.data` changes), so
 optimizer state keys, hooks and `torch.compile`d code that reference them keep working: Dynamo's
 guards check a tensor's device, dtype, shape and strides, which a round trip restores, not its
-address. `step_tensors(step)` lists what moves. Both `park` and `unpark` synchronize the device
+address (a `TrainStep`'s CUDA graphs do: `park` drops them). `step_tensors(step)` lists what moves. Both `park` and `unpark` synchronize the device
 before and after, so neither overlaps a step; `park` leaves the freed device memory in PyTorch's
 cache (`torch.cuda.empty_cache()` returns it).
 
@@ -166,6 +166,9 @@ class Offloader:
         install(copies)
         _synchronize(home)
         self.home = home
+        drop_graphs = getattr(self.step, "drop_graphs", None)
+        if drop_graphs is not None:  # a captured step's graphs hold the old addresses and their memory
+            drop_graphs()
 
     def unpark(self) -> None:
         """Move the step back to the device it was parked from."""

@@ -27,7 +27,10 @@ Per (size, context), rows under problem "training_step" (the rows of one invocat
 
 Peak memory of a path (`peak_memory_gib`) = `torch.cuda.max_memory_allocated()` over its timed rounds
 (reset before each), with the other path parked off the device: everything the path holds, its
-persistent tensors included. On the CPU, where it cannot be measured: the persistent tensors only.
+persistent tensors included. A graphed step (`--cuda-graph`: ours replayed as one CUDA graph, timed
+whole, without phases) allocates nothing while it replays and keeps its graph's memory pool reserved:
+its peak is `torch.cuda.max_memory_reserved()`, after an untimed step that captures again once it is
+back on the device. On the CPU, where it cannot be measured: the persistent tensors only.
 `persistent_memory_gib`: the path's parameters, gradients between steps (none), buffers and optimizer
 state (`cs336_systems.training.step_tensors`).
 """
@@ -71,7 +74,7 @@ from cs336_systems.training.fused_adamw import mixed_precision_groups
 
 PROBLEM = "training_step"
 # the command-line options recorded as each context length's run config
-RUN_CONFIG_KEYS = ("size", "batch_size", "rounds", "steps", "warmup", "compile", "attention")
+RUN_CONFIG_KEYS = ("size", "batch_size", "rounds", "steps", "warmup", "compile", "attention", "cuda_graph")
 
 
 class StockStep:
@@ -93,8 +96,14 @@ class StockStep:
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def graphed(step) -> bool:
+    """A step replayed as one CUDA graph (`TrainStepConfig.cuda_graph`): timed whole, no phases."""
+    return bool(getattr(getattr(step, "cfg", None), "cuda_graph", False))
+
+
 def timed_step(step, tokens: Tensor, targets: Tensor) -> tuple[Tensor, dict[str, float] | None]:
-    """One step in three phases; on CUDA returns events to read after a sync, else host seconds."""
+    """One step in three phases (a graphed step: as a whole); on CUDA returns events to read after a
+    sync, else host seconds."""
     cuda = tokens.is_cuda
     marks = []
 
@@ -106,6 +115,11 @@ def timed_step(step, tokens: Tensor, targets: Tensor) -> tuple[Tensor, dict[str,
         else:
             marks.append(time.perf_counter())
 
+    if graphed(step):
+        mark()
+        loss = step(tokens, targets)
+        mark()
+        return loss, marks
     with step.on_stream():
         mark()
         loss = step.loss(tokens, targets)
@@ -123,6 +137,8 @@ def phase_ms(marks) -> dict[str, float]:
         gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
     else:
         gaps = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+    if len(gaps) != len(PHASES):  # a graphed step: one replay, no phases
+        return {"step": sum(gaps)}
     return dict(zip(PHASES, gaps)) | {"step": sum(gaps)}
 
 
@@ -183,7 +199,7 @@ def _step_failure(name: str, impl: str, note: str, run_cfg: dict) -> dict[str, A
 
 def _rows_for_path(path: str, name: str, times: list[dict], extra: dict, run_cfg: dict) -> list[dict]:
     train = {"name": name, "impl": path, "mode": "train", "dtype": "bf16"}
-    timed = [(f"{m}_ms", [t[m] for t in times]) for m in ("step", *PHASES)]
+    timed = [(f"{m}_ms", [t[m] for t in times]) for m in ("step", *PHASES) if all(m in t for t in times)]
     rows = [
         make_row(metric=metric, unit="ms", samples=samples, **train, **_at_context(run_cfg | extra))
         for metric, samples in timed
@@ -204,6 +220,7 @@ def ours_config(args) -> TrainStepConfig:
         compile_mode=args.compile_mode,
         overlap=args.overlap,
         overlap_programs=args.overlap_programs or None,
+        cuda_graph=args.cuda_graph,
         lr=args.lr,
         weight_decay=args.weight_decay,
     )
@@ -220,6 +237,8 @@ def ours_label(args) -> str:
         label += f" +overlap grid {args.overlap_programs}"
     if args.compile_mode != "default":
         label += f" +{args.compile_mode}"
+    if args.cuda_graph:
+        label += " +cuda_graph"
     return label
 
 
@@ -268,6 +287,10 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
             torch.cuda.empty_cache()  # the parked path's cached blocks (cut to its tensors) go back
         if path in parking and parking[path].parked:
             parking[path].unpark()
+            if graphed(steps[path]):  # parking dropped its graphs: capture again, untimed
+                timed_step(steps[path], *batches[0])
+                synchronize()
+                torch.cuda.empty_cache()  # the eager pool's free blocks; the graph's pool stays
 
     for path in paths:
         outcome: dict = {}
@@ -295,8 +318,13 @@ def compare(cfg: ModelConfig, args, run_cfg: dict, state: dict, batches, peak: f
                 times[path] += [phase_ms(m) for m in marks]
             if outcome:
                 failed(path, outcome["note"] + f" (in round {r + 1})")
-            elif cuda:
-                peaks[path] = max(peaks[path], torch.cuda.max_memory_allocated())
+            elif cuda:  # a graph's pool stays reserved between replays, which allocate nothing
+                held = (
+                    torch.cuda.max_memory_reserved()
+                    if graphed(steps[path])
+                    else torch.cuda.max_memory_allocated()
+                )
+                peaks[path] = max(peaks[path], held)
     if args.trace and not args.no_save:  # one profiled step of each path: its kernels by phase
         for path in list(steps):
             outcome = {}

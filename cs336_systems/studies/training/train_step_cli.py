@@ -60,6 +60,11 @@ def parser(doc: str) -> argparse.ArgumentParser:
         default=0,
         help="grid cap of our overlapped optimizer launches (0: uncapped)",
     )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="our step replays as one CUDA graph after two eager steps (timed whole, no phases)",
+    )
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager stock and ours")
     p.add_argument(
         "--no-trace",
@@ -94,6 +99,8 @@ def checked(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(
             "--attention flash_triton needs a CUDA device for bf16 (use --attention sdpa on a CPU)"
         )
+    if args.cuda_graph and torch.device(args.device).type != "cuda":
+        raise SystemExit("--cuda-graph captures our step in a CUDA graph: it needs --device cuda")
     if any(c < 1 for c in args.context_length):
         raise SystemExit(f"--context-length must be positive, got {args.context_length}")
     if not args.no_save:

@@ -2,7 +2,8 @@
 
 After the timed rounds, `training_step --parts compare` profiles one more step of each path (the
 other path parked, as in the rounds) with its phases as ranges ("forward", "backward",
-"optimizer_step"; the step's own work, on the step's stream). The compact trace
+"optimizer_step"; the step's own work, on the step's stream; a step replayed as one CUDA graph: one
+range, "graph_replay"). The compact trace
 (`trace_plot.compact_trace`: the kernels with their stream and the phase that launched them) is
 saved beside the rows as `training_step__trace_<impl>_ctx<N>.json.gz`, overwritten by the next run
 of that path and context (git keeps the earlier ones; the rows of the run name its sha).
@@ -46,19 +47,28 @@ def profile_step(step: Any, tokens: torch.Tensor, targets: torch.Tensor) -> dict
         activities.append(ProfilerActivity.CUDA)
     synchronize()
     with profile(activities=activities) as prof:
-        with step.on_stream():
-            with record_function("forward"):
-                loss = step.loss(tokens, targets)
-            with record_function("backward"):
-                loss.backward()
-            with record_function("optimizer_step"):
-                step.optimizer.step()
-                step.optimizer.zero_grad(set_to_none=True)
+        if getattr(getattr(step, "cfg", None), "cuda_graph", False):  # one replay: no phases to mark
+            with record_function("graph_replay"):
+                step(tokens, targets)
+        else:
+            _profiled_phases(step, tokens, targets)
         synchronize()
     compact = trace_plot.compact_profile(prof)
     if tokens.is_cuda and not any(e.get("cat") == "kernel" for e in compact["traceEvents"]):
         return None
     return compact
+
+
+def _profiled_phases(step: Any, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    """One eager step with its phases as profiler ranges."""
+    with step.on_stream():
+        with record_function("forward"):
+            loss = step.loss(tokens, targets)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer_step"):
+            step.optimizer.step()
+            step.optimizer.zero_grad(set_to_none=True)
 
 
 def save_profile(step: Any, batch: tuple[torch.Tensor, torch.Tensor], path: Path) -> Path | None:
