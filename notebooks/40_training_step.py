@@ -127,6 +127,19 @@ if latest:
         if older
         else ""
     )
+    graphed = [r for r in facts["runs"] if "+cuda_graph" in r["ours"]]
+    graphed_text = (
+        " Ours replayed as one CUDA graph (`--cuda-graph`, which takes the host's work out of the step; git "
+        + _and(sorted({r["git"] for r in graphed}))
+        + "): "
+        + _and(
+            f"{r['ratio']:.3f}x of stock at context {r['ctx']} on the {kind(r['device'])}" for r in graphed
+        )
+        + ", against the eager step's ratios above: at these sizes the step waits on the GPU, not the host, so the"
+        " graph stays an option (`TrainStepConfig.cuda_graph`), not the default."
+        if graphed
+        else ""
+    )
     nb.md(
         f"""**Answer.** The latest run at both contexts on each GPU (git {_and(gits)}; ours with {_and(atts)} attention, our own
 FlashAttention), ours vs stock: {per_gpu}. {goal_text} Ours' peak memory is
@@ -135,7 +148,7 @@ FlashAttention), ours vs stock: {per_gpu}. {goal_text} Ours' peak memory is
 ours keeps split fp32 masters, 12 bytes per parameter like stock).
 {"The paths alternated round by round, the idle one parked in page-locked host memory, so each peak is the path's own. " if parked else ""}Ours
 gains in the optimizer: stock's fused AdamW takes {span(opt["stock"])} ms after backward, ours leaves {span(opt["ours"])} ms
-of its update exposed (the rest overlaps backward), {fb_text}.{bound_text}{older_text}"""
+of its update exposed (the rest overlaps backward), {fb_text}.{bound_text}{older_text}{graphed_text}"""
     )
 
 # %% tags=["remove-input"]

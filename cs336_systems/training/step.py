@@ -12,19 +12,21 @@ variants agree to bf16 rounding (see [Note: bf16 compute weights] in `fused_adam
 scalar tensor; no host sync), with `.optimizer` and `.model`.
 
 [Note: the step as one CUDA graph]
-At short context the fast step is host-bound: on an H200 (2.7B, batch 4 x 512 tokens, 8 blocks) its
-backward took 20.5 ms of host time for 20.5 ms of GPU time, the compiled blocks' runtime wrappers,
-our attention launcher and the per-block optimizer launches together. With `cuda_graph=True` the
-step's first `GRAPH_WARMUP` calls per input shape run eagerly (compilation, kernel plans, optimizer
-state), the next captures the whole step (forward, backward, the overlapped updates on their side
-stream, the optimizer's flush) in one CUDA graph on the step's stream, and every later call copies the
-batch into the graph's input tensors and replays it: one launch per step. The optimizer then reads
-its step size from the device (`FusedAdamW.capturing` / `replay_step`), so learning-rate changes and
-the step count stay right. A graph holds the addresses it captured: when a parameter or optimizer
-buffer moves (`Offloader`, `FusedAdamW.rehome_`) the graphs are dropped and the next call captures
-again (`drop_graphs`, which `Offloader.park` calls to free the graphs' memory). The graph's memory
-pool stays reserved between steps: `torch.cuda.max_memory_reserved`, not the allocated peak, is what
-such a step holds.
+With `cuda_graph=True` the step's first `GRAPH_WARMUP` calls per input shape run eagerly (compilation,
+kernel plans, optimizer state), the next captures the whole step (forward, backward, the overlapped
+updates on their side stream, the optimizer's flush) in one CUDA graph on the step's stream, and every
+later call copies the batch into the graph's input tensors and replays it: one launch per step, no
+host work left in it. The optimizer then reads its step size from the device (`FusedAdamW.capturing`
+/ `replay_step`), so learning-rate changes and the step count stay right. A graph holds the addresses
+it captured: when a parameter or optimizer buffer moves (`Offloader`, `FusedAdamW.rehome_`) the graphs
+are dropped and the next call captures again (`drop_graphs`, which `Offloader.park` calls to free the
+graphs' memory). The graph's memory pool stays reserved between steps: `torch.cuda.max_memory_reserved`,
+not the allocated peak, is what such a step holds.
+It is off by default: an 8-block 2.7B step at 512 tokens spends as long on the host as on the GPU in
+its backward when timed from an idle GPU, but the 32-block step in a loop waits on the GPU (its
+overlapped AdamW shares the SMs with backward): on an H200 the graph took 0.987x the eager step's time
+in one process (`figures/data/training_step__ab_cuda_graph_ctx512_h200.txt`). It can only pay where the
+host, not the GPU, sets the pace of the loop, which it does not at these sizes.
 
 [Note: compile per block]
 The fast step compiles each transformer block on its own (`block.compile()`), not the whole model:
