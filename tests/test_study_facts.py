@@ -238,7 +238,14 @@ def test_training_step_facts_on_the_committed_run():
     # older runs (among them SDPA in ours with both paths resident) are listed, never quoted
     older = [r for r in facts["runs"] if r["run"] not in {x["run"] for x in latest.values()}]
     assert older and any(r["attention"] == "sdpa" and not r["parked"] for r in older)
-    assert all(r["git"] != run["git"] for r in older for run in latest.values())
+    for r in older:  # a GPU's quoted run is its newest complete default run: older ones are not newer
+        quoted = latest.get(r["device"])
+        if quoted is not None and r["ours"] == train_step_facts.DEFAULT_OURS and r["run"] != quoted["run"]:
+            complete = {512, 2048} <= {x["ctx"] for x in facts["runs"] if x["run"] == r["run"]}
+            assert not complete or r["timestamp"] < quoted["timestamp"]
+    # the step replayed as one CUDA graph (a non-default ours) is listed, never quoted
+    graphed = [r for r in facts["runs"] if "+cuda_graph" in r["ours"]]
+    assert graphed and not {r["run"] for r in graphed} & {x["run"] for x in latest.values()}
     # the older parts, each from one run and labelled by it
     runs = train_step_facts.with_runs(df)
     bandwidth = runs[runs.run == runs[runs.name == "bandwidth"].run.iloc[-1]]
