@@ -100,6 +100,21 @@ def test_the_one_pass_backward_replays_with_its_float32_scratch(full_calls):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_a_named_tensor_that_dies_while_recording_does_not_lend_its_id_to_another_role():
+    """A recording names tensors by id: one that a launcher names and drops (a temporary view) must
+    not give its id to a later tensor in another role, which would fail the recording as one tensor
+    in two roles (and leave the call on the full path every time)."""
+    with plans.recording() as rec:
+        for i in range(50):
+            plans.role(f"t{i}", torch.empty(1))  # each dropped at once: CPython would reuse its id
+    assert not rec.failed, rec.failed
+    with plans.recording() as rec:  # a tensor passed in two roles still fails it
+        t = torch.empty(1)
+        plans.role("q", t)
+        plans.role("k", t)
+    assert "both 'q' and 'k'" in rec.failed
+
+
 def test_bad_inputs_are_refused_with_a_plan_in_place(full_calls):
     q, k, v, do = _inputs((1, 2, 32, 16))
     launch.flash_fwd(q, k, v, True)
@@ -230,7 +245,7 @@ def test_host_descriptors_are_made_again_from_the_tensor_in_their_role_on_replay
 def test_replayed_descriptors_are_encoded_once_per_address_and_passed_flattened():
     """`plans._Encoded` calls Triton's launcher below its descriptor wrapper: each descriptor argument
     encoded (by the encoder it is given: Triton's `make_tensordesc_arg`) once per argument and address,
-    and passed flattened in place, other arguments by role or as recorded."""
+    and passed flattened in place, tensors by role as their addresses, other arguments as recorded."""
     calls, encoded = [], []
 
     def encode(desc, meta):
@@ -252,7 +267,40 @@ def test_replayed_descriptors_are_encoded_once_per_address_and_passed_flattened(
     ]  # fmt: skip
     head = (3, 1, 1, "stream", "fn", False, False, None, None, "pm", None, None, None)
     flat = [f"map@{a.data_ptr() + 128}", 2, 3, 16, 16, 3840, 80, 1280, 1]
-    assert calls[1] == (*head, *flat, lse, 7, *flat, None)
+    assert calls[1] == (*head, *flat, lse.data_ptr(), 7, *flat, None)  # pointers as addresses
+
+
+def test_a_replay_builds_its_arguments_once_per_set_of_addresses(monkeypatch):
+    """Below Triton's JIT a replay keeps each launch's arguments by the addresses of the tensors in
+    its roles ([Note: a replay's arguments by address]): the same addresses again are launched from
+    the kept arguments, a new address builds them anew; pointers go to the launcher as addresses,
+    parameters left to their defaults as recorded."""
+    runs, builds = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "pm"
+        metadata = type("Metadata", (), {"global_scratch_size": 0})()
+
+        def run(self, *args):
+            runs.append(args)
+
+    default = type("Param", (), {"default": True})()
+    kernel = type(
+        "Kernel", (), {"arg_names": ["a", "b", "n", "flag"], "params": [None, None, None, default]}
+    )()
+    plan = plans.Plan(
+        [plans._Launch(kernel, (4, 2), (plans._Role("a"), plans._Role("b"), 7), {}, Compiled())]
+    )
+    monkeypatch.setattr(plans, "current_stream", lambda: "stream")
+    original = plans._Call.arguments
+    monkeypatch.setattr(plans._Call, "arguments", lambda self, t: builds.append(1) or original(self, t))
+    a, b, c = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    for x in (a, a, c, a):
+        plan.run({"a": x, "b": b})
+    head = (4, 2, 1, "stream", "fn", "pm", None, None, None)
+    assert runs == [(*head, x.data_ptr(), b.data_ptr(), 7, True) for x in (a, a, c, a)]
+    assert all(type(r[9]) is plans._Address for r in runs)  # an int: Triton's launcher takes it as it is
+    assert len(builds) == 2  # a, then c; the third a is the first's
 
 
 def test_replayed_descriptors_of_a_deep_models_step_stay_encoded_from_step_to_step():

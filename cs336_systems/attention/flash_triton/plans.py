@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +138,11 @@ class Recorder:
     """Notes the launches of one launcher call. `role(name, t)` names a tensor the launches may take."""
 
     roles: dict[int, str] = field(default_factory=dict)
+    # the tensors named so far, kept so that no id in `roles` is reused while recording: a view that
+    # a launcher names and drops (say the 4-D view of o after Delta's kernel) would otherwise hand
+    # its id to a later tensor (the dQ buffer), which then seemed one tensor in two roles and failed
+    # the recording, in some runs and not others (OPTIMIZATION_LOG.md, session 26)
+    named: list[Tensor] = field(default_factory=list)
     launches: list[_Launch] = field(default_factory=list)
     # the launcher's scratch tensors (`empty`): name, shape, dtype, device
     scratch: list[tuple[str, tuple[int, ...], Any, Any]] = field(default_factory=list)
@@ -150,6 +155,7 @@ class Recorder:
         if self.roles.get(id(t), name) != name:  # one tensor passed in two roles (say q is k)
             self.fail(f"one tensor is both {self.roles[id(t)]!r} and {name!r}")
         self.roles[id(t)] = name
+        self.named.append(t)
         return t
 
     def fail(self, reason: str) -> None:
@@ -224,16 +230,27 @@ def recording() -> Iterator[Recorder]:
 
 
 class Plan:
-    """The recorded launches of one signature; `run(tensors)` replays them with tensors by role."""
+    """The recorded launches of one signature; `run(tensors)` replays them with tensors by role.
+
+    [Note: a replay's arguments by address]
+    On the GPU a replay builds each launch's arguments once per set of addresses of the tensors in
+    the plan's roles and keeps them (`_arguments`, keyed by those addresses): the signature fixes
+    every shape and stride, so the addresses are all that the pointers and descriptors of a replay
+    can differ by. A repeated call (the same caching-allocator addresses, as a benchmark's loop or a
+    model's steps give them) then costs one key, one lookup and the launches. Pointers are passed as
+    addresses (`_Address`, an int), which Triton's launcher takes as they are, without the tensor's
+    `data_ptr` call and the driver's pointer query it makes for a tensor."""
 
     def __init__(self, launches: list[_Launch], device: Any = None, scratch: list | None = None):
         self.launches = launches
         self.scratch = scratch or []
-        self._bound = [self._bind(x) for x in launches]
-        # per launch with descriptor arguments: its `_Encoded` launcher (made at the first replay)
-        self._encoded: list[_Encoded | bool | None] = [
-            b is not None and any(isinstance(v, _Described) for v in b[1]) for b in self._bound
-        ]
+        bound = [self._bind(x) for x in launches]
+        self._calls = None if any(b is None for b in bound) else [
+            _Call(x, *b) for x, b in zip(launches, bound, strict=True)
+        ]  # fmt: skip
+        roles = [v.name for b in bound if b is not None for v in b[1] if isinstance(v, (_Role, _Described))]
+        self._names = tuple(dict.fromkeys(roles))  # the roles the launches read, in a fixed order
+        self._arguments: dict[tuple[int, ...], list[tuple]] = {}
         global_scratch = any(
             getattr(x.compiled.metadata, "global_scratch_size", 0) for x in launches if x.compiled
         )
@@ -258,32 +275,70 @@ class Plan:
             tensors = tensors | {
                 n: torch.empty(shape, dtype=dt, device=dev) for n, shape, dt, dev in self.scratch
             }
-
-        def sub(v: Any, checked: bool = False) -> Any:
-            if isinstance(v, _Role):
-                return tensors[v.name]
-            return v.make(tensors, checked) if isinstance(v, _Described) else v
-
         if self._allocator is not None:  # device-side TMA descriptors live in global scratch
             triton.set_allocator(self._allocator)
         hooks = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
         quiet = all(not getattr(h, "calls", True) for h in hooks)  # no profiler hooks installed
-        stream = None
-        for i, (x, bound) in enumerate(zip(self.launches, self._bound)):
-            if bound is None or not quiet:  # the interpreter, or hooks that want Triton's own path
-                args = (sub(v, checked=True) for v in x.args)
-                x.fn[x.grid](*args, **{k: sub(v, checked=True) for k, v in x.kwargs.items()})
-                continue
-            if stream is None:
-                stream = driver.active.get_current_stream(driver.active.get_current_device())
-            (gx, gy, gz), values = bound
-            k = x.compiled
-            if self._encoded[i] is True:
-                self._encoded[i] = _Encoded.of(k)
-            if self._encoded[i]:
-                self._encoded[i]((gx, gy, gz), stream, k, values, tensors)
-                continue
-            k.run(gx, gy, gz, stream, k.function, k.packed_metadata, None, None, None, *map(sub, values))
+        if self._calls is None or not quiet:  # the interpreter, or hooks that want Triton's own path
+            self._run_checked(tensors)
+            return
+        key = tuple([tensors[n].data_ptr() for n in self._names])
+        arguments = self._arguments.get(key)
+        if arguments is None:  # [Note: a replay's arguments by address]
+            if len(self._arguments) >= MAX_ENCODED:
+                self._arguments.clear()
+            arguments = self._arguments[key] = [call.arguments(tensors) for call in self._calls]
+        stream = current_stream()
+        for call, args in zip(self._calls, arguments):
+            call(stream, args)
+
+    def _run_checked(self, tensors: dict[str, Tensor]) -> None:
+        """Each launch through Triton's JIT (`fn[grid](...)`), descriptors as Gluon's checked ones."""
+
+        def sub(v: Any) -> Any:
+            if isinstance(v, _Role):
+                return tensors[v.name]
+            return v.make(tensors, True) if isinstance(v, _Described) else v
+
+        for x in self.launches:
+            x.fn[x.grid](*map(sub, x.args), **{k: sub(v) for k, v in x.kwargs.items()})
+
+
+def current_stream() -> int:
+    """The current CUDA stream of the current device, as Triton's launchers take it."""
+    return driver.active.get_current_stream(driver.active.get_current_device())
+
+
+class _Call:
+    """One recorded launch, replayed below Triton's JIT: `arguments(tensors)` builds its arguments
+    from the tensors by role (pointers as addresses, descriptors encoded or as light stand-ins), and
+    `call(stream, args)` launches it with them."""
+
+    __slots__ = ("compiled", "encoded", "grid", "values")
+
+    def __init__(self, x: _Launch, grid: tuple[int, int, int], values: tuple) -> None:
+        self.compiled, self.grid, self.values = x.compiled, grid, values
+        # its `_Encoded` launcher where it takes descriptors: made at the first replay (True until then)
+        self.encoded: _Encoded | bool | None = any(isinstance(v, _Described) for v in values)
+
+    def arguments(self, tensors: dict[str, Tensor]) -> tuple:
+        if self.encoded is True:
+            self.encoded = _Encoded.of(self.compiled)
+        if self.encoded:
+            return tuple(self.encoded.flatten(self.values, tensors))
+        return tuple(
+            _Address(tensors[v.name].data_ptr()) if isinstance(v, _Role)
+            else v.make(tensors, False) if isinstance(v, _Described) else v
+            for v in self.values
+        )  # fmt: skip
+
+    def __call__(self, stream: Any, args: tuple) -> None:
+        k = self.compiled
+        gx, gy, gz = self.grid
+        if self.encoded:
+            self.encoded.launch(self.grid, stream, k, args)
+        else:
+            k.run(gx, gy, gz, stream, k.function, k.packed_metadata, None, None, None, *args)
 
 
 class _Encoded:
@@ -313,7 +368,9 @@ class _Encoded:
             return None
         return _Encoded(cells["launcher"], list(meta), encode, run)
 
-    def __call__(self, grid: tuple, stream: Any, k: Any, values: tuple, tensors: dict[str, Tensor]) -> None:
+    def flatten(self, values: tuple, tensors: dict[str, Tensor]) -> list:
+        """The kernel's arguments as the wrapper would pass them: each descriptor encoded (once per
+        argument and address) and flattened in place, pointers as addresses, the rest as recorded."""
         final: list = []
         ordinal = 0  # of the descriptor among the kernel's descriptor parameters
         for i, v in enumerate(values):
@@ -328,10 +385,16 @@ class _Encoded:
                 final.extend(encoded)
                 ordinal += 1
             else:
-                final.append(tensors[v.name] if isinstance(v, _Role) else v)
+                final.append(_Address(tensors[v.name].data_ptr()) if isinstance(v, _Role) else v)
+        return final
+
+    def launch(self, grid: tuple, stream: Any, k: Any, final: Sequence) -> None:
         run = self.run
         self.launcher(*grid, stream, k.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                       k.packed_metadata, None, None, None, *final)  # fmt: skip
+
+    def __call__(self, grid: tuple, stream: Any, k: Any, values: tuple, tensors: dict[str, Tensor]) -> None:
+        self.launch(grid, stream, k, self.flatten(values, tensors))
 
 
 def _scratch_allocator(device: Any):
