@@ -383,6 +383,22 @@ def test_custom_op_floor_has_our_step_structure():
     leaderboard_step("custom_op_floor", x.detach().requires_grad_())  # a known impl (compiled lazily)
 
 
+def test_host_times_interleave_rounds_of_every_impl_and_count_graph_breaks(capsys):
+    """`flash_bench --host-profile`'s table: each impl's wall time per step in every round (rounds
+    interleaved), with the medians' ratio to the first impl's; bad counts are refused before any work."""
+    from cs336_systems.studies.attention.flash_bench import host_times
+
+    impls = ("custom_op_floor", "flash_triton_eager")
+    out = host_times(impls, [(2, 32, 16)], rounds=2, steps=2, device="cpu")
+    assert list(out) == [(2, 32, 16)] and list(out[(2, 32, 16)]) == list(impls)
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in out[(2, 32, 16)].values())
+    text = capsys.readouterr().out
+    assert "2 interleaved rounds of 2 steps" in text and " 1.000x  custom_op_floor" in text
+    assert "graph breaks" not in text  # the compiled floor is one graph each way
+    with pytest.raises(ValueError, match="rounds and steps"):
+        host_times(impls, [(2, 32, 16)], rounds=0, device="cpu")
+
+
 def test_throughput_table_on_the_committed_results():
     """Per-pass TFLOP/s from the latest split run, as fractions of that run's measured peak and of
     the datasheet, beside the published FlashAttention-3 figures."""

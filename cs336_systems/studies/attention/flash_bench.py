@@ -78,11 +78,63 @@ def _lb_shape(spec: str) -> tuple[int, int, int]:
     return heads, n, d
 
 
+def host_times(
+    impls: Sequence[str],
+    shapes: Sequence[tuple[int, int, int]],
+    *,
+    rounds: int = 5,
+    steps: int = 200,
+    device: str = "cuda",
+) -> dict[tuple[int, int, int], dict[str, list[float]]]:
+    """The wall time per protocol step of each impl (us): a loop of `steps` steps with one synchronize
+    at the end, in `rounds` interleaved rounds. Where the GPU's share of a step is small (a tiny
+    shape) this is the host time per call. Prints each round, the medians and their ratio to the
+    first impl's (and the graph breaks a compiled impl's warm-up steps counted); returns {shape: {impl:
+    per round}}."""
+    from torch._dynamo.utils import counters
+
+    if rounds < 1 or steps < 1:
+        raise ValueError(f"host_times: rounds and steps must be >= 1, got {rounds} and {steps}")
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+    from cs336_systems.studies.attention.impls import leaderboard_step
+
+    out = {}
+    for heads, n, d in shapes:
+        x = torch.randn(3, heads, n, d, device=device, dtype=dtype, requires_grad=True)
+        step_of = {impl: leaderboard_step(impl, x) for impl in impls}
+        breaks = {}
+        for impl, step in step_of.items():
+            before = sum(counters["graph_break"].values())
+            for _ in range(5):
+                step()
+            breaks[impl] = sum(counters["graph_break"].values()) - before
+        times: dict[str, list[float]] = {impl: [] for impl in impls}
+        for _ in range(rounds):
+            for impl, step in step_of.items():
+                synchronize(device)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                synchronize(device)
+                times[impl].append((time.perf_counter() - t0) / steps * 1e6)
+        medians = {impl: sorted(v)[len(v) // 2] for impl, v in times.items()}
+        first = medians[impls[0]]
+        print(
+            f"\nwall time per step at {heads} x {n} x {d}, {rounds} interleaved rounds of {steps} steps (us)"
+        )
+        for impl, v in times.items():
+            rounds_us = " ".join(f"{t:7.1f}" for t in v)
+            note = f"  ({breaks[impl]} graph breaks)" if breaks[impl] else ""
+            print(f"  {medians[impl]:8.1f}  {medians[impl] / first:6.3f}x  {impl:22s} [{rounds_us}]{note}")
+        out[(heads, n, d)] = times
+    return out
+
+
 def host_profile(impls: Sequence[str], shapes: Sequence[tuple[int, int, int]], steps: int = 20) -> None:
     """Where the time of one protocol step goes when the GPU waits for the host: per shape and impl,
-    the wall time per step (a loop of `steps` steps, one synchronize at the end), the GPU kernel time
-    per step, the host operations with the most self CPU time and the kernels with the most GPU time
-    (torch.profiler). Prints only."""
+    the GPU kernel time per step, the host operations with the most self CPU time and the kernels with
+    the most GPU time (torch.profiler). Prints only."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -95,20 +147,13 @@ def host_profile(impls: Sequence[str], shapes: Sequence[tuple[int, int, int]], s
             for _ in range(3):
                 step()
             synchronize("cuda")
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            synchronize("cuda")
-            wall_ms = (time.perf_counter() - t0) / steps * 1e3
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
                     step()
                 synchronize("cuda")
             events = prof.key_averages()
             gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1e3
-            print(
-                f"\n{impl} at {heads} x {n} x {d}: wall {wall_ms:.3f} ms/step, GPU kernels {gpu_ms:.3f} ms/step"
-            )
+            print(f"\n{impl} at {heads} x {n} x {d}: GPU kernels {gpu_ms:.3f} ms/step")
             top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
             for e in top:
                 print(f"  {e.self_cpu_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3} {e.key[:90]}")
@@ -206,7 +251,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "a forward variant may name the kernel first, ws (warp-specialised) or wg (one warpgroup), from that "
         "kernel's own defaults: ws+block_n=64; tl (forward only) is the portable tl forward",
     )
-    p.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of --ab-bwd / --ab-fwd")
+    p.add_argument(
+        "--ab-rounds", type=int, default=3, help="interleaved rounds of --ab-bwd / --ab-fwd / --host-profile"
+    )
     p.add_argument(
         "--ab-layout",
         choices=list(LAYOUTS),
@@ -237,8 +284,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--host-profile",
         action="store_true",
-        help="profile the host side of the protocol step for --lb-shapes x --lb-impls (prints only)",
+        help="the protocol step's wall time per step for --lb-shapes x --lb-impls in --ab-rounds interleaved "
+        "rounds (the host time per call where the GPU's share is small, e.g. 2x128x80), then its profile "
+        "(prints only)",
     )
+    p.add_argument("--host-times-only", action="store_true", help="--host-profile without the profiles")
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
     )
@@ -289,7 +339,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.host_profile:
         if args.device != "cuda":
             p.error("--host-profile needs a CUDA device")
-        host_profile(args.lb_impls, lb_shapes)
+        host_times(args.lb_impls, lb_shapes, rounds=args.ab_rounds)
+        if not args.host_times_only:
+            host_profile(args.lb_impls, lb_shapes)
         return
     results_dir = None if args.once else cli.results_dir_for(args.results_dir, quick=args.quick)
 

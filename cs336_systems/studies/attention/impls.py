@@ -27,6 +27,8 @@ from cs336_systems.model import get_attention
 # our launchers only, no Dynamo guards or AOTAutograd wrappers: what a single attention call costs eagerly).
 # "<impl>_graphed": that attention's forward and backward captured in CUDA graphs
 # (`torch.cuda.make_graphed_callables`) and replayed, so no host work per call is left (GPU only).
+# "sdpa_<backend>_compiled": SDPA compiled the way the protocol compiles ours (`torch.compile` of the
+# call alone), so that its host time per call is the like-for-like baseline of our compiled path's.
 LEADERBOARD_IMPLS = (
     "flash_triton",
     "flash_triton_portable",
@@ -39,6 +41,8 @@ LEADERBOARD_IMPLS = (
     "flash_triton_graphed",
     "sdpa_flash_graphed",
     "sdpa_cudnn_graphed",
+    "sdpa_flash_compiled",
+    "sdpa_cudnn_compiled",
 )
 # Implementations timed only as the protocol's step (no attention callable of their own).
 STEP_ONLY = (
@@ -47,7 +51,10 @@ STEP_ONLY = (
     "flash_triton_graphed",
     "sdpa_flash_graphed",
     "sdpa_cudnn_graphed",
+    "sdpa_flash_compiled",
+    "sdpa_cudnn_compiled",
 )
+_COMPILED_SDPA = {"sdpa_flash_compiled": "flash", "sdpa_cudnn_compiled": "cudnn"}
 # Our implementations that pin the kernel choice (tiles.KernelOptions.hopper).
 _PINNED_HOPPER = {"flash_triton_portable": False, "flash_triton_gluon": True}
 
@@ -165,6 +172,9 @@ def leaderboard_step(impl: str, x: torch.Tensor) -> Callable[[], None]:
         flash = torch.compile(CustomOpFloor.apply)
     elif impl == "flash_pytorch_compiled_bwd":
         flash = torch.compile(lambda a, b, c, causal: FlashAttentionTriton.apply(a, b, c, causal, "pytorch"))
+    elif impl in _COMPILED_SDPA:
+        q, k, v = q[None], k[None], v[None]  # 4-D for SDPA's kernels
+        flash = torch.compile(sdpa_fn(_COMPILED_SDPA[impl]))
     else:
         sdpa = sdpa_fn(impl.removeprefix("sdpa_"))
         q, k, v = q[None], k[None], v[None]  # (1, heads, N, d) views: SDPA's flash/cuDNN kernels want 4-D
