@@ -283,12 +283,12 @@ def test_shape_table_on_the_committed_results_never_mixes_gpu_models_or_runs():
         per_row = rows.groupby(["gpu", "shape"])
         assert (per_row.gpu_name.nunique() == 1).all() and (per_row.run_id.nunique() == 1).all()
     h200 = t[t.gpu == "H200"]
-    # on the H200 the latest runs: fcdac70 at five shapes (the protocol's without CUDA-graph steps or the
-    # eager call; 32 x 32768 x 128 and 2048 tokens with the eager call; 512 and 1024 tokens with both),
-    # b04f68b at 4096 tokens (CUDA-graph steps, no eager call)
+    # on the H200 the latest runs: fcdac70 at the protocol's shape (without CUDA-graph steps or the eager
+    # call), 64152b4 at 32 x 32768 x 128 and 512, 1024 and 2048 tokens (both), b04f68b at 4096 tokens
+    # (CUDA-graph steps, no eager call)
     h200_src = src[(src.gpu == "H200") & (src.metric == "latency")]
     sha = h200_src.groupby("shape").git_sha.agg(lambda x: set(x.str[:7]))
-    assert set(sha.map(tuple)) == {("fcdac70",), ("b04f68b",)}
+    assert set(sha.map(tuple)) == {("fcdac70",), ("64152b4",), ("b04f68b",)}
     timed = h200_src.groupby("shape").impl.agg(set)
     for col, impl in (("graphed / cuDNN", "flash_triton_graphed"), ("eager / cuDNN", "flash_triton_eager")):
         ratio = h200.set_index("shape")[col]
