@@ -114,7 +114,7 @@ def test_every_output_element_is_written(monkeypatch):
     """Outputs start as NaN: any element a kernel forgets to write fails the check."""
     monkeypatch.setattr(launch, "output_like", lambda t: torch.full_like(t, float("nan")))
     monkeypatch.setattr(
-        launch, "_empty_f32", lambda shape, device: torch.full(shape, float("nan"), device=device)
+        launch, "_empty_f32", lambda shape, like: torch.full(shape, float("nan"), device=like.device)
     )
     case = make_case((1, 2), 61, 45, 24, torch.float32, is_causal=True)
     with use_configs(SMALL_FWD, SMALL_BWD):

@@ -301,6 +301,9 @@ def test_a_replay_builds_its_arguments_once_per_set_of_addresses(monkeypatch):
     assert runs == [(*head, x.data_ptr(), b.data_ptr(), 7, True) for x in (a, a, c, a)]
     assert all(type(r[9]) is plans._Address for r in runs)  # an int: Triton's launcher takes it as it is
     assert len(builds) == 2  # a, then c; the third a is the first's
+    monkeypatch.setattr(plans, "MAX_ARGUMENT_SETS", 2)  # full: the kept sets are cleared, then refilled
+    plan.run({"a": b, "b": b})
+    assert len(builds) == 3 and len(plan._arguments) == 1
 
 
 def test_replayed_descriptors_of_a_deep_models_step_stay_encoded_from_step_to_step():

@@ -97,6 +97,11 @@ def output_like(t: Tensor) -> Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
+def _empty_f32(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An uninitialised float32 tensor of `shape` on like's device (the logsumexp, Delta)."""
+    return like.new_empty(shape, dtype=torch.float32)
+
+
 def _tma_possible(device: torch.device, *tensors4: Tensor) -> bool:
     """Descriptors work on Hopper or newer (and in the interpreter) for aligned layouts."""
     if not tiles.tma_layout_ok(*tensors4):
@@ -191,8 +196,7 @@ _BWD_PLANS = plans.PlanCache()
 def _fwd_operands(q: Tensor, k: Tensor, v: Tensor) -> dict[str, Tensor]:
     """The forward kernels' tensors by role: q, k, v (last dim made contiguous), o and lse (new)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return {"q": q, "k": k, "v": v, "o": output_like(q), "lse": lse}
+    return {"q": q, "k": k, "v": v, "o": output_like(q), "lse": _empty_f32(q.shape[:-1], q)}
 
 
 def _plan_key(kind: str, is_causal: bool, *tensors: Tensor) -> tuple:
@@ -323,10 +327,10 @@ def _bwd_operands(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     """The backward kernels' tensors by role: the inputs (last dims made contiguous, do in q's dtype,
     lse float32 contiguous) and new dq, dk, dv and delta."""
     q, k, v, o, do = (_last_dim_contiguous(t) for t in (q, k, v, o, do))
-    lse = lse.contiguous().float()  # (..., N_q) float32: delta is made like it
+    lse = lse.contiguous().float()  # (..., N_q) float32, as delta
     return {
         "q": q, "k": k, "v": v, "o": o, "do": do if do.dtype == q.dtype else do.to(q.dtype), "lse": lse,
-        "dq": output_like(q), "dk": output_like(k), "dv": output_like(v), "delta": torch.empty_like(lse),
+        "dq": output_like(q), "dk": output_like(k), "dv": output_like(v), "delta": _empty_f32(lse.shape, lse),
     }  # fmt: skip
 
 

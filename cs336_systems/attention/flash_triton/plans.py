@@ -46,6 +46,10 @@ MAX_PLANS = 256  # signatures kept per kind before the cache is cleared
 # step re-encoded every descriptor every call); it saves encodings only where later steps reuse the
 # addresses, which the caching allocator need not do (OPTIMIZATION_LOG.md, session 24)
 MAX_ENCODED = 4096
+# argument sets kept per plan before clearing ([Note: a replay's arguments by address]): a deep model's
+# step uses one per layer, so a few steps' worth of layers; each holds a launch's flattened arguments
+# (some kB with descriptors), so fewer than the single encodings above
+MAX_ARGUMENT_SETS = 1024
 
 
 def tensor_signature(t: Tensor) -> tuple:
@@ -285,7 +289,7 @@ class Plan:
         key = tuple([tensors[n].data_ptr() for n in self._names])
         arguments = self._arguments.get(key)
         if arguments is None:  # [Note: a replay's arguments by address]
-            if len(self._arguments) >= MAX_ENCODED:
+            if len(self._arguments) >= MAX_ARGUMENT_SETS:
                 self._arguments.clear()
             arguments = self._arguments[key] = [call.arguments(tensors) for call in self._calls]
         stream = current_stream()
