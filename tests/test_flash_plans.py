@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from cs336_systems.attention import FlashAttentionTriton
-from cs336_systems.attention.flash_triton import BwdConfig, FwdConfig, launch, plans, use_configs
+from cs336_systems.attention.flash_triton import (
+    BwdConfig,
+    FwdConfig,
+    kernel_calls,
+    launch,
+    plans,
+    use_configs,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:tl.make_block_ptr is deprecated")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -205,10 +212,10 @@ def test_host_descriptors_are_made_again_from_the_tensor_in_their_role_on_replay
     kernel = type("Kernel", (), {"__name__": "kernel", "arg_names": ["k0", "k1", "dq"], "params": []})()
     t = torch.zeros(2, 16, 3, 80, dtype=torch.bfloat16).transpose(1, 2)  # (B, N, H, d) as (B, H, N, d)
     acc = torch.zeros(6, 64, 32)
-    split = plans.TmaView(
+    split = kernel_calls.TmaView(
         64, 16, (1, 1, 8, 16), gl.NVMMASharedLayout.get_default_for([1, 1, 8, 16], gl.bfloat16)
     )
-    rows = plans.TmaView(
+    rows = kernel_calls.TmaView(
         0, 32, (1, 8, 4, 2, 32), gl.NVMMASharedLayout(128, 32, rank=5), rows_interleaved=True
     )
     with plans.recording() as rec:
@@ -243,7 +250,7 @@ def test_host_descriptors_are_made_again_from_the_tensor_in_their_role_on_replay
 
 
 def test_replayed_descriptors_are_encoded_once_per_address_and_passed_flattened():
-    """`plans._Encoded` calls Triton's launcher below its descriptor wrapper: each descriptor argument
+    """`kernel_calls.Encoded` calls Triton's launcher below its descriptor wrapper: each descriptor argument
     encoded (by the encoder it is given: Triton's `make_tensordesc_arg`) once per argument and address,
     and passed flattened in place, tensors by role as their addresses, other arguments as recorded."""
     calls, encoded = [], []
@@ -254,10 +261,10 @@ def test_replayed_descriptors_are_encoded_once_per_address_and_passed_flattened(
 
     run = type("Run", (), {"launch_cooperative_grid": False, "launch_pdl": False})()
     kernel = type("Compiled", (), {"function": "fn", "packed_metadata": "pm"})()
-    launcher = plans._Encoded(lambda *args: calls.append(args), ["meta0", "meta1"], encode, run)
-    view = plans.TmaView(64, 16, (1, 1, 8, 16), None)
-    described = plans._Described("k", view, 128, [2, 3, 16, 16], [3840, 80, 1280, 1])
-    values = (described, plans._Role("lse"), 7, described, None)
+    launcher = kernel_calls.Encoded(lambda *args: calls.append(args), ["meta0", "meta1"], encode, run)
+    view = kernel_calls.TmaView(64, 16, (1, 1, 8, 16), None)
+    described = kernel_calls.Described("k", view, 128, [2, 3, 16, 16], [3840, 80, 1280, 1])
+    values = (described, kernel_calls.Role("lse"), 7, described, None)
     a, b, lse = torch.zeros(4), torch.zeros(4), torch.zeros(2)
     for t in (a, a, b):
         launcher((3, 1, 1), "stream", kernel, values, {"k": t, "lse": lse})
@@ -289,17 +296,19 @@ def test_a_replay_builds_its_arguments_once_per_set_of_addresses(monkeypatch):
         "Kernel", (), {"arg_names": ["a", "b", "n", "flag"], "params": [None, None, None, default]}
     )()
     plan = plans.Plan(
-        [plans._Launch(kernel, (4, 2), (plans._Role("a"), plans._Role("b"), 7), {}, Compiled())]
+        [plans._Launch(kernel, (4, 2), (kernel_calls.Role("a"), kernel_calls.Role("b"), 7), {}, Compiled())]
     )
-    monkeypatch.setattr(plans, "current_stream", lambda: "stream")
-    original = plans._Call.arguments
-    monkeypatch.setattr(plans._Call, "arguments", lambda self, t: builds.append(1) or original(self, t))
+    monkeypatch.setattr(kernel_calls, "current_stream", lambda: "stream")
+    original = kernel_calls.Call.arguments
+    monkeypatch.setattr(kernel_calls.Call, "arguments", lambda self, t: builds.append(1) or original(self, t))
     a, b, c = torch.zeros(4), torch.zeros(4), torch.zeros(4)
     for x in (a, a, c, a):
         plan.run({"a": x, "b": b})
     head = (4, 2, 1, "stream", "fn", "pm", None, None, None)
     assert runs == [(*head, x.data_ptr(), b.data_ptr(), 7, True) for x in (a, a, c, a)]
-    assert all(type(r[9]) is plans._Address for r in runs)  # an int: Triton's launcher takes it as it is
+    assert all(
+        type(r[9]) is kernel_calls.Address for r in runs
+    )  # an int: Triton's launcher takes it as it is
     assert len(builds) == 2  # a, then c; the third a is the first's
     monkeypatch.setattr(plans, "MAX_ARGUMENT_SETS", 2)  # full: the kept sets are cleared, then refilled
     plan.run({"a": b, "b": b})
@@ -317,9 +326,9 @@ def test_replayed_descriptors_of_a_deep_models_step_stay_encoded_from_step_to_st
 
     run = type("Run", (), {"launch_cooperative_grid": False, "launch_pdl": False})()
     kernel = type("Compiled", (), {"function": "fn", "packed_metadata": "pm"})()
-    launcher = plans._Encoded(lambda *args: None, ["meta"], encode, run)
-    described = plans._Described(
-        "q", plans.TmaView(0, 16, (1, 1, 8, 16), None), 0, [1, 1, 8, 16], [128, 128, 16, 1]
+    launcher = kernel_calls.Encoded(lambda *args: None, ["meta"], encode, run)
+    described = kernel_calls.Described(
+        "q", kernel_calls.TmaView(0, 16, (1, 1, 8, 16), None), 0, [1, 1, 8, 16], [128, 128, 16, 1]
     )
     layers = [torch.zeros(4) for _ in range(300)]
     for _ in range(2):

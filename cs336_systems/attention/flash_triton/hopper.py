@@ -34,7 +34,7 @@ import torch
 import triton
 from torch import Tensor
 
-from cs336_systems.attention.flash_triton import buffer_kernels, plans
+from cs336_systems.attention.flash_triton import buffer_kernels, kernel_calls, plans
 from cs336_systems.attention.flash_triton.hopper_configs import (
     HEAD_MAJOR_MIN_TILES,
     ONE_PASS_HEAD_DIMS,
@@ -117,9 +117,11 @@ def _column_blocks(d0: int, d: int) -> tuple[tuple[int, int], ...]:
 
 
 @functools.cache
-def _tile_view(col0: int, width: int, block: tuple[int, ...], dtype: torch.dtype) -> plans.TmaView:
+def _tile_view(col0: int, width: int, block: tuple[int, ...], dtype: torch.dtype) -> kernel_calls.TmaView:
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-    return plans.TmaView(col0, width, block, gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype))
+    return kernel_calls.TmaView(
+        col0, width, block, gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+    )
 
 
 def head_descriptors(t4: Tensor, d0: int, rows: int) -> tuple:
@@ -133,9 +135,9 @@ def head_descriptors(t4: Tensor, d0: int, rows: int) -> tuple:
 
 
 @functools.cache
-def _rows_interleaved_view(col0: int, width: int) -> plans.TmaView:
+def _rows_interleaved_view(col0: int, width: int) -> kernel_calls.TmaView:
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=5)
-    return plans.TmaView(col0, width, (1, 8, 4, 2, width), layout, rows_interleaved=True)
+    return kernel_calls.TmaView(col0, width, (1, 8, 4, 2, width), layout, rows_interleaved=True)
 
 
 def dq_descriptors(dq_acc: Tensor, d0: int, interleaved: bool) -> tuple:
