@@ -5,6 +5,8 @@ and the signature rules; the GPU test replays through `CompiledKernel.run`."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -306,13 +308,66 @@ def test_a_replay_builds_its_arguments_once_per_set_of_addresses(monkeypatch):
         plan.run({"a": x, "b": b})
     head = (4, 2, 1, "stream", "fn", "pm", None, None, None)
     assert runs == [(*head, x.data_ptr(), b.data_ptr(), 7, True) for x in (a, a, c, a)]
-    assert all(
-        type(r[9]) is kernel_calls.Address for r in runs
-    )  # an int: Triton's launcher takes it as it is
+    assert all(type(r[9]) is kernel_calls.Address for r in runs)  # an int: the launcher takes it as is
     assert len(builds) == 2  # a, then c; the third a is the first's
     monkeypatch.setattr(plans, "MAX_ARGUMENT_SETS", 2)  # full: the kept sets are cleared, then refilled
     plan.run({"a": b, "b": b})
     assert len(builds) == 3 and len(plan._arguments) == 1
+
+
+def make_tensordesc_arg(desc, meta):
+    """The encoder `kernel_calls.Encoded.of` finds beside a launcher's class (Triton's own there)."""
+    return [f"map@{desc.base.data_ptr()}/{meta}", *desc.shape, *desc.strides]
+
+
+class _FakeRun:
+    """A compiled kernel's `run` shaped like Triton 3.6's CudaLauncher: `launch` is the descriptor
+    wrapper, a closure over the raw `launcher` and the descriptors' `tensordesc_meta`."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, calls: list) -> None:
+        tensordesc_meta = ["meta0"]
+
+        def launcher(*args):
+            calls.append(args)
+
+        def launch(*args):  # never called by a replay: it would encode every descriptor again
+            raise AssertionError((launcher, tensordesc_meta))
+
+        self.launch = launch
+
+
+def test_a_replay_with_descriptors_launches_below_the_wrapper_end_to_end(monkeypatch):
+    """The GPU's replay path on the CPU, a compiled kernel faked like Triton's: `Plan.run` finds the
+    raw launcher below the descriptor wrapper (`Encoded.of`), passes the descriptor encoded once per
+    address and flattened, the other tensor as its address, and keeps the arguments per address set."""
+    calls, encoded, original = [], [], make_tensordesc_arg
+
+    def encode(desc, meta):
+        encoded.append(desc.base.data_ptr())
+        return original(desc, meta)
+
+    monkeypatch.setattr(sys.modules[__name__], "make_tensordesc_arg", encode)
+    compiled = type(
+        "Compiled",
+        (),
+        {"function": "fn", "packed_metadata": "pm", "run": _FakeRun(calls),
+         "metadata": type("Metadata", (), {"global_scratch_size": 0})()},
+    )()  # fmt: skip
+    kernel = type("Kernel", (), {"arg_names": ["q_desc", "lse", "n"], "params": []})()
+    view = kernel_calls.TmaView(16, 16, (1, 1, 8, 16), None)
+    described = kernel_calls.Described("q", view, 32, [2, 3, 16, 16], [3840, 80, 1280, 1])
+    plan = plans.Plan([plans._Launch(kernel, (5,), (described, kernel_calls.Role("lse"), 9), {}, compiled)])
+    monkeypatch.setattr(kernel_calls, "current_stream", lambda: "stream")
+    q, q2, lse = torch.zeros(8), torch.zeros(8), torch.zeros(2)
+    for t in (q, q, q2, q):
+        plan.run({"q": t, "lse": lse})
+    head = (5, 1, 1, "stream", "fn", False, False, None, None, "pm", None, None, None)
+    flat = lambda t: [f"map@{t.data_ptr() + 32}/meta0", 2, 3, 16, 16, 3840, 80, 1280, 1]
+    assert calls == [(*head, *flat(t), lse.data_ptr(), 9) for t in (q, q, q2, q)]
+    assert encoded == [q.data_ptr() + 32, q2.data_ptr() + 32]  # once per address
 
 
 def test_replayed_descriptors_of_a_deep_models_step_stay_encoded_from_step_to_step():
