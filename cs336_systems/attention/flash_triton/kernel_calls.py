@@ -149,6 +149,11 @@ class Encoded:
     @staticmethod
     def of(compiled: Any) -> Encoded | None:
         run = compiled.run
+        if hasattr(run, "kernel_signature"):
+            # Triton 3.7's one launcher for every kernel takes the kernel's arguments as one tuple
+            # after its signature metadata: a calling convention not run on a GPU here, so such a
+            # kernel takes `CompiledKernel.run` (correct, encoding every launch)
+            return None
         launch = getattr(run, "launch", None)
         code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
         if code is None or closure is None:
