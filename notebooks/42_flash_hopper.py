@@ -51,6 +51,7 @@ from cs336_systems.studies.attention import (
     flash_backward_tuning,
     flash_hopper,
     flash_hopper_facts,
+    flash_host,
     flash_leaderboard,
 )
 
@@ -248,6 +249,27 @@ if nb.have_results(per_shape, "the per-shape comparison with cuDNN"):
         },
     )
     save_figure(flash_hopper_facts.plot_vs_cudnn(per_shape), "flash_hopper__shapes")
+
+# %% [markdown] tags=["remove-cell"]
+# **Host time per call** (notebook only; `flash_bench --host-profile --host-times-only --ab-rounds 7
+# --lb-shapes 2x128x80,128x512x80 --lb-impls ...`): the protocol's step timed as a loop of steps with one
+# synchronize at the end, in interleaved rounds, medians in us. At 2 x 128 x 80 the GPU's share of a step
+# is a few tens of us, so this is the host time per call. Ours compiled is compared with SDPA compiled the
+# same way (`sdpa_cudnn_compiled`), with SDPA's eager step, and with a compiled step built like ours that
+# launches nothing (`custom_op_floor`).
+
+# %% tags=["remove-input", "remove-cell"]
+host = flash_host.host_time_table(df)
+if nb.have_results(host, "the host time per call (`flash_bench --host-profile` rows)"):
+    show_table(
+        host.rename(columns={"gpu": "GPU"}),
+        caption="The protocol step's wall time per step (median us over interleaved rounds) and its ratios, "
+        "the latest run on each GPU ("
+        + ", ".join(f"{g} at {sha}" for g, sha in host.attrs["shas"].items())
+        + ")",
+        provenance_from=host.attrs["source"],
+        formats={c: "{:.2f}" if "/" in c else "{:.0f}" for c in host.columns if c not in ("gpu", "shape")},
+    )
 
 # %% [markdown] tags=["appendix"]
 # **Setup** (`flash_bench --leaderboard --lb-runs 3 --lb-shapes ...`): the protocol's step (compiled

@@ -383,20 +383,65 @@ def test_custom_op_floor_has_our_step_structure():
     leaderboard_step("custom_op_floor", x.detach().requires_grad_())  # a known impl (compiled lazily)
 
 
-def test_host_times_interleave_rounds_of_every_impl_and_count_graph_breaks(capsys):
+def test_host_times_interleave_rounds_of_every_impl_and_count_graph_breaks(capsys, tmp_path):
     """`flash_bench --host-profile`'s table: each impl's wall time per step in every round (rounds
-    interleaved), with the medians' ratio to the first impl's; bad counts are refused before any work."""
-    from cs336_systems.studies.attention.flash_bench import host_times
+    interleaved), with the medians' ratio to the first impl's, and a row per shape and impl (the rounds
+    as samples) that `host_time_table` reads back; bad counts are refused before any work."""
+    from cs336_systems.report import load_results
+    from cs336_systems.studies.attention.flash_host import host_time_table, host_times
 
     impls = ("custom_op_floor", "flash_triton_eager")
-    out = host_times(impls, [(2, 32, 16)], rounds=2, steps=2, device="cpu")
-    assert list(out) == [(2, 32, 16)] and list(out[(2, 32, 16)]) == list(impls)
-    assert all(len(v) == 2 and all(t > 0 for t in v) for v in out[(2, 32, 16)].values())
+    shapes = [(2, 32, 16), (1, 40, 16)]
+    out = host_times(impls, shapes, rounds=2, steps=2, device="cpu", results_dir=tmp_path)
+    assert list(out) == shapes and list(out[(2, 32, 16)]) == list(impls)
+    assert all(len(v) == 2 and all(t > 0 for t in v) for per in out.values() for v in per.values())
     text = capsys.readouterr().out
     assert "2 interleaved rounds of 2 steps" in text and " 1.000x  custom_op_floor" in text
     assert "graph breaks" not in text  # the compiled floor is one graph each way
+    df = load_results(flash_tuning.LEADERBOARD, tmp_path)
+    assert len(df) == 4 and set(df.name) == {"host_times"} and set(df.unit) == {"us"}
+    table = host_time_table(df).set_index("shape")
+    assert list(table.index) == ["2 x 32 x 16", "1 x 40 x 16"]  # both shapes: one run
+    for (heads, n, d), per in out.items():
+        for impl, v in per.items():
+            assert table.loc[f"{heads} x {n} x {d}", impl] == pytest.approx(sum(v) / 2)  # two rounds' median
+    assert "ours / compiled cuDNN" not in table.columns  # its impls were not timed
+    assert host_time_table(df.iloc[:0]).empty
     with pytest.raises(ValueError, match="rounds and steps"):
         host_times(impls, [(2, 32, 16)], rounds=0, device="cpu")
+
+
+def test_host_time_table_keeps_each_gpus_latest_run_and_its_ratios():
+    """A row per GPU model and shape from that model's latest `host_times` run only, with the ratios
+    of the impls timed in it (ours compiled against compiled and eager cuDNN, the floor against eager)."""
+    from cs336_systems.measure.results import make_row
+    from cs336_systems.studies.attention.flash_host import HOST_TIMES, host_time_table
+
+    def rows(gpu, run_id, times):
+        cfg = {"heads": 2, "seq_len": 128, "d": 80, "run_id": run_id}
+        out = [make_row(problem="flash_leaderboard", metric="host_time", unit="us", name=HOST_TIMES, impl=impl,
+                        samples=[t], config=cfg) for impl, t in times.items()]  # fmt: skip
+        return [r | {"gpu_name": gpu, "git_sha": f"{run_id:07d}"} for r in out]
+
+    old = {"flash_triton": 2000.0, "sdpa_cudnn_compiled": 1000.0}
+    new = {
+        "flash_triton": 900.0,
+        "sdpa_cudnn_compiled": 1000.0,
+        "sdpa_cudnn": 450.0,
+        "custom_op_floor": 600.0,
+    }
+    df = pd.DataFrame(
+        rows("NVIDIA H200", 1, old) + rows("NVIDIA H200", 2, new) + rows("NVIDIA H100 80GB HBM3", 3, old)
+    )
+    t = host_time_table(df).set_index("gpu")
+    assert list(t.index) == ["H200", "H100"] and set(t["shape"]) == {"2 x 128 x 80"}
+    assert t.loc["H200", "ours / compiled cuDNN"] == pytest.approx(0.9)  # run 2, not run 1
+    assert t.loc["H200", "ours / eager cuDNN"] == pytest.approx(2.0)
+    assert t.loc["H200", "floor / eager cuDNN"] == pytest.approx(600 / 450)
+    assert t.loc["H100", "ours / compiled cuDNN"] == pytest.approx(2.0)
+    assert t.loc["H100"].isna()["ours / eager cuDNN"]  # not timed on that GPU: blank, never borrowed
+    assert t.attrs["shas"] == {"H100": "0000003", "H200": "0000002"}
+    assert json.loads(df.config_json.iloc[0])["run_id"] == 1
 
 
 def test_throughput_table_on_the_committed_results():

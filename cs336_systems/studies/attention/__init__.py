@@ -21,6 +21,8 @@ other modules are the family's helpers.
   kernel configurations against cuDNN, printed only).
 * `flash_hopper` (study): the Gluon kernels' tuning, protocol and model-shape runs (+ `flash_hopper_facts`,
   their tables, plot and facts).
+* `flash_host`: the protocol step's host side for `flash_bench --host-profile` (host time per call in
+  interleaved rounds, rows "host_times" and their table; the profile, printed only).
 * `flash_overhead` (study): the host overhead of the flash_benchmarking calls (CUDA graph replays).
 * `flash_model` (study): our kernel inside the model (equivalence and training steps).
 * `flash_offline`: the Hopper (Gluon) kernels compiled for sm_90a without a GPU, their registers,

@@ -34,7 +34,6 @@ Run: `python -m cs336_systems.studies.attention.flash_bench [--quick] [--leaderb
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 
 import torch
@@ -44,6 +43,7 @@ from cs336_systems.measure import cli
 from cs336_systems.measure.timing import synchronize
 from cs336_systems.studies.attention.flash_ab import ab_hopper_backward, ab_hopper_forward, parse_variant
 from cs336_systems.studies.attention.flash_backward_tuning import run_backward_tuning
+from cs336_systems.studies.attention.flash_host import host_profile, host_times
 from cs336_systems.studies.attention.flash_leaderboard import LeaderboardConfig, run_variants
 from cs336_systems.studies.attention.flash_leaderboard import measure as run_leaderboard
 from cs336_systems.studies.attention.flash_sweep import IMPLS, SweepConfig, quick_config
@@ -76,93 +76,6 @@ def _lb_shape(spec: str) -> tuple[int, int, int]:
         raise ValueError(f"--lb-shapes: {spec!r} is not HEADSxNxD with positive integers (e.g. 16x16384x64)")
     heads, n, d = map(int, parts)
     return heads, n, d
-
-
-def host_times(
-    impls: Sequence[str],
-    shapes: Sequence[tuple[int, int, int]],
-    *,
-    rounds: int = 5,
-    steps: int = 200,
-    device: str = "cuda",
-) -> dict[tuple[int, int, int], dict[str, list[float]]]:
-    """The wall time per protocol step of each impl (us): a loop of `steps` steps with one synchronize
-    at the end, in `rounds` interleaved rounds. Where the GPU's share of a step is small (a tiny
-    shape) this is the host time per call. Prints each round, the medians and their ratio to the
-    first impl's (and the graph breaks a compiled impl's warm-up steps counted); returns {shape: {impl:
-    per round}}."""
-    from torch._dynamo.utils import counters
-
-    if rounds < 1 or steps < 1:
-        raise ValueError(f"host_times: rounds and steps must be >= 1, got {rounds} and {steps}")
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-    from cs336_systems.studies.attention.impls import leaderboard_step
-
-    out = {}
-    for heads, n, d in shapes:
-        x = torch.randn(3, heads, n, d, device=device, dtype=dtype, requires_grad=True)
-        step_of = {impl: leaderboard_step(impl, x) for impl in impls}
-        breaks = {}
-        for impl, step in step_of.items():
-            before = sum(counters["graph_break"].values())
-            for _ in range(5):
-                step()
-            breaks[impl] = sum(counters["graph_break"].values()) - before
-        times: dict[str, list[float]] = {impl: [] for impl in impls}
-        for _ in range(rounds):
-            for impl, step in step_of.items():
-                synchronize(device)
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                synchronize(device)
-                times[impl].append((time.perf_counter() - t0) / steps * 1e6)
-        medians = {impl: sorted(v)[len(v) // 2] for impl, v in times.items()}
-        first = medians[impls[0]]
-        print(
-            f"\nwall time per step at {heads} x {n} x {d}, {rounds} interleaved rounds of {steps} steps (us)"
-        )
-        for impl, v in times.items():
-            rounds_us = " ".join(f"{t:7.1f}" for t in v)
-            note = f"  ({breaks[impl]} graph breaks)" if breaks[impl] else ""
-            print(f"  {medians[impl]:8.1f}  {medians[impl] / first:6.3f}x  {impl:22s} [{rounds_us}]{note}")
-        out[(heads, n, d)] = times
-    return out
-
-
-def host_profile(impls: Sequence[str], shapes: Sequence[tuple[int, int, int]], steps: int = 20) -> None:
-    """Where the time of one protocol step goes when the GPU waits for the host: per shape and impl,
-    the GPU kernel time per step, the host operations with the most self CPU time and the kernels with
-    the most GPU time (torch.profiler). Prints only."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    from cs336_systems.studies.attention.impls import leaderboard_step
-
-    for heads, n, d in shapes:
-        x = torch.randn(3, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for impl in impls:
-            step = leaderboard_step(impl, x)
-            for _ in range(3):
-                step()
-            synchronize("cuda")
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    step()
-                synchronize("cuda")
-            events = prof.key_averages()
-            gpu_ms = sum(e.self_device_time_total for e in events) / steps / 1e3
-            print(f"\n{impl} at {heads} x {n} x {d}: GPU kernels {gpu_ms:.3f} ms/step")
-            top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
-            for e in top:
-                print(f"  {e.self_cpu_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3} {e.key[:90]}")
-            print("  GPU time per step by kernel (self device time):")
-            kernels = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)
-            for e in [e for e in kernels if e.device_type == DeviceType.CUDA][:10]:
-                print(
-                    f"  {e.self_device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3} {e.key[:90]}"
-                )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -285,8 +198,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--host-profile",
         action="store_true",
         help="the protocol step's wall time per step for --lb-shapes x --lb-impls in --ab-rounds interleaved "
-        "rounds (the host time per call where the GPU's share is small, e.g. 2x128x80), then its profile "
-        "(prints only)",
+        "rounds (the host time per call where the GPU's share is small, e.g. 2x128x80; rows "
+        "'host_times'), then its profile (printed only)",
     )
     p.add_argument("--host-times-only", action="store_true", help="--host-profile without the profiles")
     p.add_argument(
@@ -339,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.host_profile:
         if args.device != "cuda":
             p.error("--host-profile needs a CUDA device")
-        host_times(args.lb_impls, lb_shapes, rounds=args.ab_rounds)
+        results_dir = cli.results_dir_for(args.results_dir, quick=args.quick)
+        host_times(args.lb_impls, lb_shapes, rounds=args.ab_rounds, results_dir=results_dir)
         if not args.host_times_only:
             host_profile(args.lb_impls, lb_shapes)
         return
