@@ -252,9 +252,10 @@ def test_host_descriptors_are_made_again_from_the_tensor_in_their_role_on_replay
 
 
 def test_replayed_descriptors_are_encoded_once_per_address_and_passed_flattened():
-    """`kernel_calls.Encoded` calls Triton's launcher below its descriptor wrapper: each descriptor argument
-    encoded (by the encoder it is given: Triton's `make_tensordesc_arg`) once per argument and address,
-    and passed flattened in place, tensors by role as their addresses, other arguments as recorded."""
+    """A `kernel_calls.Call` with an `Encoded` launcher calls Triton's launcher below its descriptor
+    wrapper: each descriptor argument encoded (by the encoder it is given: Triton's
+    `make_tensordesc_arg`) once per argument and address, and passed flattened in place, tensors by
+    role as their addresses, other arguments as recorded."""
     calls, encoded = [], []
 
     def encode(desc, meta):
@@ -263,13 +264,14 @@ def test_replayed_descriptors_are_encoded_once_per_address_and_passed_flattened(
 
     run = type("Run", (), {"launch_cooperative_grid": False, "launch_pdl": False})()
     kernel = type("Compiled", (), {"function": "fn", "packed_metadata": "pm"})()
-    launcher = kernel_calls.Encoded(lambda *args: calls.append(args), ["meta0", "meta1"], encode, run)
     view = kernel_calls.TmaView(64, 16, (1, 1, 8, 16), None)
     described = kernel_calls.Described("k", view, 128, [2, 3, 16, 16], [3840, 80, 1280, 1])
-    values = (described, kernel_calls.Role("lse"), 7, described, None)
+    call = kernel_calls.Call(kernel, (3, 1, 1), (described, kernel_calls.Role("lse"), 7, described, None))
+    call.encoded = kernel_calls.Encoded(lambda *args: calls.append(args), ["meta0", "meta1"], encode, run)
     a, b, lse = torch.zeros(4), torch.zeros(4), torch.zeros(2)
     for t in (a, a, b):
-        launcher((3, 1, 1), "stream", kernel, values, {"k": t, "lse": lse})
+        tensors = {"k": t, "lse": lse}
+        call("stream", call.arguments(tensors))
     assert encoded == [
         (a.data_ptr() + 128, "meta0"), (a.data_ptr() + 128, "meta1"),
         (b.data_ptr() + 128, "meta0"), (b.data_ptr() + 128, "meta1"),
@@ -383,14 +385,15 @@ def test_replayed_descriptors_of_a_deep_models_step_stay_encoded_from_step_to_st
 
     run = type("Run", (), {"launch_cooperative_grid": False, "launch_pdl": False})()
     kernel = type("Compiled", (), {"function": "fn", "packed_metadata": "pm"})()
-    launcher = kernel_calls.Encoded(lambda *args: None, ["meta"], encode, run)
     described = kernel_calls.Described(
         "q", kernel_calls.TmaView(0, 16, (1, 1, 8, 16), None), 0, [1, 1, 8, 16], [128, 128, 16, 1]
     )
+    call = kernel_calls.Call(kernel, (1, 1, 1), (described,))
+    call.encoded = kernel_calls.Encoded(lambda *args: None, ["meta"], encode, run)
     layers = [torch.zeros(4) for _ in range(300)]
     for _ in range(2):
         for t in layers:
-            launcher((1, 1, 1), "stream", kernel, (described,), {"q": t})
+            call("stream", call.arguments({"q": t}))
     assert encoded == [t.data_ptr() for t in layers]
 
 

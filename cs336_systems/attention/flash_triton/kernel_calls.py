@@ -117,21 +117,26 @@ class Call:
     def arguments(self, tensors: dict[str, Tensor]) -> tuple:
         if self.encoded is True:
             self.encoded = Encoded.of(self.compiled)
-        if self.encoded:
-            return tuple(self.encoded.flatten(self.values, tensors))
-        return tuple(
-            Address(tensors[v.name].data_ptr()) if isinstance(v, Role)
-            else v.make(tensors, False) if isinstance(v, Described) else v
-            for v in self.values
-        )  # fmt: skip
+        args: list = []
+        ordinal = 0  # of a descriptor among the kernel's descriptor parameters
+        for i, v in enumerate(self.values):
+            if isinstance(v, Role):
+                args.append(Address(tensors[v.name].data_ptr()))
+            elif isinstance(v, Described) and self.encoded:  # encoded and flattened in place
+                args.extend(self.encoded.descriptor(i, ordinal, v, tensors))
+                ordinal += 1
+            elif isinstance(v, Described):  # a light stand-in that CompiledKernel.run encodes
+                args.append(v.make(tensors, False))
+            else:
+                args.append(v)
+        return tuple(args)
 
     def __call__(self, stream: Any, args: tuple) -> None:
         k = self.compiled
-        gx, gy, gz = self.grid
         if self.encoded:
             self.encoded.launch(self.grid, stream, k, args)
         else:
-            k.run(gx, gy, gz, stream, k.function, k.packed_metadata, None, None, None, *args)
+            k.run(*self.grid, stream, k.function, k.packed_metadata, None, None, None, *args)
 
 
 class Encoded:
@@ -139,8 +144,8 @@ class Encoded:
     wrapper that encodes every descriptor on every launch (~3 us each, which made the short calls
     host-bound: OPTIMIZATION_LOG.md, session 23). Each descriptor argument is encoded once per
     address, by Triton's own `make_tensordesc_arg`, and passed in the flattened form the wrapper
-    would make. `of` returns None where Triton builds its launcher otherwise (then the plan calls
-    `CompiledKernel.run`, which encodes every launch)."""
+    would make (`Call.arguments`). `of` returns None where Triton builds its launcher otherwise (then
+    the plan calls `CompiledKernel.run`, which encodes every launch)."""
 
     def __init__(self, launcher: Any, meta: list, encode: Any, run: Any) -> None:
         self.launcher, self.meta, self.encode, self.run = launcher, meta, encode, run
@@ -166,30 +171,19 @@ class Encoded:
             return None
         return Encoded(cells["launcher"], list(meta), encode, run)
 
-    def flatten(self, values: tuple, tensors: dict[str, Tensor]) -> list:
-        """The kernel's arguments as the wrapper would pass them: each descriptor encoded (once per
-        argument and address) and flattened in place, pointers as addresses, the rest as recorded."""
-        final: list = []
-        ordinal = 0  # of the descriptor among the kernel's descriptor parameters
-        for i, v in enumerate(values):
-            if isinstance(v, Described):
-                address = tensors[v.name].data_ptr() + v.offset
-                encoded = self.cache.get((i, address))
-                if encoded is None:
-                    if len(self.cache) >= MAX_ENCODED:
-                        self.cache.clear()
-                    light = LightDescriptor(address, v.shape, v.strides)
-                    encoded = self.cache[i, address] = self.encode(light, self.meta[ordinal])
-                final.extend(encoded)
-                ordinal += 1
-            else:
-                final.append(Address(tensors[v.name].data_ptr()) if isinstance(v, Role) else v)
-        return final
+    def descriptor(self, i: int, ordinal: int, v: Described, tensors: dict[str, Tensor]) -> list:
+        """Argument i, the kernel's descriptor parameter number `ordinal`, as the wrapper would pass
+        it: encoded (once per argument and address) and flattened."""
+        address = tensors[v.name].data_ptr() + v.offset
+        encoded = self.cache.get((i, address))
+        if encoded is None:
+            if len(self.cache) >= MAX_ENCODED:
+                self.cache.clear()
+            light = LightDescriptor(address, v.shape, v.strides)
+            encoded = self.cache[i, address] = self.encode(light, self.meta[ordinal])
+        return encoded
 
     def launch(self, grid: tuple, stream: Any, k: Any, final: Sequence) -> None:
         run = self.run
         self.launcher(*grid, stream, k.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                       k.packed_metadata, None, None, None, *final)  # fmt: skip
-
-    def __call__(self, grid: tuple, stream: Any, k: Any, values: tuple, tensors: dict[str, Tensor]) -> None:
-        self.launch(grid, stream, k, self.flatten(values, tensors))

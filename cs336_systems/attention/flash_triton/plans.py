@@ -168,8 +168,8 @@ class Plan:
     every shape and stride, so the addresses are all that the pointers and descriptors of a replay
     can differ by. A repeated call (the same caching-allocator addresses, as a benchmark's loop or a
     model's steps give them) then costs one key, one lookup and the launches. Pointers are passed as
-    addresses (`kernel_calls.Address`, an int), which Triton's launcher takes as they are, without the tensor's
-    `data_ptr` call and the driver's pointer query it makes for a tensor."""
+    addresses (`kernel_calls.Address`, an int), which Triton's launcher takes as they are, without
+    the tensor's `data_ptr` call and the driver's pointer query it makes for a tensor."""
 
     def __init__(self, launches: list[_Launch], device: Any = None, scratch: list | None = None):
         self.launches = launches
@@ -178,14 +178,11 @@ class Plan:
         self._calls = None if any(b is None for b in bound) else [
             kernel_calls.Call(x.compiled, *b) for x, b in zip(launches, bound, strict=True)
         ]  # fmt: skip
-        roles = [
-            v.name
-            for b in bound
-            if b is not None
-            for v in b[1]
+        # the roles the calls read, in a fixed order: their addresses key `_arguments`
+        self._names = tuple(dict.fromkeys(
+            v.name for c in self._calls or () for v in c.values
             if isinstance(v, (kernel_calls.Role, kernel_calls.Described))
-        ]
-        self._names = tuple(dict.fromkeys(roles))  # the roles the launches read, in a fixed order
+        ))  # fmt: skip
         self._arguments: dict[tuple[int, ...], list[tuple]] = {}
         global_scratch = any(
             getattr(x.compiled.metadata, "global_scratch_size", 0) for x in launches if x.compiled

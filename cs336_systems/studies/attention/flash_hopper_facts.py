@@ -18,13 +18,13 @@ from cs336_systems.measure.results import latest_run
 from cs336_systems.studies.attention import flash_backward_tuning
 from cs336_systems.studies.attention.flash_leaderboard_facts import protocol_runs, split_table
 from cs336_systems.studies.attention.flash_sweep import LEADERBOARD
-from cs336_systems.studies.attention.impls import LEADERBOARD_IMPLS
+from cs336_systems.studies.attention.impls import COMPILED_SDPA, LEADERBOARD_IMPLS
 
 PROBLEM = LEADERBOARD  # the rows live with the leaderboard's
 # every leaderboard implementation but the PyTorch-backward variant (a comparison of the 2025 kernels)
 # and compiled SDPA (the baseline of `flash_bench --host-profile`'s host times)
 SHAPE_IMPLS = tuple(
-    i for i in LEADERBOARD_IMPLS if i != "flash_pytorch_compiled_bwd" and not i.endswith("_compiled")
+    i for i in LEADERBOARD_IMPLS if i != "flash_pytorch_compiled_bwd" and i not in COMPILED_SDPA
 )
 PROTOCOL_SHAPE = (16, 16384, 64)  # the 2025 leaderboard's (heads, N, d): rows "protocol" and "split"
 # (heads, N, d): the 8B leaderboard's attention (32 heads, 32768, d 128) and the 2.7B model's (batch 4 x

@@ -34,6 +34,12 @@ RATIOS = (
 )
 
 
+def _inputs(heads: int, n: int, d: int, device: str) -> torch.Tensor:
+    """The protocol's stacked (q, k, v): bf16 on a GPU, float32 on the CPU (the interpreter)."""
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return torch.randn(3, heads, n, d, device=device, dtype=dtype, requires_grad=True)
+
+
 def host_times(
     impls: Sequence[str],
     shapes: Sequence[tuple[int, int, int]],
@@ -52,14 +58,10 @@ def host_times(
 
     if rounds < 1 or steps < 1:
         raise ValueError(f"host_times: rounds and steps must be >= 1, got {rounds} and {steps}")
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     run_id = time.time_ns()  # the rows of one call (every shape and impl) share it
-
-    from cs336_systems.studies.attention.impls import leaderboard_step
-
     out = {}
     for heads, n, d in shapes:
-        x = torch.randn(3, heads, n, d, device=device, dtype=dtype, requires_grad=True)
+        x = _inputs(heads, n, d, device)
         step_of = {impl: leaderboard_step(impl, x) for impl in impls}
         breaks = {}
         for impl, step in step_of.items():
@@ -97,7 +99,7 @@ def host_times(
                     name=HOST_TIMES,
                     impl=impl,
                     mode="fwd_bwd",
-                    dtype=str(dtype).removeprefix("torch."),
+                    dtype=str(x.dtype).removeprefix("torch."),
                     x_name="seq_len",
                     x_value=n,
                     samples=v,
@@ -142,7 +144,7 @@ def host_profile(impls: Sequence[str], shapes: Sequence[tuple[int, int, int]], s
     from torch.profiler import ProfilerActivity, profile
 
     for heads, n, d in shapes:
-        x = torch.randn(3, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        x = _inputs(heads, n, d, "cuda")
         for impl in impls:
             step = leaderboard_step(impl, x)
             for _ in range(3):

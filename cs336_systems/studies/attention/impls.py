@@ -54,7 +54,7 @@ STEP_ONLY = (
     "sdpa_flash_compiled",
     "sdpa_cudnn_compiled",
 )
-_COMPILED_SDPA = {"sdpa_flash_compiled": "flash", "sdpa_cudnn_compiled": "cudnn"}
+COMPILED_SDPA = {"sdpa_flash_compiled": "flash", "sdpa_cudnn_compiled": "cudnn"}  # impl -> backend
 # Our implementations that pin the kernel choice (tiles.KernelOptions.hopper).
 _PINNED_HOPPER = {"flash_triton_portable": False, "flash_triton_gluon": True}
 
@@ -172,13 +172,12 @@ def leaderboard_step(impl: str, x: torch.Tensor) -> Callable[[], None]:
         flash = torch.compile(CustomOpFloor.apply)
     elif impl == "flash_pytorch_compiled_bwd":
         flash = torch.compile(lambda a, b, c, causal: FlashAttentionTriton.apply(a, b, c, causal, "pytorch"))
-    elif impl in _COMPILED_SDPA:
-        q, k, v = q[None], k[None], v[None]  # 4-D for SDPA's kernels
-        flash = torch.compile(sdpa_fn(_COMPILED_SDPA[impl]))
     else:
-        sdpa = sdpa_fn(impl.removeprefix("sdpa_"))
         q, k, v = q[None], k[None], v[None]  # (1, heads, N, d) views: SDPA's flash/cuDNN kernels want 4-D
-        flash = sdpa
+        if impl in COMPILED_SDPA:
+            flash = torch.compile(sdpa_fn(COMPILED_SDPA[impl]))
+        else:
+            flash = sdpa_fn(impl.removeprefix("sdpa_"))
 
     def step():
         with impl_options(impl):
