@@ -12,9 +12,11 @@ import torch
 
 from cs336_systems.kernels.adamw import (
     BLOCK,
+    INTERPRETER_BLOCK,
     ChunkPlan,
     adamw_step_,
     address_table,
+    chunk_block,
     join_master,
     split_master,
 )
@@ -27,8 +29,9 @@ from cs336_systems.studies.training import train_step_facts, train_step_trace
 from cs336_systems.training import FusedAdamW, TrainStepConfig, build_train_step, mixed_precision_groups
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CHUNK = chunk_block(DEVICE)  # the elements of a chunk of the optimizers' plans on DEVICE
 # Ragged sizes: smaller than a chunk, exactly one, and several chunks plus a remainder.
-SHAPES = [(37, 5), (BLOCK,), (3, BLOCK + 301), (1,)]
+SHAPES = [(37, 5), (CHUNK,), (3, CHUNK + 301), (1,)]
 
 
 def _params(shapes, device, dtype=torch.float32):
@@ -98,7 +101,7 @@ def test_split_master_keeps_every_float32_but_a_tie_rounded_down():
 
 
 def test_split_master_step_stores_the_float32_update_split():
-    n = 3 * BLOCK + 77
+    n = 3 * CHUNK + 77
     hi, lo = split_master(torch.randn(n, device=DEVICE))
     m, v = torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE)
     ref_m, ref_v = m.clone(), v.clone()
@@ -161,7 +164,7 @@ def test_fused_adamw_split_master_holds_no_float32_copy_of_the_weights():
 
 
 def test_capped_grid_loops_over_chunks_with_the_same_result():
-    shapes = [(3, BLOCK + 301), (BLOCK * 2,), (5,)]
+    shapes = [(3, CHUNK + 301), (CHUNK * 2,), (5,)]
     init, grads, results = _params(shapes, DEVICE), _params(shapes, DEVICE), []
     for max_programs in (None, 2):
         ps = [torch.nn.Parameter(x.clone()) for x in init]
@@ -189,6 +192,25 @@ def test_unused_parameters_are_skipped_like_the_reference():
     assert torch.equal(b.detach(), b0)
     assert torch.equal(opt.state[b]["exp_avg"], torch.zeros_like(b))
     assert opt.state[a]["exp_avg"].abs().sum() > 0
+
+
+def test_the_chunk_size_changes_no_bit_of_the_update():
+    """The GPU's chunks (BLOCK) and the interpreter's (INTERPRETER_BLOCK): the same update, bit for bit."""
+    n = INTERPRETER_BLOCK + 3 * BLOCK + 5  # ragged for both
+    init = [torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE), torch.rand(n, device=DEVICE)]
+    results = []
+    for block in (BLOCK, INTERPRETER_BLOCK):
+        plan = ChunkPlan.build([0], [n], DEVICE, block=block)
+        assert plan.block == block and plan.chunk_tensor.numel() == math.ceil(n / block)
+        p, m, v = (x.clone() for x in init)
+        for step in (1, 2):
+            g = torch.randn(n, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+            adamw_step_(plan, [g], p, m, v, step=step, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+        results.append((p, m, v))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert chunk_block("cpu") == INTERPRETER_BLOCK and chunk_block("cuda:0") == BLOCK
+    with pytest.raises(ValueError, match="power of two"):
+        ChunkPlan.build([0], [n], DEVICE, block=3000)
 
 
 def test_adamw_launch_rejects_bad_input():

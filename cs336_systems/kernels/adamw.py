@@ -56,7 +56,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK = 2048  # elements per program: 8 KiB of fp32 state per buffer, enough in flight per SM
+BLOCK = 2048  # elements per program on a GPU: 8 KiB of fp32 state per buffer, enough in flight per SM
+# elements per program under the Triton interpreter (CPU tensors), whose cost is per program and per
+# operation rather than per element: a 2048-element chunk cost ~20 ms there, so fewer, larger programs
+INTERPRETER_BLOCK = 16384
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -173,11 +176,17 @@ class ChunkPlan:
     numels: Tensor  # (T,) int64
     chunk_tensor: Tensor  # (C,) int32
     chunk_start: Tensor  # (C,) int64
+    block: int = BLOCK  # elements per chunk (the kernel's BLOCK)
 
     @staticmethod
-    def build(offsets: list[int], numels: list[int], device, block: int = BLOCK) -> ChunkPlan:
+    def build(offsets: list[int], numels: list[int], device, block: int | None = None) -> ChunkPlan:
+        """The tables of tensors at `offsets` of `numels` elements, in chunks of `block` elements
+        (default `chunk_block(device)`)."""
         if len(offsets) != len(numels) or not offsets:
             raise ValueError("a chunk plan needs one offset per tensor and at least one tensor")
+        block = chunk_block(device) if block is None else block
+        if block < ALIGN or block & (block - 1):
+            raise ValueError(f"a chunk's size must be a power of two >= {ALIGN}, got {block}")
         if any(o % ALIGN for o in offsets):
             raise ValueError(f"tensor offsets in the flat buffers must be multiples of {ALIGN}")
         per_tensor = [math.ceil(n / block) for n in numels]
@@ -190,11 +199,18 @@ class ChunkPlan:
             numels=torch.tensor(numels, dtype=torch.int64, device=device),
             chunk_tensor=chunk_tensor.to(device),
             chunk_start=chunk_start.to(device),
+            block=block,
         )
 
     @property
     def num_tensors(self) -> int:
         return self.offsets.numel()
+
+
+def chunk_block(device) -> int:
+    """Elements per chunk of a plan on `device`: BLOCK on a GPU, INTERPRETER_BLOCK on the CPU (where
+    the kernel runs under the Triton interpreter). Every element's update is the same either way."""
+    return BLOCK if torch.device(device).type == "cuda" else INTERPRETER_BLOCK
 
 
 def split_master(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -357,7 +373,7 @@ def adamw_step_(
         COPY_DTYPE=tl.uint16 if split else _TL_DTYPES[copy_dtype or torch.float32],
         WRITE_COPY=write_copy,
         DECAY_BEFORE=decay_before_update,
-        BLOCK=BLOCK,
+        BLOCK=plan.block,
         ALIGN=ALIGN,
         PERSISTENT=grid < num_chunks,
         STATE_DTYPE=_TL_DTYPES[state_dtype],
