@@ -286,6 +286,29 @@ def changed_backward(d: int, spec: str) -> WarpSpecializedBwdConfig:
     return with_fields(base, spec)
 
 
+# The two-pass warp-specialised backward (dK/dV here, dQ by the tl pass): the d = 128 default before
+# session 12's one-pass kernel; its dK/dV pass took 0.95x / 0.64x / 0.78x the tl pass's time at d = 64 /
+# 80 / 128 on an H100 (OPTIMIZATION_LOG.md, session 11). What `deterministic_backward` runs there.
+TWO_PASS_BWD = WarpSpecializedBwdConfig()
+
+
+def deterministic_backward(d: int, spec: str = "") -> HopperBwdConfig | WarpSpecializedBwdConfig:
+    """The Hopper backward of head dim d whose results repeat bit for bit (`KernelOptions.deterministic`):
+    dQ by a pass of its own (the tl dQ kernel, no atomics), never by a one-pass kernel's float32
+    reductions, whose order varies. Where d's default is one pass (`ONE_PASS_HEAD_DIMS`), the two-pass
+    warp-specialised kernel `TWO_PASS_BWD` with spec's fields replaced (a ValueError where they ask for
+    one pass); elsewhere d's default, which is two passes already (spec: as `changed_backward`)."""
+    if not isinstance(heuristic_bwd(d), WarpSpecializedBwdConfig):
+        return changed_backward(d, spec) if spec else heuristic_bwd(d)
+    cfg = with_fields(TWO_PASS_BWD, spec) if spec else TWO_PASS_BWD
+    if cfg.one_pass:
+        raise ValueError(
+            f"{cfg}: the one-pass backward adds dQ's partial sums in a varying order; "
+            "KernelOptions(deterministic=True) takes the two-pass kernel"
+        )
+    return cfg
+
+
 # The one-pass backward per head dim: at d = 64 and 80 the register split between the consumers'
 # dK/dV accumulators and score tiles and the dQ warpgroup's accumulator (no spills at d = 64 in an
 # offline sm_90 compile); at d = 128 dQ in the consumers (240 registers each; two dS^T slots and one

@@ -400,13 +400,19 @@ def flash_bwd(
     return ops["dq"], ops["dk"], ops["dv"]
 
 
-def _changed_hopper_backward(q: Tensor) -> hopper_configs.WarpSpecializedBwdConfig | None:
-    """The Hopper backward's configuration for q's head dim with the pinned `KernelOptions.hopper_bwd`
-    applied (None without one), checked against q's heads (a ValueError naming the problem)."""
-    spec = tiles.pinned_options().hopper_bwd
-    if not spec:
+def _changed_hopper_backward(
+    q: Tensor,
+) -> hopper_configs.HopperBwdConfig | hopper_configs.WarpSpecializedBwdConfig | None:
+    """The Hopper backward's configuration for q's head dim as the pinned options change it (None when
+    they do not): `KernelOptions.deterministic` (the two-pass kernel) and `hopper_bwd` (fields
+    replaced), checked against q's heads (a ValueError naming the problem)."""
+    opts = tiles.pinned_options()
+    if opts.deterministic:
+        cfg = hopper_configs.deterministic_backward(q.shape[-1], opts.hopper_bwd)
+    elif opts.hopper_bwd:
+        cfg = hopper_configs.changed_backward(q.shape[-1], opts.hopper_bwd)
+    else:
         return None
-    cfg = hopper_configs.changed_backward(q.shape[-1], spec)
     hopper_configs.check_group(cfg, math.prod(q.shape[:-2]))
     return cfg
 

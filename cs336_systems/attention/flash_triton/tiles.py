@@ -87,13 +87,21 @@ class KernelOptions:
 
     hopper_bwd: "FIELD=VALUE[+FIELD=VALUE...]" replacing fields of the warp-specialised Hopper
     backward's configuration (`hopper_configs.changed_backward`), e.g. "shortest_first=True": a kernel option
-    A/B'd inside a model's step (`training_leaderboard --flash-bwd`); "" = the launcher's."""
+    A/B'd inside a model's step (`training_leaderboard --flash-bwd`); "" = the launcher's.
+
+    deterministic: a backward whose dQ, dK and dV repeat bit for bit from run to run. The one-pass
+    backwards (the Hopper default at d = 64, 80, 128; tl with `BwdConfig(dq="atomic"/"reduce")`) add
+    dQ's float32 partial sums with atomics or TMA reductions, in an order that varies, so dQ's last
+    bits vary; with deterministic=True dQ has a pass of its own (the tl dQ kernel) and, on Hopper at
+    those head dims, dK/dV the two-pass warp-specialised kernel (`hopper_configs.deterministic_backward`):
+    slower there. Every forward is deterministic."""
 
     skip_masked_tiles: bool = True
     split_diagonal: bool = True
     use_tma: bool | None = None
     hopper: bool | None = None
     hopper_bwd: str = ""
+    deterministic: bool = False
 
 
 Config = TypeVar("Config", FwdConfig, BwdConfig)
@@ -162,6 +170,8 @@ def use_configs(
             check_config(cfg)
     if options is not None:
         check_options(options)
+    outer_bwd, outer_options = _pinned.get("bwd"), _pinned.get("options")
+    _check_deterministic(bwd or outer_bwd, options or outer_options)  # type: ignore[arg-type]
     old = dict(_pinned)
     for name, value in (("fwd", fwd), ("bwd", bwd), ("options", options)):
         if value is not None:
@@ -171,6 +181,15 @@ def use_configs(
     finally:
         _pinned.clear()
         _pinned.update(old)
+
+
+def _check_deterministic(bwd: BwdConfig | None, options: KernelOptions | None) -> None:
+    """A deterministic backward cannot take a pinned one-pass tl configuration (a ValueError naming it)."""
+    if options is not None and options.deterministic and bwd is not None and bwd.dq != "pass":
+        raise ValueError(
+            f"{bwd}: dq={bwd.dq!r} adds dQ's partial sums in a varying order; "
+            "KernelOptions(deterministic=True) needs dq='pass'"
+        )
 
 
 def pinned_options() -> KernelOptions:
