@@ -97,3 +97,23 @@ def check_outputs(
         torch.testing.assert_close(
             got.double(), want, atol=atol, rtol=rtol, msg=lambda m, n=name, w=where: f"{n}: {m} ({w})"
         )
+
+
+def hopper_backward_configs(monkeypatch, d: int) -> tuple[list, Callable[[], None]]:
+    """`launch.flash_bwd` made to choose the Hopper backward and record the configuration it hands
+    it, instead of launching (with no launch plan kept for other tests). Returns the list of those
+    configurations and a call of flash_bwd on (1, 2, 64, d) causal operands."""
+    from cs336_systems.attention.flash_triton import hopper, launch, plans
+
+    seen: list = []
+
+    def record(tensors, is_causal, cfg=None):
+        seen.append(cfg)
+        return True  # "dQ filled": no tl pass runs
+
+    monkeypatch.setattr(hopper, "use_hopper", lambda *a, **k: True)
+    monkeypatch.setattr(hopper, "flash_bwd_hopper", record)
+    monkeypatch.setattr(launch, "_BWD_PLANS", plans.PlanCache())
+    q, k, v, do = (torch.randn(1, 2, 64, d) for _ in range(4))
+    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 64)
+    return seen, lambda: launch.flash_bwd(do, q, k, v, o, lse, True)

@@ -16,14 +16,13 @@ from cs336_systems.attention import FlashAttentionTriton
 from cs336_systems.attention.flash_triton import (
     BwdConfig,
     KernelOptions,
-    hopper,
     hopper_configs,
     launch,
     plans,
     tiles,
     use_configs,
 )
-from tests.attention_helpers import check_outputs, make_case, run_impl
+from tests.attention_helpers import check_outputs, hopper_backward_configs, make_case, run_impl
 
 DETERMINISTIC = KernelOptions(deterministic=True)
 
@@ -78,21 +77,11 @@ def test_the_launcher_hands_the_deterministic_configuration_to_the_hopper_backwa
     """launch.flash_bwd under KernelOptions(deterministic=True) gives the Hopper backward
     `deterministic_backward`'s configuration (recorded here instead of launched), and the option
     is part of the plan's key."""
-    seen = []
-
-    def record(tensors, is_causal, cfg=None):
-        seen.append(cfg)
-        return True  # "dQ filled": no tl pass runs
-
-    monkeypatch.setattr(hopper, "use_hopper", lambda *a, **k: True)
-    monkeypatch.setattr(hopper, "flash_bwd_hopper", record)
-    monkeypatch.setattr(launch, "_BWD_PLANS", plans.PlanCache())  # no recording left for other tests
-    q, k, v, do = (torch.randn(1, 2, 64, d) for _ in range(4))
-    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 64)
+    seen, backward = hopper_backward_configs(monkeypatch, d)
     with use_configs(options=KernelOptions(deterministic=True, hopper_bwd=spec)):
-        launch.flash_bwd(do, q, k, v, o, lse, True)
+        backward()
         key = tiles.plan_state()
-    launch.flash_bwd(do, q, k, v, o, lse, True)
+    backward()
     assert seen == [hopper_configs.deterministic_backward(d, spec), None]
     assert key != tiles.plan_state()
 

@@ -20,12 +20,11 @@ from cs336_systems.attention.flash_triton import (
     hopper,
     hopper_configs,
     launch,
-    plans,
     tiles,
     use_configs,
 )
 from cs336_systems.studies.attention.flash_tuning import HOPPER_ONE_PASS_CANDIDATES
-from tests.attention_helpers import check_outputs, make_case, run_impl
+from tests.attention_helpers import check_outputs, hopper_backward_configs, make_case, run_impl
 
 HOPPER = KernelOptions(hopper=True)
 PORTABLE = KernelOptions(hopper=False)
@@ -588,21 +587,11 @@ def test_a_pinned_backward_option_that_cannot_apply_is_an_error_before_any_work(
 def test_the_pinned_backward_option_reaches_the_hopper_launcher(monkeypatch):
     """launch.flash_bwd under KernelOptions(hopper_bwd=...) hands the changed configuration to the
     Hopper backward (recorded here instead of launched), and the option is part of the plan's key."""
-    seen = []
-
-    def record(tensors, is_causal, cfg=None):
-        seen.append(cfg)
-        return True  # "dQ filled": no tl pass runs
-
-    monkeypatch.setattr(hopper, "use_hopper", lambda *a, **k: True)
-    monkeypatch.setattr(hopper, "flash_bwd_hopper", record)
-    monkeypatch.setattr(launch, "_BWD_PLANS", plans.PlanCache())  # no recording left for other tests
-    q, k, v, do = (torch.randn(1, 2, 64, 128) for _ in range(4))
-    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 64)
+    seen, backward = hopper_backward_configs(monkeypatch, 128)
     with use_configs(options=KernelOptions(hopper_bwd="shortest_first=True")):
-        launch.flash_bwd(do, q, k, v, o, lse, True)
+        backward()
         key = tiles.plan_state()
-    launch.flash_bwd(do, q, k, v, o, lse, True)
+    backward()
     assert seen == [hopper_configs.changed_backward(128, "shortest_first=True"), None]
     assert key != tiles.plan_state()
 
