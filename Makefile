@@ -36,7 +36,7 @@ APT_INSTALL = SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update
 ## multi-process distributed tests, every notebook in quick mode, and JupyterLab in a headless
 ## browser (tests/test_lab.py; installs Debian's chromium first when no Chromium is found).
 test: $(STAMP) $(LAB_SETTINGS) browserdeps
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
 
 ## The multi-process tests (gloo, torchrun) REPEAT times in a row: a flaky rendezvous or an
 ## occasional hang fails here (each test has its own timeout) instead of once in a while in `make test`.
