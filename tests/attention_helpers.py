@@ -99,6 +99,11 @@ def check_outputs(
         )
 
 
+def on_hopper() -> bool:
+    """Whether this host's GPU is an sm_90 (H100, H200), where the Gluon kernels run."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
 def hopper_backward_configs(monkeypatch, d: int) -> tuple[list, Callable[[], None]]:
     """`launch.flash_bwd` made to choose the Hopper backward and record the configuration it hands
     it, instead of launching (with no launch plan kept for other tests). Returns the list of those

@@ -24,14 +24,10 @@ from cs336_systems.attention.flash_triton import (
     use_configs,
 )
 from cs336_systems.studies.attention.flash_tuning import HOPPER_ONE_PASS_CANDIDATES
-from tests.attention_helpers import check_outputs, hopper_backward_configs, make_case, run_impl
+from tests.attention_helpers import check_outputs, hopper_backward_configs, make_case, on_hopper, run_impl
 
 HOPPER = KernelOptions(hopper=True)
 PORTABLE = KernelOptions(hopper=False)
-
-
-def _on_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.parametrize(
@@ -267,18 +263,18 @@ def test_the_warp_specialized_kernels_are_the_defaults_at_d128_and_the_d80_forwa
 @pytest.mark.gpu
 def test_gpu_hopper_is_the_default_on_sm90_for_16_bit_inputs_at_padded_head_dims():
     q = torch.randn(1, 2, 128, 80, device="cuda", dtype=torch.bfloat16)
-    assert hopper.use_hopper(None, q, q, q) == _on_hopper()
+    assert hopper.use_hopper(None, q, q, q) == on_hopper()
     assert not hopper.use_hopper(None, q.float(), q.float(), q.float())  # fp32: the tl kernels
     assert not hopper.use_hopper(False, q, q, q)
     q64 = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
     assert not hopper.use_hopper(None, q64, q64, q64)  # power of two: the (faster) tl forward
-    assert hopper.use_hopper(None, q64, q64, q64, kind="bwd") == _on_hopper()  # the one-pass backward
-    assert hopper.use_hopper(True, q64, q64, q64) == _on_hopper()
+    assert hopper.use_hopper(None, q64, q64, q64, kind="bwd") == on_hopper()  # the one-pass backward
+    assert hopper.use_hopper(True, q64, q64, q64) == on_hopper()
     q128 = torch.randn(1, 2, 128, 128, device="cuda", dtype=torch.bfloat16)
-    assert hopper.use_hopper(None, q128, q128, q128) == _on_hopper()  # the warp-specialised kernels
+    assert hopper.use_hopper(None, q128, q128, q128) == on_hopper()  # the warp-specialised kernels
 
 
-needs_sm90 = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU")
+needs_sm90 = pytest.mark.skipif(not on_hopper(), reason="needs an sm_90 GPU")
 HOPPER_DTYPES = [
     pytest.param(torch.bfloat16, 5e-2, 5e-2, 1e-2, id="bf16"),
     pytest.param(torch.float16, 1e-2, 1e-2, 2e-3, id="fp16"),

@@ -176,7 +176,7 @@ class ChunkPlan:
     numels: Tensor  # (T,) int64
     chunk_tensor: Tensor  # (C,) int32
     chunk_start: Tensor  # (C,) int64
-    block: int = BLOCK  # elements per chunk (the kernel's BLOCK)
+    block: int  # elements per chunk (the kernel's BLOCK)
 
     @staticmethod
     def build(offsets: list[int], numels: list[int], device, block: int | None = None) -> ChunkPlan:

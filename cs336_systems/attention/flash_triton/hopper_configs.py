@@ -298,8 +298,9 @@ def deterministic_backward(d: int, spec: str = "") -> HopperBwdConfig | WarpSpec
     reductions, whose order varies. Where d's default is one pass (`ONE_PASS_HEAD_DIMS`), the two-pass
     warp-specialised kernel `TWO_PASS_BWD` with spec's fields replaced (a ValueError where they ask for
     one pass); elsewhere d's default, which is two passes already (spec: as `changed_backward`)."""
-    if not isinstance(heuristic_bwd(d), WarpSpecializedBwdConfig):
-        return changed_backward(d, spec) if spec else heuristic_bwd(d)
+    base = heuristic_bwd(d)
+    if not isinstance(base, WarpSpecializedBwdConfig):
+        return changed_backward(d, spec) if spec else base
     cfg = with_fields(TWO_PASS_BWD, spec) if spec else TWO_PASS_BWD
     if cfg.one_pass:
         raise ValueError(
